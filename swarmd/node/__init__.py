@@ -1,0 +1,1 @@
+"""The daemon: CLI, metrics, and (later) DHT, averaging, training."""

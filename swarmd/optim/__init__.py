@@ -1,0 +1,1 @@
+"""Optimisers (DiLoCo, streaming DiLoCo, DeMo): pure torch, no I/O; they take an averaging function."""

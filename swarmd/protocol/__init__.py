@@ -1,0 +1,1 @@
+"""The wire: protobuf messages, the trio<->gRPC transport, tensor framing, identity."""

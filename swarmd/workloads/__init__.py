@@ -1,0 +1,1 @@
+"""The built-in model and data sources."""
