@@ -1,0 +1,319 @@
+"""The `swarmd` command line.
+
+Every option can also come from a TOML file (``--config FILE``, keys named like the long
+options, per sub-command table or at top level) or an environment variable ``SWARMD_<OPTION>``
+(e.g. ``SWARMD_STATE_DIR``). Precedence: command line, then environment, then file, then the
+built-in default.
+
+Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 3 peer unreachable or unhealthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import swarmd
+from swarmd.protocol.address import Address, parse_address
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+
+class CliError(Exception):
+    """A failure to report as one line, with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "swarmd"
+
+
+def _address(text: str) -> Address:
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _listen_address(text: str) -> Address:
+    try:
+        return parse_address(text, allow_port_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _add_state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=default_state_dir(),
+        help="directory for this peer's identity key, state and logs "
+        "(default: %(default)s; env SWARMD_STATE_DIR)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarmd",
+        description="swarmd: train one model together with strangers' machines, "
+        "over the internet, without a central server.",
+        epilog="Options also come from --config FILE (TOML) and SWARMD_<OPTION> environment "
+        "variables. Run `swarmd COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML file with option defaults")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("version", help="print the swarmd version")
+    p.set_defaults(func=cmd_version)
+
+    p = sub.add_parser("identity", help="create or show this peer's Ed25519 identity")
+    isub = p.add_subparsers(dest="identity_command", metavar="ACTION")
+    c = isub.add_parser("create", help="create a new identity key (mode 0600)")
+    _add_state_dir(c)
+    c.add_argument("--force", action="store_true", help="replace an existing key")
+    c.set_defaults(func=cmd_identity_create)
+    s = isub.add_parser("show", help="print the peer id of the stored identity")
+    _add_state_dir(s)
+    s.set_defaults(func=cmd_identity_show)
+    p.set_defaults(func=lambda args: _usage(p))
+
+    p = sub.add_parser(
+        "ping",
+        help="check a peer: gRPC health, then signed round trips",
+        description="Checks a peer's grpc.health.v1 status, then sends signed Ping requests "
+        "and prints each round-trip time. Exit code 3 if the peer cannot be reached.",
+    )
+    p.add_argument("address", type=_address, help="the peer, HOST:PORT")
+    p.add_argument("--count", type=_positive_int, default=3, help="round trips (default: 3)")
+    p.add_argument(
+        "--timeout", type=_positive_float, default=5.0, help="seconds per call (default: 5)"
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="sign with this identity instead of a throw-away one",
+    )
+    p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser(
+        "serve",
+        help="run a bare peer (transport only: ping and tensor put/get)",
+        description="Runs a peer that answers Ping, PutTensor and GetTensor and the gRPC "
+        "health service, until SIGINT or SIGTERM. Prints one JSON line with its address.",
+    )
+    p.add_argument(
+        "--listen",
+        type=_listen_address,
+        default=Address("127.0.0.1", 0),
+        help="HOST:PORT to listen on; port 0 lets the OS choose (default: 127.0.0.1:0)",
+    )
+    p.add_argument(
+        "--metrics", type=_listen_address, default=None, help="serve Prometheus metrics on HOST:PORT"
+    )
+    _add_state_dir(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "demo",
+        help="run the built-in demo on this machine",
+        description="Until the training job lands, the demo exercises the transport for real: "
+        "it starts several peer processes on loopback, pings them, relays a random tensor "
+        "through all of them with integrity checks, shows a forged request being refused, "
+        "prints throughput and each peer's byte counters, and shuts them down.",
+    )
+    p.add_argument("--peers", type=_positive_int, default=3, help="peer processes (default: 3)")
+    p.add_argument(
+        "--tensor-mib",
+        type=_positive_int,
+        default=64,
+        help="size of the relayed tensor in MiB (default: 64)",
+    )
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found.extend(_subparsers(child))
+    return found
+
+
+def _apply_overlays(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Sets defaults from the TOML file and SWARMD_* variables, below the command line."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", type=Path)
+    known, _ = pre.parse_known_args(argv)
+    config_path = known.config or (
+        Path(os.environ["SWARMD_CONFIG"]) if os.environ.get("SWARMD_CONFIG") else None
+    )
+    file_values: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            file_values = tomllib.loads(config_path.read_text())
+        except FileNotFoundError:
+            raise CliError(f"config file {config_path} does not exist", EXIT_USAGE) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise CliError(f"config file {config_path} is not valid TOML: {exc}", EXIT_USAGE) from None
+    for p in _subparsers(parser):
+        command = p.prog.split()[-1]
+        table = file_values.get(command, {})
+        overlay: dict[str, Any] = {}
+        for action in p._actions:
+            if not action.option_strings or action.dest in ("help", "config"):
+                continue
+            key = action.dest.replace("_", "-")
+            if isinstance(table, dict) and key in table:
+                overlay[action.dest] = _from_file(action, table[key])
+            elif key in file_values and not isinstance(file_values[key], dict):
+                overlay[action.dest] = _from_file(action, file_values[key])
+            env = os.environ.get("SWARMD_" + action.dest.upper())
+            if env is not None:
+                overlay[action.dest] = _convert(action, env)
+        if overlay:
+            p.set_defaults(**overlay)
+
+
+def _convert(action: argparse.Action, text: str) -> Any:
+    if action.nargs == 0:  # a flag
+        return text.strip().lower() in ("1", "true", "yes", "on")
+    if action.type is None:
+        return text
+    convert: Callable[[str], Any] = action.type  # type: ignore[assignment]
+    try:
+        return convert(text)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise CliError(f"bad value for {action.option_strings[0]}: {exc}", EXIT_USAGE) from None
+
+
+def _from_file(action: argparse.Action, value: Any) -> Any:
+    return _convert(action, value if isinstance(value, str) else str(value))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        _apply_overlays(parser, args_list)
+        args = parser.parse_args(args_list)
+        logging.basicConfig(
+            level=getattr(logging, args.log_level.upper()),
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        if not hasattr(args, "func"):
+            return _usage(parser)
+        code: int = args.func(args)
+        return code
+    except CliError as exc:
+        print(f"swarmd: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    print(f"swarmd {swarmd.__version__}")
+    return EXIT_OK
+
+
+def cmd_identity_create(args: argparse.Namespace) -> int:
+    from swarmd.protocol.errors import IdentityError
+    from swarmd.protocol.identity import Identity
+
+    try:
+        identity = Identity.create(args.state_dir, overwrite=args.force)
+    except (IdentityError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"created identity in {args.state_dir}")
+    print(f"peer id: {identity.peer_id}")
+    return EXIT_OK
+
+
+def cmd_identity_show(args: argparse.Namespace) -> int:
+    from swarmd.protocol.errors import IdentityError
+    from swarmd.protocol.identity import Identity
+
+    try:
+        identity = Identity.load(args.state_dir)
+    except (IdentityError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"peer id: {identity.peer_id}")
+    print(f"public key: {identity.public_key.hex()}")
+    return EXIT_OK
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    from swarmd.node.ping import ping
+
+    return ping(args.address, count=args.count, timeout=args.timeout, state_dir=args.state_dir)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from swarmd.node.peer import PeerConfig, run_peer
+
+    config = PeerConfig(listen=args.listen, state_dir=args.state_dir, metrics=args.metrics)
+    try:
+        trio.run(run_peer, config)
+    except OSError as exc:
+        raise CliError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from swarmd.node.demo import run_demo
+
+    return run_demo(peers=args.peers, tensor_mib=args.tensor_mib)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Prometheus metrics of one daemon, on its own registry (never the process-global one).
+
+Label sets are bounded: methods and status codes, never peer ids, so a churning swarm cannot
+blow up the time-series count.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.exposition import generate_latest
+
+import swarmd
+
+# `*_created` series double the output and no dashboard of ours reads them.
+disable_created_metrics()
+
+_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """The daemon's metrics; also the transport's RpcObserver."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.build_info = Gauge(
+            "swarmd_build_info", "swarmd version (always 1)", ["version"], registry=self.registry
+        )
+        self.build_info.labels(version=swarmd.__version__).set(1)
+        self.rpc_requests = Counter(
+            "swarmd_rpc_requests",
+            "RPCs served by this peer, by method and gRPC status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.rpc_duration = Histogram(
+            "swarmd_rpc_duration_seconds",
+            "Time to serve one RPC, including reading its request stream",
+            ["method"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.sent_bytes = Counter(
+            "swarmd_sent_bytes", "Payload bytes sent over RPCs", registry=self.registry
+        )
+        self.received_bytes = Counter(
+            "swarmd_received_bytes", "Payload bytes received over RPCs", registry=self.registry
+        )
+
+    def on_served(self, method: str, code: str, duration_s: float) -> None:
+        self.rpc_requests.labels(method=method, code=code).inc()
+        self.rpc_duration.labels(method=method).observe(duration_s)
+
+    def on_bytes(self, sent: int, received: int) -> None:
+        if sent:
+            self.sent_bytes.inc(sent)
+        if received:
+            self.received_bytes.inc(received)
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+
+class MetricsServer:
+    """The HTTP endpoint for Prometheus; runs on its own thread, like prometheus-client's."""
+
+    def __init__(self, metrics: Metrics, host: str, port: int) -> None:
+        self._server: WSGIServer
+        self._thread: threading.Thread
+        self._server, self._thread = start_http_server(port, addr=host, registry=metrics.registry)
+        self.port: int = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

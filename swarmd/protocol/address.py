@@ -1,0 +1,45 @@
+"""HOST:PORT parsing with errors a user can act on."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_address(text: str, *, allow_port_zero: bool = False) -> Address:
+    """Parses ``host:port``, ``[v6]:port`` or ``v4:port``; raises ValueError saying what is wrong."""
+    text = text.strip()
+    if not text:
+        raise ValueError("empty address; expected HOST:PORT")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"bad address {text!r}; expected [IPv6]:PORT")
+        port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"bad address {text!r}: {host!r} is not an IPv6 address") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"bad address {text!r}; expected HOST:PORT, e.g. 127.0.0.1:7000")
+        if ":" in host:
+            raise ValueError(f"bad address {text!r}; write IPv6 addresses as [ADDR]:PORT")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"bad address {text!r}: port {port_text!r} is not a number") from None
+    low = 0 if allow_port_zero else 1
+    if not low <= port <= 65535:
+        raise ValueError(f"bad address {text!r}: port must be in {low}..65535")
+    return Address(host, port)

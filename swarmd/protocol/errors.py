@@ -1,0 +1,19 @@
+"""Exceptions of the wire layer; each carries a message meant for a human reading a log."""
+
+from __future__ import annotations
+
+
+class ProtocolError(ValueError):
+    """Something received from the network is malformed; the caller refuses it."""
+
+
+class FramingError(ProtocolError):
+    """A tensor header, frame or stream does not describe a valid, acceptable tensor."""
+
+
+class AuthError(ProtocolError):
+    """A request's signed header is missing, forged, replayed or from a skewed clock."""
+
+
+class IdentityError(Exception):
+    """The local identity key cannot be created or loaded safely."""

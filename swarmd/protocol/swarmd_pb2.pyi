@@ -1,0 +1,59 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PingRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("payload", "version", "peer_id", "server_time_ms")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    version: str
+    peer_id: str
+    server_time_ms: int
+    def __init__(self, payload: _Optional[bytes] = ..., version: _Optional[str] = ..., peer_id: _Optional[str] = ..., server_time_ms: _Optional[int] = ...) -> None: ...
+
+class TensorHeader(_message.Message):
+    __slots__ = ("dtype", "shape", "nbytes", "name")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    name: str
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class TensorAck(_message.Message):
+    __slots__ = ("received_bytes", "digest")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    digest: bytes
+    def __init__(self, received_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class TensorRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class TensorFrameDoc(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
