@@ -148,7 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT to listen on; port 0 lets the OS choose (default: 127.0.0.1:0)",
     )
     p.add_argument(
-        "--metrics", type=_listen_address, default=None, help="serve Prometheus metrics on HOST:PORT"
+        "--metrics",
+        type=_listen_address,
+        default=None,
+        help="serve Prometheus metrics on HOST:PORT",
     )
     _add_state_dir(p)
     p.set_defaults(func=cmd_serve)
@@ -201,7 +204,9 @@ def _apply_overlays(parser: argparse.ArgumentParser, argv: Sequence[str]) -> Non
         except FileNotFoundError:
             raise CliError(f"config file {config_path} does not exist", EXIT_USAGE) from None
         except tomllib.TOMLDecodeError as exc:
-            raise CliError(f"config file {config_path} is not valid TOML: {exc}", EXIT_USAGE) from None
+            raise CliError(
+                f"config file {config_path} is not valid TOML: {exc}", EXIT_USAGE
+            ) from None
     for p in _subparsers(parser):
         command = p.prog.split()[-1]
         table = file_values.get(command, {})

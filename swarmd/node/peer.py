@@ -118,7 +118,9 @@ def announce(event: str, **fields: object) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
-async def run_peer(config: PeerConfig, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
+async def run_peer(
+    config: PeerConfig, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Serves until SIGINT/SIGTERM (or cancellation), then shuts down within the grace period."""
     identity = Identity.load_or_create(config.state_dir)
     metrics = Metrics()

@@ -55,9 +55,13 @@ async def _ping(address: Address, count: int, timeout: float, identity: Identity
                 print(f"swarmd: error: {address} echoed a different payload", file=sys.stderr)
                 return EXIT_FAILURE
             rtts.append(rtt)
-            print(f"reply from {resp.peer_id[:10]} (swarmd {resp.version}) seq={i} time={rtt:.2f} ms")
-        print(f"{count} round trips, min/avg/max = {min(rtts):.2f}/{sum(rtts) / len(rtts):.2f}/"
-              f"{max(rtts):.2f} ms")
+            print(
+                f"reply from {resp.peer_id[:10]} (swarmd {resp.version}) seq={i} time={rtt:.2f} ms"
+            )
+        print(
+            f"{count} round trips, min/avg/max = {min(rtts):.2f}/{sum(rtts) / len(rtts):.2f}/"
+            f"{max(rtts):.2f} ms"
+        )
         return EXIT_OK
     finally:
         client.close()

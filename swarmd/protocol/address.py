@@ -16,7 +16,7 @@ class Address:
 
 
 def parse_address(text: str, *, allow_port_zero: bool = False) -> Address:
-    """Parses ``host:port``, ``[v6]:port`` or ``v4:port``; raises ValueError saying what is wrong."""
+    """Parses ``host:port`` or ``[v6]:port``; raises ValueError saying what is wrong."""
     text = text.strip()
     if not text:
         raise ValueError("empty address; expected HOST:PORT")

@@ -152,9 +152,7 @@ class StreamAssembler:
                 raise FramingError("data frame before the header frame")
             n = len(view) - 1
             if self._filled + n > len(self._buf):
-                raise FramingError(
-                    f"stream carries more than the declared {len(self._buf)} B"
-                )
+                raise FramingError(f"stream carries more than the declared {len(self._buf)} B")
             self._buf[self._filled : self._filled + n] = view[1:]
             self._filled += n
         else:
@@ -164,9 +162,7 @@ class StreamAssembler:
         if self.meta is None or self._buf is None:
             raise FramingError("tensor stream ended before its header")
         if self._filled != len(self._buf):
-            raise FramingError(
-                f"truncated tensor stream: got {self._filled} of {len(self._buf)} B"
-            )
+            raise FramingError(f"truncated tensor stream: got {self._filled} of {len(self._buf)} B")
         return self.meta, self._buf
 
 
@@ -195,7 +191,9 @@ def unpack(blob: bytes | bytearray | memoryview, max_bytes: int) -> tuple[Tensor
     (hlen,) = _BLOB_PREFIX.unpack_from(view)
     if hlen > MAX_HEADER_BYTES or _BLOB_PREFIX.size + hlen > view.nbytes:
         raise FramingError(f"tensor blob declares a {hlen} B header that does not fit")
-    meta = check_header(_parse_header(view[_BLOB_PREFIX.size : _BLOB_PREFIX.size + hlen]), max_bytes)
+    meta = check_header(
+        _parse_header(view[_BLOB_PREFIX.size : _BLOB_PREFIX.size + hlen]), max_bytes
+    )
     payload = view[_BLOB_PREFIX.size + hlen :]
     if payload.nbytes != meta.nbytes:
         raise FramingError(

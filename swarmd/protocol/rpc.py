@@ -19,6 +19,7 @@ us are the frames themselves, so nothing is copied more than once on either end.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import enum
 import logging
 import math
@@ -310,7 +311,7 @@ class RpcServer:
     def _run_in_trio(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], context: grpc.ServicerContext
     ) -> T:
-        """Runs ``fn(*args)`` as a task of the server's nursery and blocks this gRPC thread on it."""
+        """Runs ``fn(*args)`` as a task of the server's nursery; blocks this gRPC thread on it."""
         assert self._token is not None and self._nursery is not None
         token = self._token
         remaining = context.time_remaining()
@@ -319,10 +320,8 @@ class RpcServer:
         handle = _CancelHandle()
 
         def on_terminate() -> None:
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(handle.cancel)
-            except trio.RunFinishedError:
-                pass
 
         try:
             trio.from_thread.run_sync(
@@ -497,10 +496,8 @@ async def _await_future(fut: grpc.Future) -> Any:
     done = trio.Event()
 
     def wake(_: grpc.Future) -> None:
-        try:
+        with contextlib.suppress(trio.RunFinishedError):
             token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass
 
     fut.add_done_callback(wake)
     try:
@@ -576,7 +573,9 @@ class RpcClient:
         body = request.SerializeToString()
         async with self._limiter:
             call = self._channel(address).unary_unary(path)
-            fut = call.future(body, timeout=self._timeout(timeout), metadata=self._metadata(path, body))
+            fut = call.future(
+                body, timeout=self._timeout(timeout), metadata=self._metadata(path, body)
+            )
             raw: bytes = await _await_future(fut)
         self._observer.on_bytes(len(body), len(raw))
         return _parse_response(response_type, raw, address)

@@ -5,6 +5,8 @@ Kept apart so the DHT-only node, which never touches tensors, does not pay for i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from swarmd.protocol.errors import FramingError
@@ -35,7 +37,8 @@ def tensor_payload(tensor: torch.Tensor) -> memoryview:
     """A byte view of the tensor's storage (a copy only if it is not contiguous or not on CPU)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     # Reinterpreting as uint8 works for every dtype, including bfloat16 which numpy lacks.
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 def tensor_from_bytes(meta: TensorMeta, data: bytearray | memoryview) -> torch.Tensor:

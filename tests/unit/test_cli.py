@@ -1,0 +1,100 @@
+"""CLI behaviour in-process: options from flags, TOML and SWARMD_* variables; clear errors."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from swarmd.node import cli
+from swarmd.protocol.address import Address, parse_address
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["version"]) == 0
+    assert capsys.readouterr().out.startswith("swarmd 0.")
+
+
+def test_identity_create_and_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["identity", "create", "--state-dir", str(tmp_path)]) == 0
+    created = capsys.readouterr().out
+    assert stat.S_IMODE((tmp_path / "identity.key").stat().st_mode) == 0o600
+    assert cli.main(["identity", "show", "--state-dir", str(tmp_path)]) == 0
+    shown = capsys.readouterr().out
+    peer_id = created.split("peer id: ")[1].split()[0]
+    assert f"peer id: {peer_id}" in shown
+    assert cli.main(["identity", "create", "--state-dir", str(tmp_path)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["identity", "show", "--state-dir", str(tmp_path / "none")]) == 1
+    assert "swarmd identity create" in capsys.readouterr().err
+
+
+def test_state_dir_from_env_and_toml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env_dir, toml_dir = tmp_path / "env", tmp_path / "toml"
+    config = tmp_path / "swarmd.toml"
+    config.write_text(f'[show]\nstate-dir = "{toml_dir}"\n[create]\nstate-dir = "{toml_dir}"\n')
+    assert cli.main(["--config", str(config), "identity", "create"]) == 0
+    assert (toml_dir / "identity.key").exists()
+    monkeypatch.setenv("SWARMD_STATE_DIR", str(env_dir))
+    assert cli.main(["--config", str(config), "identity", "create"]) == 0  # env beats file
+    assert (env_dir / "identity.key").exists()
+    flag_dir = tmp_path / "flag"
+    assert cli.main(["identity", "create", "--state-dir", str(flag_dir)]) == 0  # flag beats env
+    assert (flag_dir / "identity.key").exists()
+    capsys.readouterr()
+    assert cli.main(["--config", str(tmp_path / "missing.toml"), "version"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    config.write_text("this is = = not toml")
+    assert cli.main(["--config", str(config), "version"]) == 2
+    assert "not valid TOML" in capsys.readouterr().err
+
+
+def test_bad_env_value_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SWARMD_COUNT", "many")
+    assert cli.main(["ping", "127.0.0.1:1"]) == 2
+    assert "--count" in capsys.readouterr().err
+
+
+def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ping", "nohost"])
+    assert info.value.code == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:80", Address("127.0.0.1", 80)),
+        ("[::1]:9", Address("::1", 9)),
+        ("example.org:7000", Address("example.org", 7000)),
+    ],
+)
+def test_parse_address(text: str, expected: Address) -> None:
+    assert parse_address(text) == expected
+    assert parse_address(str(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty"),
+        ("host", "expected HOST:PORT"),
+        (":80", "expected HOST:PORT"),
+        ("h:x", "not a number"),
+        ("h:70000", "65535"),
+        ("h:0", "1..65535"),
+        ("::1:80", "IPv6"),
+        ("[zz]:1", "not an IPv6"),
+        ("[::1]80", r"expected \[IPv6\]:PORT"),
+    ],
+)
+def test_parse_address_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_address(text)
