@@ -35,7 +35,8 @@ async def serve_rpc() -> None:
         return pb.TensorAck(received_bytes=len(data))
 
     service = rpc.Service(SERVICE, [rpc.tensor_in("Sink", sink)])
-    async with rpc.serve([service], "127.0.0.1", 0) as server:
+    config = rpc.TransportConfig(max_message_bytes=32 << 20)  # accepts any --chunk-kib we use
+    async with rpc.serve([service], "127.0.0.1", 0, config=config) as server:
         print(json.dumps({"address": str(server.address)}), flush=True)
         await trio.to_thread.run_sync(sys.stdin.read)  # until the parent closes our stdin
 
@@ -64,12 +65,12 @@ def start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, json.loads(proc.stdout.readline())["address"]
 
 
-def bench_rpc(tensor: torch.Tensor, rounds: int) -> list[float]:
+def bench_rpc(tensor: torch.Tensor, rounds: int, config: rpc.TransportConfig) -> list[float]:
     proc, address = start(["--serve-rpc"])
     meta, payload = tensor_meta(tensor), tensor_payload(tensor)
 
     async def main() -> list[float]:
-        client = rpc.RpcClient(Identity.generate())
+        client = rpc.RpcClient(Identity.generate(), config)
         rates = []
         try:
             for _ in range(rounds):
@@ -113,6 +114,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="tensor size in MiB (default 256)")
     parser.add_argument("--rounds", type=int, default=5, help="transfers per method (default 5)")
+    parser.add_argument(
+        "--chunk-kib", type=int, default=1024, help="bytes per stream frame (default 1024 KiB)"
+    )
     parser.add_argument("--serve-rpc", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-socket", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,14 +126,19 @@ def main() -> None:
     if args.serve_socket:
         serve_socket(*args.serve_socket)
         return
+    chunk = args.chunk_kib << 10
+    config = rpc.TransportConfig(chunk_bytes=chunk, max_message_bytes=max(4 << 20, 2 * chunk))
     tensor = torch.randn(args.mib * (1 << 20) // 4)
     # Interleave so that machine noise hits both methods alike; report medians.
     rpc_rates: list[float] = []
     sock_rates: list[float] = []
     for _ in range(args.rounds):
         sock_rates += bench_socket(tensor, 1)
-        rpc_rates += bench_rpc(tensor, 1)
-    print(f"tensor: {args.mib} MiB float32, {args.rounds} transfers each, loopback, 2 processes")
+        rpc_rates += bench_rpc(tensor, 1, config)
+    print(
+        f"tensor: {args.mib} MiB float32, {args.rounds} transfers each, loopback, 2 processes, "
+        f"{args.chunk_kib} KiB frames"
+    )
     print("swarmd rpc GB/s:", " ".join(f"{r:.2f}" for r in rpc_rates))
     print("raw socket GB/s:", " ".join(f"{r:.2f}" for r in sock_rates))
     t, s = statistics.median(rpc_rates), statistics.median(sock_rates)
