@@ -1,1 +1,67 @@
-"""Codecs for what crosses the network: pure functions on tensors and bytes, no I/O."""
+"""Codecs for what crosses the network: pure functions on tensors and bytes, no I/O.
+
+Every payload starts with a self-describing header (`wire`), so `decode(data, limits)`
+needs nothing but the bytes and the caller's size limits. Every malformed input raises
+`CompressionError`.
+"""
+
+from swarmd.compression.codec import Codec
+from swarmd.compression.dct_topk import (
+    DctComponents,
+    DctTopKCodec,
+    DctTopKConfig,
+    average_components,
+    components_to_bytes,
+    decode_components,
+    to_dense,
+)
+from swarmd.compression.error_feedback import ErrorFeedback, ResidualStore
+from swarmd.compression.errors import CompressionError
+from swarmd.compression.halfcast import HalfCodec, HalfConfig
+from swarmd.compression.int8 import Int8Codec, Int8Config, dequantize_int8, quantize_int8
+from swarmd.compression.lowrank import LowRankCodec, PowerSGD, PowerSGDConfig, PowerSGDRound
+from swarmd.compression.raw import RawCodec
+from swarmd.compression.registry import decode, peek_header
+from swarmd.compression.wire import CodecId, DecodeLimits, Header
+from swarmd.compression.zstd_frame import (
+    FRAME_OVERHEAD,
+    ZstdConfig,
+    ZstdFramed,
+    zstd_compress,
+    zstd_decompress,
+)
+
+__all__ = [
+    "FRAME_OVERHEAD",
+    "Codec",
+    "CodecId",
+    "CompressionError",
+    "DctComponents",
+    "DctTopKCodec",
+    "DctTopKConfig",
+    "DecodeLimits",
+    "ErrorFeedback",
+    "HalfCodec",
+    "HalfConfig",
+    "Header",
+    "Int8Codec",
+    "Int8Config",
+    "LowRankCodec",
+    "PowerSGD",
+    "PowerSGDConfig",
+    "PowerSGDRound",
+    "RawCodec",
+    "ResidualStore",
+    "ZstdConfig",
+    "ZstdFramed",
+    "average_components",
+    "components_to_bytes",
+    "decode",
+    "decode_components",
+    "dequantize_int8",
+    "peek_header",
+    "quantize_int8",
+    "to_dense",
+    "zstd_compress",
+    "zstd_decompress",
+]

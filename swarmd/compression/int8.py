@@ -1,8 +1,8 @@
 """Blockwise symmetric int8: one fp32 absmax scale per block of `block_size` values.
 
 Per-block scales keep one outlier from flattening the resolution of a whole tensor, and
-symmetric codes (-127..127, zero exact) keep all-zero blocks and signs exact. The scale is
-derived so that every code stays in range and every element is within scale/2 of its
+symmetric codes (-127..127, zero exact) keep all-zero blocks and signs exact. Scales are
+clamped so that every code stays in range and every element is within scale/2 of its
 input, including at the edges where naive codecs break: subnormal absmax (scale would
 underflow to 0 and 127/absmax to inf), absmax near FLT_MAX (127 * scale would overflow),
 all-zero blocks (0/0), and non-contiguous inputs.
@@ -14,6 +14,7 @@ arithmetic, is what makes a single core reach > 1 GB/s.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,75 +54,112 @@ class Int8Config:
             )
 
 
-def _block_scales(blocks: torch.Tensor, absbuf: torch.Tensor) -> torch.Tensor:
-    """Scales with 127 * scale >= absmax and 127 * scale finite, 0 only for all-zero blocks."""
-    torch.abs(blocks, out=absbuf)
-    amax = absbuf.amax(dim=1)
-    if not bool(torch.isfinite(amax).all()):
-        raise CompressionError("INT8 input contains NaN or infinity (or exceeds float32 range)")
-    scale = amax / QMAX
-    up = scale * QMAX < amax  # rounded down, or underflowed to 0 for subnormal absmax
-    scale = torch.where(up, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-    over = torch.isinf(scale * QMAX)  # absmax within rounding of FLT_MAX
-    return torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+def _largest_safe_scale() -> float:
+    """Largest float32 scale whose 127 * scale is still finite in float32."""
+    scale = torch.tensor(torch.finfo(torch.float32).max / QMAX, dtype=torch.float32)
+    while not bool(torch.isfinite(scale * QMAX)):
+        scale = torch.nextafter(scale, torch.zeros_like(scale))
+    return float(scale)
+
+
+# Clamping scales to [smallest normal, SCALE_MAX] removes every edge case at once: no block
+# divides by zero or by a subnormal (whose reciprocal is inf), 127 * scale never overflows,
+# and |x / scale| stays <= 127 + rounding, so codes never need clamping. An all-zero block
+# gets the floor scale and codes of 0, which decode to exactly 0.
+SCALE_MIN = float(torch.finfo(torch.float32).tiny)
+SCALE_MAX = _largest_safe_scale()
 
 
 def _quantize_rows(
-    blocks: torch.Tensor, q_out: torch.Tensor, scales_out: torch.Tensor, buf: torch.Tensor
+    blocks: torch.Tensor,
+    q_out: torch.Tensor,
+    absmax_out: torch.Tensor,
+    scales_out: torch.Tensor,
+    buf: torch.Tensor,
 ) -> None:
-    scale = _block_scales(blocks, buf)
-    scales_out.copy_(scale)
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    torch.div(blocks, divisor.unsqueeze(1), out=buf)
+    torch.abs(blocks, out=buf)
+    torch.amax(buf, dim=1, out=absmax_out)
+    torch.div(absmax_out, QMAX, out=scales_out)
+    scales_out.clamp_(SCALE_MIN, SCALE_MAX)
+    torch.div(blocks, scales_out.unsqueeze(1), out=buf)
     buf.round_()
     q_out.copy_(buf)
 
 
-def quantize_int8(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise a 1-D float32 contiguous tensor into (int8 codes, fp32 per-block scales)."""
-    q = torch.empty(flat.numel(), dtype=torch.int8)
-    scales = torch.empty(-(-flat.numel() // block_size), dtype=torch.float32)
-    quantize_int8_into(flat, block_size, q, scales)
-    return q, scales
-
-
-def quantize_int8_into(
-    flat: torch.Tensor, block_size: int, q: torch.Tensor, scales: torch.Tensor
+def quantize_int8_chunks(
+    flat: torch.Tensor,
+    block_size: int,
+    scales: torch.Tensor,
+    emit: Callable[[torch.Tensor], None],
 ) -> None:
+    """Quantise `flat` (1-D float32, contiguous) chunk by chunk.
+
+    Fills `scales` (one per block) and hands each chunk's int8 codes, in order, to `emit`.
+    The codes tensor is a reused scratch buffer: `emit` must copy it. Streaming the codes
+    lets the encoder write them straight into its output instead of materialising (and
+    page-faulting) a second full-size array.
+    """
     n = flat.numel()
     nfull = n // block_size
     rows = max(1, _CHUNK_ELEMENTS // block_size)
+    absmax = torch.empty_like(scales)
     if nfull:
         main = flat[: nfull * block_size].view(nfull, block_size)
-        qmain = q[: nfull * block_size].view(nfull, block_size)
         buf = torch.empty(min(rows, nfull), block_size, dtype=torch.float32)
+        codes = torch.empty(min(rows, nfull), block_size, dtype=torch.int8)
         for r0 in range(0, nfull, rows):
             r1 = min(nfull, r0 + rows)
-            _quantize_rows(main[r0:r1], qmain[r0:r1], scales[r0:r1], buf[: r1 - r0])
+            q = codes[: r1 - r0]
+            _quantize_rows(main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0])
+            emit(q.view(-1))
     rem = n - nfull * block_size
     if rem:
         tail = torch.zeros(1, block_size, dtype=torch.float32)
         tail[0, :rem] = flat[nfull * block_size :]
         qtail = torch.empty(1, block_size, dtype=torch.int8)
-        _quantize_rows(tail, qtail, scales[nfull:], torch.empty_like(tail))
-        q[nfull * block_size :] = qtail[0, :rem]
+        _quantize_rows(tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail))
+        emit(qtail[0, :rem])
+    # amax propagates NaN and inf, so one check on the per-block maxima covers every element.
+    if absmax.numel() and not bool(torch.isfinite(absmax).all()):
+        raise CompressionError("INT8 input contains NaN or infinity (or exceeds float32 range)")
+
+
+def quantize_int8(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tensor-level API: (int8 codes, fp32 per-block scales) of a 1-D float32 tensor."""
+    flat = flat.to(torch.float32).reshape(-1).contiguous()
+    q = torch.empty(flat.numel(), dtype=torch.int8)
+    scales = torch.empty(-(-flat.numel() // block_size), dtype=torch.float32)
+    pos = 0
+
+    def emit(chunk: torch.Tensor) -> None:
+        nonlocal pos
+        q[pos : pos + chunk.numel()] = chunk
+        pos += chunk.numel()
+
+    quantize_int8_chunks(flat, block_size, scales, emit)
+    return q, scales
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
     """Inverse of `quantize_int8`: a fresh 1-D float32 tensor."""
+    out = torch.empty(q.numel(), dtype=torch.float32)
+    _dequantize_rows(q.reshape(-1), scales, block_size, out)
+    return out
+
+
+def _dequantize_rows(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor
+) -> None:
     n = q.numel()
-    out = torch.empty(n, dtype=torch.float32)
     nfull = n // block_size
-    rows = max(1, _CHUNK_ELEMENTS // block_size)
     if nfull:
-        qmain = q[: nfull * block_size].view(nfull, block_size)
-        omain = out[: nfull * block_size].view(nfull, block_size)
-        for r0 in range(0, nfull, rows):
-            r1 = min(nfull, r0 + rows)
-            torch.mul(qmain[r0:r1], scales[r0:r1].unsqueeze(1), out=omain[r0:r1])
+        torch.mul(
+            q[: nfull * block_size].view(nfull, block_size),
+            scales[:nfull].unsqueeze(1),
+            out=out[: nfull * block_size].view(nfull, block_size),
+        )
     if n - nfull * block_size:
         torch.mul(q[nfull * block_size :], scales[nfull], out=out[nfull * block_size :])
-    return out
 
 
 class Int8Codec:
@@ -135,19 +173,13 @@ class Int8Codec:
         flat = flat_float32(tensor)
         block = self.config.block_size
         n = flat.numel()
-        nblocks = -(-n // block)
+        scales = torch.empty(-(-n // block), dtype=torch.float32)
+        parts: list[bytes] = []
+        quantize_int8_chunks(flat, block, scales, lambda q: parts.append(q.numpy().tobytes()))
         header = pack_header(
             CodecId.INT8, VERSION, tensor.dtype, tuple(tensor.shape), _PARAMS.pack(block)
         )
-        h = len(header)
-        out = bytearray(h + 4 * nblocks + n)
-        out[:h] = header
-        if n:
-            scales = torch.empty(nblocks, dtype=torch.float32)
-            codes = torch.frombuffer(out, dtype=torch.int8, offset=h + 4 * nblocks, count=n)
-            quantize_int8_into(flat, block, codes, scales)
-            out[h : h + 4 * nblocks] = scales.numpy().tobytes()
-        return bytes(out)
+        return b"".join([header, scales.numpy().tobytes(), *parts])
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_int8(parse_header(data, limits), data)
@@ -164,8 +196,20 @@ def decode_int8(header: Header, data: bytes | bytearray | memoryview) -> torch.T
     body = payload(data, header, 4 * nblocks + n)
     scales = from_bytes(body[: 4 * nblocks], torch.float32, nblocks)
     # 127 * scale must stay finite, or a code of 127 would decode to inf.
-    if nblocks and not bool((torch.isfinite(scales * QMAX) & (scales >= 0)).all()):
-        raise CompressionError("INT8 payload has a negative, NaN or overflowing block scale")
-    q = from_bytes(body[4 * nblocks :], torch.int8, n)
-    out = dequantize_int8(q, scales, block)
+    if nblocks and not bool(((scales >= 0) & (scales <= SCALE_MAX)).all()):
+        raise CompressionError(
+            "INT8 payload has a negative, NaN or overflowing block scale "
+            f"(valid range [0, {SCALE_MAX:.6g}])"
+        )
+    out = torch.empty(n, dtype=torch.float32)
+    # Copy codes through a cache-sized scratch buffer rather than wrapping the (read-only)
+    # input: no full-size temporary, and no tensor aliasing the caller's bytes.
+    step = max(1, _CHUNK_ELEMENTS // block) * block
+    scratch = bytearray(min(step, n))
+    codes = torch.frombuffer(scratch, dtype=torch.int8) if scratch else torch.empty(0)
+    base = 4 * nblocks
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        scratch[: stop - start] = body[base + start : base + stop]
+        _dequantize_rows(codes[: stop - start], scales[start // block :], block, out[start:stop])
     return out.to(header.dtype).reshape(header.shape)

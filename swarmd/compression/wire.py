@@ -135,14 +135,14 @@ def parse_header(data: bytes | bytearray | memoryview, limits: DecodeLimits) -> 
     end = _FIXED.size + ndim * _DIM.size + plen
     if len(view) < end:
         raise CompressionError(f"truncated header: {len(view)} bytes, need {end}")
-    shape = tuple(
-        _DIM.unpack_from(view, _FIXED.size + i * _DIM.size)[0] for i in range(ndim)
-    )
+    shape = tuple(_DIM.unpack_from(view, _FIXED.size + i * _DIM.size)[0] for i in range(ndim))
     numel = math.prod(shape)
-    if numel > limits.max_elements:
-        raise CompressionError(
-            f"header declares {numel} elements, over the limit of {limits.max_elements}"
-        )
+    # A ZSTD frame's "shape" counts the bytes it inflates to; everything else counts elements.
+    limit, unit = (
+        (limits.max_bytes, "bytes") if codec == CodecId.ZSTD else (limits.max_elements, "elements")
+    )
+    if numel > limit:
+        raise CompressionError(f"header declares {numel} {unit}, over the limit of {limit}")
     params = bytes(view[end - plen : end])
     return Header(codec, version, _CODE_DTYPES[dcode], shape, params, end)
 

@@ -1,0 +1,47 @@
+"""Decode any payload by the codec id in its header: receivers need no out-of-band
+knowledge of what a peer chose to send."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from swarmd.compression.dct_topk import _decode_components, to_dense
+from swarmd.compression.errors import CompressionError
+from swarmd.compression.halfcast import decode_half
+from swarmd.compression.int8 import decode_int8
+from swarmd.compression.lowrank import decode_lowrank
+from swarmd.compression.raw import decode_raw
+from swarmd.compression.wire import CodecId, DecodeLimits, Header, parse_header
+from swarmd.compression.zstd_frame import _decompress
+
+Buffer = bytes | bytearray | memoryview
+
+_DECODERS: dict[CodecId, Callable[[Header, Buffer], torch.Tensor]] = {
+    CodecId.RAW: decode_raw,
+    CodecId.HALF: decode_half,
+    CodecId.INT8: decode_int8,
+    CodecId.LOWRANK: decode_lowrank,
+    CodecId.DCT_TOPK: lambda header, data: to_dense(_decode_components(header, data)),
+}
+
+
+def decode(data: Buffer, limits: DecodeLimits) -> torch.Tensor:
+    """Decode any swarmd payload, optionally zstd-framed (one level; nesting is refused).
+
+    Every failure (unknown codec, truncation, oversize, NaN, inconsistency) raises
+    `CompressionError`.
+    """
+    header = parse_header(data, limits)
+    if header.codec == CodecId.ZSTD:
+        data = _decompress(header, data, limits.max_bytes)
+        header = parse_header(data, limits)
+        if header.codec == CodecId.ZSTD:
+            raise CompressionError("nested ZSTD frames are refused")
+    return _DECODERS[header.codec](header, data)
+
+
+def peek_header(data: Buffer, limits: DecodeLimits) -> Header:
+    """The outer header alone, for routing or logging before decoding."""
+    return parse_header(data, limits)

@@ -1,0 +1,164 @@
+"""int8 blockwise: per-element error <= scale/2 of its block, on every awkward input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarmd.compression import (
+    CompressionError,
+    DecodeLimits,
+    Int8Codec,
+    Int8Config,
+    decode,
+    dequantize_int8,
+    quantize_int8,
+)
+from swarmd.compression.int8 import SCALE_MAX, SCALE_MIN
+
+LIMITS = DecodeLimits(max_elements=1 << 20, max_bytes=1 << 24)
+FMAX = torch.finfo(torch.float32).max
+
+
+def assert_within_half_scale(x: torch.Tensor, block: int) -> None:
+    flat = x.detach().to(torch.float32).reshape(-1)
+    q, scales = quantize_int8(flat, block)
+    assert q.dtype == torch.int8
+    assert q.numel() == 0 or int(q.abs().max()) <= 127
+    y = dequantize_int8(q, scales, block)
+    assert torch.isfinite(y).all()
+    per_elem = scales.repeat_interleave(block)[: flat.numel()]
+    err = (y.double() - flat.double()).abs()
+    # scale/2 plus float32 rounding of the division and of q * scale.
+    bound = per_elem.double() / 2 * (1 + 1e-6) + flat.double().abs() * 1e-7
+    assert bool((err <= bound).all()), float((err - bound).max())
+    # Codec bytes decode to exactly the tensor-level result.
+    codec = Int8Codec(Int8Config(block_size=block))
+    out = codec.decode(codec.encode(x), LIMITS)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert torch.equal(out.reshape(-1).to(torch.float32), y.to(x.dtype).to(torch.float32))
+
+
+floats32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    values=st.lists(floats32, min_size=0, max_size=300),
+    block=st.sampled_from([1, 3, 16, 64, 256]),
+)
+def test_round_trip_bound_on_arbitrary_floats(values: list[float], block: int) -> None:
+    assert_within_half_scale(torch.tensor(values, dtype=torch.float32), block)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.zeros(1000),
+        torch.full((777,), 3.25),
+        torch.full((300,), -1e-3),
+        torch.full((130,), 1e-44),  # subnormal: absmax / 127 underflows
+        torch.tensor([1e-45, -2e-45, 0.0, 1.4e-45] * 40),
+        torch.full((256,), FMAX),  # 127 * (FMAX / 127) overflows
+        torch.tensor([FMAX, -FMAX, 1.0, -1e-30] * 64),
+        torch.tensor([1e38, 1e-38, 0.0, -1e38]),
+        torch.tensor([5.0]),
+        torch.empty(0),
+    ],
+    ids=[
+        "zeros",
+        "const",
+        "neg-const",
+        "subnormal",
+        "min-subnormal",
+        "fmax",
+        "mixed-huge",
+        "huge-tiny",
+        "single",
+        "empty",
+    ],
+)
+def test_edge_cases(x: torch.Tensor) -> None:
+    for block in (1, 64, 256):
+        assert_within_half_scale(x, block)
+
+
+def test_all_zero_and_constant_blocks_are_exact() -> None:
+    codec = Int8Codec(Int8Config(block_size=64))
+    x = torch.cat([torch.zeros(64), torch.full((64,), 7.0), torch.full((64,), -0.5)])
+    assert torch.equal(codec.decode(codec.encode(x), LIMITS), x)
+
+
+def test_non_contiguous_inputs() -> None:
+    base = torch.randn(64, 48)
+    for x in (base.T, base[:, ::3], base[::2, 5:], base.unsqueeze(0).expand(3, 64, 48)):
+        assert not x.is_contiguous()
+        assert_within_half_scale(x, 64)
+        codec = Int8Codec(Int8Config(block_size=32))
+        y = codec.decode(codec.encode(x), LIMITS)
+        assert y.shape == x.shape
+        assert float((y - x).abs().max()) <= float(x.abs().max()) / 127
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_float_dtypes(dtype: torch.dtype) -> None:
+    x = (torch.randn(500) * 100).to(dtype)
+    codec = Int8Codec()
+    y = codec.decode(codec.encode(x), LIMITS)
+    assert y.dtype == dtype
+    rel = float((y.double() - x.double()).norm() / x.double().norm())
+    assert rel < 0.02
+
+
+def test_ratio_and_scales_are_clamped() -> None:
+    x = torch.randn(256 * 100)
+    data = Int8Codec(Int8Config(block_size=256)).encode(x)
+    assert x.numel() * 4 / len(data) >= 3.9
+    _, scales = quantize_int8(torch.full((10,), FMAX), 4)
+    assert float(scales.max()) <= SCALE_MAX and math.isfinite(float(scales.max()) * 127)
+    _, scales = quantize_int8(torch.zeros(10), 4)
+    assert float(scales.min()) >= SCALE_MIN
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused(bad: float) -> None:
+    x = torch.randn(1000)
+    x[567] = bad
+    with pytest.raises(CompressionError, match="NaN or infinity"):
+        Int8Codec().encode(x)
+
+
+def test_float64_beyond_float32_range_is_refused() -> None:
+    with pytest.raises(CompressionError):
+        Int8Codec().encode(torch.tensor([1e300], dtype=torch.float64))
+
+
+def test_non_float_input_is_refused() -> None:
+    with pytest.raises(CompressionError, match="float"):
+        Int8Codec().encode(torch.arange(10))
+
+
+def test_nan_or_negative_scale_in_payload_is_refused() -> None:
+    x = torch.randn(128)
+    data = bytearray(Int8Codec(Int8Config(block_size=64)).encode(x))
+    header_len = len(data) - 2 * 4 - 128
+    for bad in (float("nan"), -1.0, float("inf"), 1e38):
+        data[header_len : header_len + 4] = torch.tensor([bad]).numpy().tobytes()
+        with pytest.raises(CompressionError, match="scale"):
+            decode(bytes(data), LIMITS)
+
+
+def test_config_validation() -> None:
+    for bad in (0, -1, 1 << 17, 2.0, True):
+        with pytest.raises(ValueError, match="block_size"):
+            Int8Config(block_size=bad)  # type: ignore[arg-type]
+
+
+def test_declared_size_over_limit_is_refused_before_decoding() -> None:
+    data = Int8Codec().encode(torch.randn(1000))
+    with pytest.raises(CompressionError, match="over the limit"):
+        decode(data, DecodeLimits(max_elements=999, max_bytes=1 << 20))
