@@ -35,6 +35,7 @@ DTYPE_SIZES: dict[str, int] = {
 
 MAX_NDIM = 16
 MAX_NAME_LEN = 256
+MAX_INFO_BYTES = 512
 #: Largest serialised TensorHeader accepted (a 16-dim shape plus a name fits in far less).
 MAX_HEADER_BYTES = 1024
 #: Default bytes of payload per data frame: large enough to amortise per-message cost, small
@@ -53,6 +54,8 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     name: str = ""
+    #: Opaque application context (a serialised message of the layer above), signed with it.
+    info: bytes = b""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -66,6 +69,8 @@ class TensorMeta:
                 raise FramingError(f"negative dimension {dim} in shape {self.shape}")
         if len(self.name.encode()) > MAX_NAME_LEN:
             raise FramingError(f"tensor name longer than {MAX_NAME_LEN} bytes")
+        if len(self.info) > MAX_INFO_BYTES:
+            raise FramingError(f"tensor info longer than {MAX_INFO_BYTES} bytes")
 
     @property
     def numel(self) -> int:
@@ -80,13 +85,19 @@ class TensorMeta:
 
     def to_proto(self) -> pb.TensorHeader:
         return pb.TensorHeader(
-            dtype=self.dtype, shape=list(self.shape), nbytes=self.nbytes, name=self.name
+            dtype=self.dtype,
+            shape=list(self.shape),
+            nbytes=self.nbytes,
+            name=self.name,
+            info=self.info,
         )
 
 
 def check_header(header: pb.TensorHeader, max_bytes: int) -> TensorMeta:
     """Validates a received header against itself and the receiver's limit."""
-    meta = TensorMeta(dtype=header.dtype, shape=tuple(header.shape), name=header.name)
+    meta = TensorMeta(
+        dtype=header.dtype, shape=tuple(header.shape), name=header.name, info=header.info
+    )
     # numel can be astronomically large for a hostile shape; Python ints do not overflow, and we
     # compare before anything is allocated.
     if meta.nbytes != header.nbytes:

@@ -25,16 +25,18 @@ class PingResponse(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ..., version: _Optional[str] = ..., peer_id: _Optional[str] = ..., server_time_ms: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("dtype", "shape", "nbytes", "name")
+    __slots__ = ("dtype", "shape", "nbytes", "name", "info")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     nbytes: int
     name: str
-    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    info: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ..., info: _Optional[bytes] = ...) -> None: ...
 
 class TensorAck(_message.Message):
     __slots__ = ("received_bytes", "digest")
