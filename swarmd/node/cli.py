@@ -157,6 +157,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
+        "dht",
+        help="run a DHT-only node (e.g. a bootstrap node; no training, no torch)",
+        description="Runs a DHT node until SIGINT or SIGTERM: joins through --peers (or starts "
+        "a new DHT without them), prints one JSON line with its address and peer id, then logs "
+        "its routing table size periodically. Exit code 3 if no bootstrap peer answers.",
+    )
+    p.add_argument(
+        "--listen",
+        type=_listen_address,
+        default=Address("127.0.0.1", 0),
+        help="HOST:PORT to listen on; port 0 lets the OS choose (default: 127.0.0.1:0)",
+    )
+    p.add_argument(
+        "--peers",
+        default="",
+        help="bootstrap peers, HOST:PORT[,HOST:PORT...]; omit to start a new DHT",
+    )
+    p.add_argument(
+        "--log-interval",
+        type=_positive_float,
+        default=30.0,
+        help="seconds between routing table reports (default: 30)",
+    )
+    _add_state_dir(p)
+    p.set_defaults(func=cmd_dht)
+
+    p = sub.add_parser(
         "demo",
         help="run the built-in demo on this machine",
         description="Until the training job lands, the demo exercises the transport for real: "
@@ -309,6 +336,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = PeerConfig(listen=args.listen, state_dir=args.state_dir, metrics=args.metrics)
     try:
         trio.run(run_peer, config)
+    except OSError as exc:
+        raise CliError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_dht(args: argparse.Namespace) -> int:
+    import trio
+
+    from swarmd.node.dht.main import DHTNodeOptions, parse_peers, run_dht_node
+    from swarmd.node.dht.node import BootstrapError
+
+    try:
+        peers = parse_peers([args.peers])
+    except ValueError as exc:
+        raise CliError(f"bad --peers: {exc}", EXIT_USAGE) from None
+    options = DHTNodeOptions(
+        listen=args.listen, peers=peers, state_dir=args.state_dir, log_interval_s=args.log_interval
+    )
+    try:
+        trio.run(run_dht_node, options)
+    except BootstrapError as exc:
+        raise CliError(str(exc), EXIT_UNREACHABLE) from None
     except OSError as exc:
         raise CliError(str(exc)) from None
     return EXIT_OK

@@ -1,0 +1,200 @@
+"""Outgoing DHT calls: deadlines from measured round trips, peer-id proofs, failure marking.
+
+Each call's timeout adapts to the round trips this node measures (an EWMA, the way TCP sets
+its retransmission timer), so nobody hand-tunes timeouts for their network, and a dead peer
+costs a few round trips rather than a fixed second.
+
+A response is not authenticated by the transport (only requests are signed), so a peer's
+claim to be a given peer id at a given address is checked once with a challenge: the callee
+signs our random nonce. Until that succeeds the contact never enters the routing table, which
+keeps forged ids (chosen to sit next to a key) out of it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TypeVar
+
+from google.protobuf.message import Message
+
+from swarmd.node.dht.routing import RoutingTable
+from swarmd.protocol import dht_pb2 as pb
+from swarmd.protocol import rpc
+from swarmd.protocol.errors import ProtocolError
+from swarmd.protocol.identity import Identity, PeerId, verify_signature
+
+SERVICE = "swarmd.dht.v1.DHT"
+PING = rpc.method_path(SERVICE, "Ping")
+STORE = rpc.method_path(SERVICE, "Store")
+FIND = rpc.method_path(SERVICE, "Find")
+
+_PROOF_DOMAIN = b"swarmd/dht-proof/v1\0"
+CHALLENGE_BYTES = 16
+
+R = TypeVar("R", bound=Message)
+
+
+def proof_message(challenge: bytes) -> bytes:
+    return _PROOF_DOMAIN + challenge
+
+
+def make_proof(identity: Identity, challenge: bytes) -> pb.Proof:
+    signature = identity.sign(proof_message(challenge))
+    return pb.Proof(public_key=identity.public_key, signature=signature)
+
+
+def check_proof(proof: pb.Proof, challenge: bytes, claimed: PeerId | None) -> PeerId:
+    """The proven peer id; raises ProtocolError if the proof is missing, forged or mismatched."""
+    if not proof.public_key or not verify_signature(
+        proof.public_key, proof.signature, proof_message(challenge)
+    ):
+        raise ProtocolError("peer did not prove its identity")
+    proven = PeerId.from_public_key(proof.public_key)
+    if claimed is not None and proven != claimed:
+        raise ProtocolError(f"peer at this address is {proven.short()}, not {claimed.short()}")
+    return proven
+
+
+@dataclass(frozen=True)
+class TimeoutPolicy:
+    """Per-call timeout = clamp(multiplier × smoothed RTT, min_s, max_s)."""
+
+    min_s: float = 0.25
+    max_s: float = 3.0
+    multiplier: float = 4.0
+    #: Weight of a new sample in the moving average.
+    alpha: float = 0.125
+    #: RTT assumed before anything has been measured.
+    initial_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_s <= self.max_s:
+            raise ValueError("TimeoutPolicy needs 0 < min_s <= max_s")
+        if self.multiplier < 1 or not 0 < self.alpha <= 1 or self.initial_s <= 0:
+            raise ValueError("TimeoutPolicy: multiplier >= 1, 0 < alpha <= 1, initial_s > 0")
+
+
+class RttEstimator:
+    def __init__(self, policy: TimeoutPolicy) -> None:
+        self.policy = policy
+        self.srtt = policy.initial_s
+
+    def sample(self, rtt: float) -> None:
+        self.srtt += self.policy.alpha * (rtt - self.srtt)
+
+    def timeout(self) -> float:
+        p = self.policy
+        return min(p.max_s, max(p.min_s, p.multiplier * self.srtt))
+
+    def stall(self) -> float:
+        """How long a lookup waits on one reply before it asks another node in parallel."""
+        return min(self.timeout(), max(0.005, 2.0 * self.srtt))
+
+
+class Caller:
+    """Wraps the daemon's RpcClient for DHT calls; keeps the routing table up to date."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        client: rpc.RpcClient,
+        table: RoutingTable,
+        policy: TimeoutPolicy,
+    ) -> None:
+        self.identity = identity
+        self.client = client
+        self.table = table
+        self.rtt = RttEstimator(policy)
+        #: The port we listen on, told to callees; 0 = not reachable (client-only node).
+        self.port = 0
+        self._verified: OrderedDict[tuple[PeerId, str], None] = OrderedDict()
+
+    def is_verified(self, peer_id: PeerId, address: str) -> bool:
+        return (peer_id, address) in self._verified
+
+    def _mark_verified(self, peer_id: PeerId, address: str) -> None:
+        self._verified[(peer_id, address)] = None
+        self._verified.move_to_end((peer_id, address))
+        while len(self._verified) > 4096:
+            self._verified.popitem(last=False)
+
+    async def _call(self, address: str, path: str, request: Message, response_type: type[R]) -> R:
+        start = time.perf_counter()
+        response = await self.client.unary(
+            address, path, request, response_type, timeout=self.rtt.timeout()
+        )
+        self.rtt.sample(time.perf_counter() - start)
+        return response
+
+    def _accept(
+        self,
+        address: str,
+        claimed: PeerId | None,
+        peer_id_raw: bytes,
+        proof: pb.Proof,
+        challenge: bytes,
+    ) -> PeerId:
+        """Checks who answered; enters it into the routing table. Raises ProtocolError."""
+        if challenge:
+            peer_id = check_proof(proof, challenge, claimed)
+            self._mark_verified(peer_id, address)
+        else:
+            assert claimed is not None
+            if peer_id_raw != claimed.raw:
+                raise ProtocolError(f"peer at {address} changed its identity")
+            peer_id = claimed
+        self.table.seen(peer_id, address)
+        return peer_id
+
+    def _challenge(self, peer_id: PeerId | None, address: str) -> bytes:
+        if peer_id is not None and self.is_verified(peer_id, address):
+            return b""
+        return secrets.token_bytes(CHALLENGE_BYTES)
+
+    def _failed(self, peer_id: PeerId | None) -> None:
+        if peer_id is not None:
+            self.table.failed(peer_id)
+
+    async def ping(self, address: str, peer_id: PeerId | None = None) -> PeerId:
+        """Pings ``address`` (whose peer id may be unknown, e.g. a bootstrap peer)."""
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        req = pb.PingRequest(sender_port=self.port, challenge=challenge)
+        try:
+            resp = await self._call(address, PING, req, pb.PingResponse)
+            return self._accept(address, peer_id, resp.peer_id, resp.proof, challenge)
+        except (rpc.RpcError, ProtocolError):
+            self._failed(peer_id)
+            raise
+
+    async def find(
+        self, peer_id: PeerId, address: str, targets: list[bytes], keys: list[bytes]
+    ) -> pb.FindResponse:
+        challenge = self._challenge(peer_id, address)
+        req = pb.FindRequest(sender_port=self.port, targets=targets, keys=keys, challenge=challenge)
+        try:
+            resp = await self._call(address, FIND, req, pb.FindResponse)
+            self._accept(address, peer_id, resp.peer_id, resp.proof, challenge)
+            if len(resp.results) != len(targets):
+                raise ProtocolError(f"{address} answered {len(resp.results)} of {len(targets)}")
+        except (rpc.RpcError, ProtocolError):
+            self._failed(peer_id)
+            raise
+        return resp
+
+    async def store(
+        self, peer_id: PeerId, address: str, records: list[pb.Record]
+    ) -> pb.StoreResponse:
+        req = pb.StoreRequest(sender_port=self.port, records=records)
+        try:
+            resp = await self._call(address, STORE, req, pb.StoreResponse)
+            if len(resp.outcomes) != len(records):
+                raise ProtocolError(f"{address} answered {len(resp.outcomes)} of {len(records)}")
+            if self.is_verified(peer_id, address):
+                self.table.seen(peer_id, address)
+        except (rpc.RpcError, ProtocolError):
+            self._failed(peer_id)
+            raise
+        return resp

@@ -1,0 +1,443 @@
+"""DHTNode: the DHT a daemon runs: bootstrap, store/get, announce/watch, upkeep.
+
+Construct it with the daemon's identity and RpcClient, add ``node.service()`` to the daemon's
+rpc.serve, then ``await nursery.start(node.run, server.address.port, bootstrap)``: ``run``
+returns control once the node has joined (or raises BootstrapError) and keeps refreshing
+buckets and re-publishing this node's records until its nursery is cancelled.
+
+Keys and sub-keys are strings (UTF-8 on the wire), values are bytes; expiry is absolute
+wall-clock seconds (``time.time()`` scale, or the injected clock's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from swarmd.node.dht.caller import Caller, TimeoutPolicy
+from swarmd.node.dht.ids import key_id, node_id, random_id_in_bucket
+from swarmd.node.dht.lookup import LookupParams, LookupResult, lookup
+from swarmd.node.dht.records import (
+    Record,
+    RecordError,
+    Verifier,
+    check_shape,
+    is_peer_subkey,
+    sign_record,
+)
+from swarmd.node.dht.routing import RoutingConfig, RoutingTable
+from swarmd.node.dht.service import DHTService, ServiceLimits
+from swarmd.node.dht.storage import Storage, StorageLimits
+from swarmd.protocol import dht_pb2 as pb
+from swarmd.protocol import rpc
+from swarmd.protocol.errors import ProtocolError
+from swarmd.protocol.identity import Identity, PeerId
+
+log = logging.getLogger("swarmd.dht")
+
+
+class BootstrapError(Exception):
+    """No bootstrap peer answered; the message lists each one and why."""
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    #: Replication factor and bucket size.
+    k: int = 20
+    #: Requests in flight per lookup.
+    alpha: int = 3
+    #: A get may stop once this many of the closest nodes answered and records were found.
+    get_quorum: int = 3
+    lookup_timeout_s: float = 5.0
+    bootstrap_timeout_s: float = 5.0
+    #: Buckets not used by a lookup for this long are refreshed with a random lookup.
+    refresh_interval_s: float = 60.0
+    #: Own records are re-stored to the (current) k closest nodes this often while live.
+    republish_interval_s: float = 60.0
+    #: Contacts not heard from for this long are pinged (and evicted if dead).
+    stale_after_s: float = 120.0
+    timeouts: TimeoutPolicy = field(default_factory=TimeoutPolicy)
+    routing: RoutingConfig | None = None
+    storage: StorageLimits = field(default_factory=StorageLimits)
+    service: ServiceLimits = field(default_factory=ServiceLimits)
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.alpha < 1 or not 1 <= self.get_quorum <= self.k:
+            raise ValueError("DHTConfig needs k >= 1, alpha >= 1 and 1 <= get_quorum <= k")
+        for name in (
+            "lookup_timeout_s",
+            "bootstrap_timeout_s",
+            "refresh_interval_s",
+            "republish_interval_s",
+            "stale_after_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DHTConfig.{name} must be positive")
+        if self.routing is not None and self.routing.k != self.k:
+            raise ValueError("DHTConfig.routing.k must equal DHTConfig.k")
+
+    def routing_config(self) -> RoutingConfig:
+        return self.routing or RoutingConfig(k=self.k)
+
+
+@dataclass(frozen=True)
+class Value:
+    """A value as read from the DHT, with who signed it and until when it is valid."""
+
+    value: bytes
+    expires: float
+    owner: PeerId
+
+
+def _bytes(text: str | bytes) -> bytes:
+    return text.encode() if isinstance(text, str) else text
+
+
+def _value(record: Record) -> Value:
+    return Value(record.value, record.expires, record.owner)
+
+
+def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | None:
+    """Newest version of each slot; a key's sub-key map wins over its plain value if it
+    expires later (and the other way round)."""
+    now_ms = int(now * 1000)
+    plain: Record | None = None
+    subs: dict[bytes, Record] = {}
+    for r in records:
+        if r.expires_ms <= now_ms:
+            continue
+        if r.subkey is None:
+            if plain is None or r.supersedes(plain):
+                plain = r
+        elif (old := subs.get(r.subkey)) is None or r.supersedes(old):
+            subs[r.subkey] = r
+    if subs and (plain is None or max(r.expires_ms for r in subs.values()) >= plain.expires_ms):
+        return {k.decode("utf-8", "backslashreplace"): _value(r) for k, r in subs.items()}
+    return _value(plain) if plain is not None else None
+
+
+class DHTNode:
+    def __init__(
+        self,
+        identity: Identity,
+        client: rpc.RpcClient,
+        config: DHTConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config or DHTConfig()
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self._clock = clock
+        self.verifier = Verifier()
+        self.table = RoutingTable(identity.peer_id, self.config.routing_config())
+        self.storage = Storage(self.config.storage, clock=clock, verifier=self.verifier)
+        self.caller = Caller(identity, client, self.table, self.config.timeouts)
+        self._service = DHTService(identity, self.table, self.storage, self.config.service)
+        #: This node's own records, re-published until they expire.
+        self._own: dict[tuple[bytes, bytes | None], Record] = {}
+        self._bootstrap: list[str] = []
+
+    def service(self) -> rpc.Service:
+        """The gRPC service to add to the daemon's rpc.serve."""
+        return self._service.service()
+
+    def now(self) -> float:
+        return self._clock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def run(
+        self,
+        port: int,
+        bootstrap: Sequence[str] = (),
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Joins through ``bootstrap`` (HOST:PORT), then keeps the node healthy forever.
+
+        ``port`` is where this node's rpc server listens (0: a client-only node that others
+        will not enter in their tables). With no bootstrap peers this node starts a new DHT.
+        """
+        self.caller.port = port
+        self._bootstrap = list(bootstrap)
+        if self._bootstrap:
+            await self.bootstrap(self._bootstrap)
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._refresh_loop)
+            nursery.start_soon(self._republish_loop)
+
+    async def bootstrap(self, peers: Sequence[str]) -> None:
+        errors: dict[str, str] = {}
+
+        async def ping(address: str) -> None:
+            try:
+                await self.caller.ping(address)
+            except (rpc.RpcError, ProtocolError) as exc:
+                errors[address] = str(exc)
+
+        with trio.move_on_after(self.config.bootstrap_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for address in peers:
+                    nursery.start_soon(ping, address)
+        if len(self.table) == 0:
+            detail = "; ".join(f"{a}: {errors.get(a, 'no answer in time')}" for a in peers)
+            raise BootstrapError(f"no bootstrap peer answered ({detail})")
+        await self._lookup(self.table.own_id, None, quorum=None)
+        log.info("joined the DHT: %d peers in the routing table", len(self.table))
+
+    async def _refresh_loop(self) -> None:
+        cfg = self.config
+        while True:
+            await trio.sleep(cfg.refresh_interval_s * random.uniform(0.5, 1.0))
+            if len(self.table) == 0 and self._bootstrap:
+                try:
+                    await self.bootstrap(self._bootstrap)
+                except BootstrapError as exc:
+                    log.warning("routing table is empty and rejoining failed: %s", exc)
+                continue
+            now = time.monotonic()
+            async with trio.open_nursery() as nursery:
+                for contact in self.table.stale(now - cfg.stale_after_s)[: cfg.k]:
+                    nursery.start_soon(self._ping_quietly, contact.address, contact.peer_id)
+                for index in self.table.refresh_targets(now - cfg.refresh_interval_s):
+                    target = random_id_in_bucket(self.table.own_id, index)
+                    nursery.start_soon(self._lookup, target, None, None)
+
+    async def _ping_quietly(self, address: str, peer_id: PeerId) -> None:
+        with contextlib.suppress(rpc.RpcError, ProtocolError):  # the caller evicts it
+            await self.caller.ping(address, peer_id)
+
+    async def _republish_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.republish_interval_s * random.uniform(0.8, 1.0))
+            now_ms = int(self._clock() * 1000)
+            for slot in [s for s, r in self._own.items() if r.expires_ms <= now_ms]:
+                del self._own[slot]
+            if self._own:
+                await self._replicate(list(self._own.values()))
+
+    # -- store -----------------------------------------------------------------------------
+
+    async def _lookup(self, target: int, key: bytes | None, quorum: int | None) -> LookupResult:
+        cfg = self.config
+        params = LookupParams(cfg.k, cfg.alpha, cfg.lookup_timeout_s, quorum)
+        return await lookup(
+            self.caller,
+            target,
+            key,
+            params,
+            verifier=self.verifier,
+            limits=cfg.storage.records,
+            clock=self._clock,
+        )
+
+    async def store(
+        self,
+        key: str | bytes,
+        value: bytes,
+        expires: float,
+        subkey: str | bytes | None = None,
+    ) -> int:
+        """Signs and stores ``value`` until ``expires``, on the k nodes closest to ``key``.
+
+        With ``subkey``, adds or updates one entry of the key's sub-key map (other owners'
+        entries stay). Returns how many nodes (this one included) now hold it; 0 means nobody
+        accepted it. Raises RecordError if the record breaks the size or expiry limits.
+        """
+        record = sign_record(
+            self.identity,
+            _bytes(key),
+            value,
+            expires,
+            None if subkey is None else _bytes(subkey),
+        )
+        check_shape(record, self.config.storage.records, self._clock())
+        self._own[(record.key, record.subkey)] = record
+        return (await self._replicate([record]))[0]
+
+    async def _replicate(self, records: list[Record]) -> list[int]:
+        """Stores each record on its k closest nodes; one bulk Store per destination."""
+        keys = sorted({r.key for r in records})
+        closest: dict[bytes, list[tuple[PeerId, str]]] = {}
+
+        async def find(key: bytes) -> None:
+            closest[key] = (await self._lookup(key_id(key), None, None)).closest
+
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                nursery.start_soon(find, key)
+        by_node: dict[tuple[PeerId, str], list[int]] = {}
+        counts = [0] * len(records)
+        own_id = self.table.own_id
+        for i, record in enumerate(records):
+            target = key_id(record.key)
+            nodes = closest[record.key]
+            # This node keeps a replica too if it is among the k closest.
+            if len(nodes) < self.config.k or (own_id ^ target) < (node_id(nodes[-1][0]) ^ target):
+                try:
+                    self.storage.put(record)
+                    counts[i] += 1
+                except RecordError as exc:
+                    log.debug("not keeping own record locally: %s", exc)
+            for node in nodes:
+                by_node.setdefault(node, []).append(i)
+
+        async def send(node: tuple[PeerId, str], indices: list[int]) -> None:
+            batch = self.config.service.max_batch
+            for start in range(0, len(indices), batch):
+                chunk = indices[start : start + batch]
+                try:
+                    resp = await self.caller.store(
+                        node[0], node[1], [records[i].to_pb() for i in chunk]
+                    )
+                except (rpc.RpcError, ProtocolError):
+                    return
+                for i, outcome in zip(chunk, resp.outcomes, strict=True):
+                    if outcome != pb.StoreResponse.REFUSED:
+                        counts[i] += 1
+
+        with trio.move_on_after(self.config.lookup_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for node, indices in by_node.items():
+                    nursery.start_soon(send, node, indices)
+        return counts
+
+    # -- get -------------------------------------------------------------------------------
+
+    async def get_records(self, key: str | bytes, *, exhaustive: bool = False) -> list[Record]:
+        """Every valid record found under ``key`` (this node's and the closest nodes')."""
+        raw = _bytes(key)
+        local = self.storage.get(raw)
+        quorum = None if exhaustive else self.config.get_quorum
+        result = await self._lookup(key_id(raw), raw, quorum)
+        return local + result.records
+
+    async def get(
+        self, key: str | bytes, *, exhaustive: bool = False
+    ) -> Value | dict[str, Value] | None:
+        """The key's value (newest expiry wins), or its merged sub-key map, or None.
+
+        By default the lookup stops once records were found and ``get_quorum`` of the closest
+        nodes answered; ``exhaustive=True`` asks all k closest (slower, most complete).
+        """
+        return merge(await self.get_records(key, exhaustive=exhaustive), self._clock())
+
+    async def get_value(self, key: str | bytes) -> Value | None:
+        found = await self.get(key)
+        return found if isinstance(found, Value) else None
+
+    async def get_map(self, key: str | bytes, *, exhaustive: bool = False) -> dict[str, Value]:
+        found = await self.get(key, exhaustive=exhaustive)
+        return found if isinstance(found, dict) else {}
+
+    # -- announce / watch ------------------------------------------------------------------
+
+    async def peers(self, key: str | bytes, *, exhaustive: bool = False) -> dict[PeerId, Value]:
+        """Peers announced under ``key``: sub-keys that name their own signer."""
+        found: dict[PeerId, Value] = {}
+        for subkey, value in (await self.get_map(key, exhaustive=exhaustive)).items():
+            if is_peer_subkey(subkey.encode()) and PeerId.from_string(subkey) == value.owner:
+                found[value.owner] = value
+        return found
+
+    @asynccontextmanager
+    async def announce(
+        self, key: str | bytes, value: bytes, ttl: float = 30.0
+    ) -> AsyncIterator[None]:
+        """Announces this peer under ``key`` (sub-key = its peer id) while the block runs.
+
+        The entry is stored before the block starts and re-stored with a fresh expiry every
+        ttl/3, so it outlives a missed refresh; after the block it lapses within ``ttl``.
+        """
+        if not ttl > 0:
+            raise ValueError("ttl must be positive")
+        subkey = str(self.peer_id)
+        await self.store(key, value, self._clock() + ttl, subkey)
+
+        async def refresh() -> None:
+            while True:
+                await trio.sleep(ttl / 3)
+                await self.store(key, value, self._clock() + ttl, subkey)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(refresh)
+            try:
+                yield
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def watch(
+        self, key: str | bytes, interval: float = 1.0
+    ) -> AsyncIterator[dict[PeerId, Value]]:
+        """Yields the peers announced under ``key`` now, then whenever that set changes."""
+        if not interval > 0:
+            raise ValueError("interval must be positive")
+        last: set[PeerId] | None = None
+        while True:
+            current = await self.peers(key)
+            if last is None or set(current) != last:
+                last = set(current)
+                yield current
+            await trio.sleep(interval)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "routing_table": len(self.table),
+            "records": len(self.storage),
+            "record_bytes": self.storage.nbytes,
+            "own_records": len(self._own),
+            "rtt_ms": round(self.caller.rtt.srtt * 1000, 2),
+            "timeout_ms": round(self.caller.rtt.timeout() * 1000, 2),
+        }
+
+
+@asynccontextmanager
+async def open_dht(
+    identity: Identity,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    bootstrap: Sequence[str] = (),
+    config: DHTConfig | None = None,
+    transport: rpc.TransportConfig | None = None,
+    clock: Callable[[], float] = time.time,
+    extra_services: Sequence[rpc.Service] = (),
+) -> AsyncIterator[tuple[DHTNode, rpc.RpcServer]]:
+    """A DHT-only node with its own server and client, joined and running in the block."""
+    transport = transport or rpc.TransportConfig(max_concurrent_rpcs=16, max_inflight_calls=64)
+    client = rpc.RpcClient(identity, transport)
+    node = DHTNode(identity, client, config, clock=clock)
+    try:
+        async with (
+            rpc.serve([node.service(), *extra_services], host, port, config=transport) as server,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(node.run, server.address.port, list(bootstrap))
+            yield node, server
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The nurseries wrap a failed join; callers want to catch BootstrapError itself.
+        leaf = _single_leaf(group)
+        if isinstance(leaf, BootstrapError):
+            raise leaf from None
+        raise
+    finally:
+        client.close()
+
+
+def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc

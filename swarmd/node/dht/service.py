@@ -1,0 +1,135 @@
+"""The DHT's gRPC service: bulk Ping, Store and Find, answered from local state only.
+
+Handlers never call other peers, so a request costs the callee a bounded amount of work: at
+most ``max_batch`` records or targets per call, each checked for size before its signature.
+Every caller that says where it listens enters our routing table under the IP address its
+call came from (the port is its claim), which is how a swarm learns about new nodes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from swarmd.node.dht.caller import SERVICE, make_proof
+from swarmd.node.dht.ids import ID_BYTES, id_from_bytes
+from swarmd.node.dht.records import Record, RecordError
+from swarmd.node.dht.routing import RoutingTable
+from swarmd.node.dht.storage import Outcome, Storage
+from swarmd.protocol import dht_pb2 as pb
+from swarmd.protocol import rpc
+from swarmd.protocol.address import Address
+from swarmd.protocol.identity import Identity, PeerId
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    #: Records per Store call and targets per Find call.
+    max_batch: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError("ServiceLimits.max_batch must be >= 1")
+
+
+def caller_address(transport_peer: str, port: int) -> str | None:
+    """HOST:PORT where a caller listens: the IP its call came from, the port it claims."""
+    if port == 0 or port > 65535:
+        return None
+    kind, _, rest = transport_peer.partition(":")
+    if kind == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif kind == "ipv6":
+        host = rest.rpartition(":")[0].strip("[]")
+    else:
+        return None
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return str(Address(host, port))
+
+
+_OUTCOME = {
+    Outcome.STORED: pb.StoreResponse.STORED,
+    Outcome.SUPERSEDED: pb.StoreResponse.SUPERSEDED,
+}
+
+
+class DHTService:
+    def __init__(
+        self,
+        identity: Identity,
+        table: RoutingTable,
+        storage: Storage,
+        limits: ServiceLimits | None = None,
+    ) -> None:
+        self.identity = identity
+        self.table = table
+        self.storage = storage
+        self.limits = limits or ServiceLimits()
+
+    def service(self) -> rpc.Service:
+        return rpc.Service(
+            SERVICE,
+            [
+                rpc.unary("Ping", pb.PingRequest, self.ping),
+                rpc.unary("Store", pb.StoreRequest, self.store),
+                rpc.unary("Find", pb.FindRequest, self.find),
+            ],
+        )
+
+    def _note_caller(self, ctx: rpc.CallContext, port: int) -> None:
+        if ctx.peer_id is None:
+            return
+        address = caller_address(ctx.peer, port)
+        if address is not None:
+            self.table.seen(ctx.peer_id, address)
+
+    async def ping(self, req: pb.PingRequest, ctx: rpc.CallContext) -> pb.PingResponse:
+        self._note_caller(ctx, req.sender_port)
+        resp = pb.PingResponse(peer_id=self.identity.peer_id.raw)
+        if req.challenge:
+            resp.proof.CopyFrom(make_proof(self.identity, req.challenge))
+        return resp
+
+    async def store(self, req: pb.StoreRequest, ctx: rpc.CallContext) -> pb.StoreResponse:
+        if len(req.records) > self.limits.max_batch:
+            raise rpc.RpcError(
+                rpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(req.records)} records in one Store; the limit is {self.limits.max_batch}",
+            )
+        self._note_caller(ctx, req.sender_port)
+        resp = pb.StoreResponse()
+        for msg in req.records:
+            try:
+                outcome = _OUTCOME[self.storage.put(Record.from_pb(msg))]
+                reason = ""
+            except RecordError as exc:
+                outcome, reason = pb.StoreResponse.REFUSED, str(exc)
+            resp.outcomes.append(outcome)
+            resp.reasons.append(reason)
+        return resp
+
+    async def find(self, req: pb.FindRequest, ctx: rpc.CallContext) -> pb.FindResponse:
+        if len(req.targets) > self.limits.max_batch or len(req.keys) > len(req.targets):
+            raise rpc.RpcError(
+                rpc.StatusCode.INVALID_ARGUMENT,
+                f"a Find takes at most {self.limits.max_batch} targets, and no more keys",
+            )
+        self._note_caller(ctx, req.sender_port)
+        exclude: tuple[PeerId, ...] = (ctx.peer_id,) if ctx.peer_id is not None else ()
+        resp = pb.FindResponse(peer_id=self.identity.peer_id.raw)
+        k = self.table.config.k
+        for i, raw in enumerate(req.targets):
+            if len(raw) != ID_BYTES:
+                raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "a target has 32 bytes")
+            result = resp.results.add()
+            for contact in self.table.closest(id_from_bytes(raw), k, exclude):
+                result.nodes.add(peer_id=contact.peer_id.raw, address=contact.address)
+            key = req.keys[i] if i < len(req.keys) else b""
+            if key:
+                result.records.extend(r.to_pb() for r in self.storage.get(key))
+        if req.challenge:
+            resp.proof.CopyFrom(make_proof(self.identity, req.challenge))
+        return resp

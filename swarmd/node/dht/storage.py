@@ -1,0 +1,172 @@
+"""The records one node holds for the swarm: expiry, newest-wins merging, per-owner quotas.
+
+A key holds a plain record, a map of sub-key entries, or both (readers prefer whichever
+expires last). Each slot (key, or key + sub-key) keeps one record:
+
+- newer expiry wins, so re-publishing with a later expiry updates every replica, and an old
+  record replayed later is ignored;
+- a live slot can only be replaced by its own owner, so nobody can overwrite (or delete by
+  overwriting) another peer's record; a slot is free again once its record expires;
+- expired records are dropped and never returned.
+
+Quotas bound what one owner key can make this node hold (count and bytes), and a global cap
+bounds everything, so a flood from freshly generated keys costs memory only up to that cap.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from swarmd.node.dht.records import Record, RecordError, RecordLimits, Verifier, check_shape
+
+
+class Outcome(enum.Enum):
+    STORED = "stored"
+    #: The node already held this record or a newer one; not an error.
+    SUPERSEDED = "superseded"
+
+
+@dataclass(frozen=True)
+class StorageLimits:
+    """What a node agrees to hold for others."""
+
+    records: RecordLimits = field(default_factory=RecordLimits)
+    max_records_per_owner: int = 1024
+    max_bytes_per_owner: int = 4 << 20
+    max_records: int = 200_000
+    max_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_records_per_owner", "max_bytes_per_owner", "max_records", "max_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"StorageLimits.{name} must be positive")
+
+
+@dataclass
+class _Usage:
+    count: int = 0
+    nbytes: int = 0
+
+
+class Storage:
+    """Not thread-safe: used from the trio loop only."""
+
+    def __init__(
+        self,
+        limits: StorageLimits | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        verifier: Verifier | None = None,
+    ) -> None:
+        self.limits = limits or StorageLimits()
+        self._clock = clock
+        self._verifier = verifier or Verifier()
+        self._plain: dict[bytes, Record] = {}
+        self._subs: dict[bytes, dict[bytes, Record]] = {}
+        self._usage: dict[bytes, _Usage] = {}
+        self._total = _Usage()
+        # (expires_ms, key, subkey) of every stored record; stale entries are skipped on pop.
+        self._expiries: list[tuple[int, bytes, bytes | None]] = []
+
+    def __len__(self) -> int:
+        return self._total.count
+
+    @property
+    def nbytes(self) -> int:
+        return self._total.nbytes
+
+    def usage(self, owner_key: bytes) -> tuple[int, int]:
+        u = self._usage.get(owner_key)
+        return (u.count, u.nbytes) if u else (0, 0)
+
+    def _slot(self, key: bytes, subkey: bytes | None) -> Record | None:
+        if subkey is None:
+            return self._plain.get(key)
+        return self._subs.get(key, {}).get(subkey)
+
+    def put(self, record: Record) -> Outcome:
+        """Stores ``record`` or says why not (RecordError); verifies the signature last."""
+        now = self._clock()
+        self.purge(now)
+        check_shape(record, self.limits.records, now)
+        old = self._slot(record.key, record.subkey)
+        if old is not None:
+            if old.owner_key != record.owner_key:
+                raise RecordError("slot is held by another owner until its record expires")
+            if not record.supersedes(old):
+                return Outcome.SUPERSEDED
+        self._check_quota(record, old)
+        self._verifier.verify(record)
+        if old is not None:
+            self._account(old, -1)
+        if record.subkey is None:
+            self._plain[record.key] = record
+        else:
+            self._subs.setdefault(record.key, {})[record.subkey] = record
+        self._account(record, +1)
+        heapq.heappush(self._expiries, (record.expires_ms, record.key, record.subkey))
+        return Outcome.STORED
+
+    def _check_quota(self, record: Record, old: Record | None) -> None:
+        lim = self.limits
+        usage = self._usage.get(record.owner_key, _Usage())
+        count = usage.count + (0 if old else 1)
+        nbytes = usage.nbytes + record.size - (old.size if old else 0)
+        if count > lim.max_records_per_owner or nbytes > lim.max_bytes_per_owner:
+            raise RecordError(
+                f"owner quota exceeded ({lim.max_records_per_owner} records, "
+                f"{lim.max_bytes_per_owner} B per owner)"
+            )
+        total_count = self._total.count + (0 if old else 1)
+        total_bytes = self._total.nbytes + record.size - (old.size if old else 0)
+        if total_count > lim.max_records or total_bytes > lim.max_bytes:
+            raise RecordError("this node's storage is full")
+
+    def _account(self, record: Record, sign: int) -> None:
+        usage = self._usage.setdefault(record.owner_key, _Usage())
+        usage.count += sign
+        usage.nbytes += sign * record.size
+        self._total.count += sign
+        self._total.nbytes += sign * record.size
+        if usage.count == 0:
+            del self._usage[record.owner_key]
+
+    def get(self, key: bytes) -> list[Record]:
+        """Live records under ``key``: the plain one (if any) then sub-key entries."""
+        now = self._clock()
+        self.purge(now)
+        now_ms = int(now * 1000)
+        found: list[Record] = []
+        plain = self._plain.get(key)
+        if plain is not None and plain.expires_ms > now_ms:
+            found.append(plain)
+        found.extend(r for r in self._subs.get(key, {}).values() if r.expires_ms > now_ms)
+        return found
+
+    def records(self) -> list[Record]:
+        """Every live record (for hand-over to new neighbours)."""
+        self.purge(self._clock())
+        out = list(self._plain.values())
+        for subs in self._subs.values():
+            out.extend(subs.values())
+        return out
+
+    def purge(self, now: float) -> None:
+        now_ms = int(now * 1000)
+        while self._expiries and self._expiries[0][0] <= now_ms:
+            expires_ms, key, subkey = heapq.heappop(self._expiries)
+            current = self._slot(key, subkey)
+            if current is None or current.expires_ms != expires_ms:
+                continue  # replaced since; the newer record has its own heap entry
+            self._account(current, -1)
+            if subkey is None:
+                del self._plain[key]
+            else:
+                subs = self._subs[key]
+                del subs[subkey]
+                if not subs:
+                    del self._subs[key]
