@@ -1,0 +1,515 @@
+"""State sync: a joining peer downloads the current global state from the peers that hold it.
+
+Donors (statesync_donor.py) serve a snapshot (statesync_snapshot.py) in hashed chunks. The joiner
+here asks every donor for its manifest, picks the state, and fetches chunks from several donors
+at once, checking each chunk against the manifest as it arrives and refetching from another
+donor whatever fails. Every wait is bounded: manifests by a timeout, each chunk by a timeout
+derived from the throughput measured so far, backoffs by their length, and the whole download
+by ``deadline_s``, after which it raises ``StateSyncError`` saying what failed. A stalled donor
+therefore costs one chunk timeout, never the download (hivemind's state download could hang on a
+donor that stopped answering).
+
+Daemon usage::
+
+    donor = StateDonor()                       # its service() goes into rpc.serve([...])
+    snap = await trio.to_thread.run_sync(      # after each outer step
+        lambda: StateSnapshot.build(named_tensors, round=r, meta={"config": cfg_hash}))
+    donor.publish(snap)
+    dht.store(advert_key(run), donor.advert(my_address).to_bytes(), subkey=str(peer_id))
+
+    # a joiner
+    want, addresses = choose_donors(StateAdvert.from_bytes(v) for v in dht.get(advert_key(run)))
+    snap = await download_state(client, addresses, deadline_s=300, want_hash=want)
+    model.load_state_dict(snap.to_state_dict(), strict=False)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from swarmd.protocol import rpc
+from swarmd.protocol import statesync_pb2 as pb
+from swarmd.protocol.errors import ProtocolError
+
+from .statesync_donor import (
+    DONOR_SERVICE,
+    GET_CHUNK,
+    GET_MANIFEST,
+    AdvertError,
+    DonorConfig,
+    DonorStats,
+    StateAdvert,
+    StateDonor,
+    advert_key,
+    choose_donors,
+)
+from .statesync_snapshot import (
+    DEFAULT_CHUNK_BYTES,
+    HASH_BYTES,
+    MAX_STATE_BYTES,
+    Manifest,
+    ManifestError,
+    StateSnapshot,
+    chunk_hash,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DONOR_SERVICE",
+    "GET_CHUNK",
+    "GET_MANIFEST",
+    "AdvertError",
+    "DonorConfig",
+    "DonorStats",
+    "Manifest",
+    "ManifestError",
+    "StateAdvert",
+    "StateDonor",
+    "StateSnapshot",
+    "StateSyncError",
+    "SyncConfig",
+    "SyncStats",
+    "advert_key",
+    "choose_donors",
+    "download_state",
+]
+
+log = logging.getLogger("swarmd.statesync")
+
+
+class StateSyncError(Exception):
+    """The state could not be downloaded; ``failures`` lists what went wrong, per donor."""
+
+    def __init__(self, message: str, failures: Sequence[str] = ()) -> None:
+        self.failures = list(failures)
+        shown = self.failures[-12:]
+        detail = ""
+        if shown:
+            more = len(self.failures) - len(shown)
+            detail = "; failures: " + "; ".join(shown) + (f" (+{more} earlier)" if more else "")
+        super().__init__(message + detail)
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    #: Chunk streams at once from one donor: two keep its pipe full across request latency.
+    per_donor: int = 2
+    #: Bound on each manifest request; a donor slower than this is not worth waiting for.
+    manifest_timeout_s: float = 5.0
+    #: Bound on a chunk before any throughput has been measured (then it is derived from it).
+    first_chunk_timeout_s: float = 20.0
+    #: A chunk may take ``timeout_slack`` times as long as the measured throughput predicts.
+    timeout_slack: float = 4.0
+    #: Floor of the derived chunk timeout: scheduling jitter on a loaded machine, not bandwidth.
+    min_chunk_timeout_s: float = 1.0
+    backoff_base_s: float = 0.05
+    backoff_max_s: float = 2.0
+    #: Consecutive failed fetches after which a donor is dropped for this download.
+    max_donor_failures: int = 3
+    #: Failed fetches of one chunk (over all donors) after which the download gives up.
+    max_chunk_failures: int = 8
+    #: Largest state a joiner accepts: checked on the manifest, before allocating the buffer.
+    max_state_bytes: int = MAX_STATE_BYTES
+    progress_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.per_donor < 1 or self.max_donor_failures < 1 or self.max_chunk_failures < 1:
+            raise ValueError("SyncConfig counts must be >= 1")
+        for name in (
+            "manifest_timeout_s",
+            "first_chunk_timeout_s",
+            "min_chunk_timeout_s",
+            "backoff_base_s",
+            "progress_interval_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SyncConfig.{name} must be positive")
+        if self.timeout_slack < 1:
+            raise ValueError("SyncConfig.timeout_slack must be >= 1")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("SyncConfig.backoff_max_s must be >= backoff_base_s")
+        if self.max_state_bytes < 0:
+            raise ValueError("SyncConfig.max_state_bytes must be >= 0")
+
+
+@dataclass
+class SyncStats:
+    """What one download did; pass an instance to ``download_state`` to have it filled in."""
+
+    state_hash: bytes = b""
+    round: int = -1
+    total_bytes: int = 0
+    chunks_total: int = 0
+    chunks_done: int = 0
+    bytes_done: int = 0
+    corrupt_chunks: int = 0
+    busy_rejections: int = 0
+    failed_fetches: int = 0
+    elapsed_s: float = 0.0
+    chunks_by_donor: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_done / 1e6 / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+@dataclass
+class _Donor:
+    address: str
+    rtt_s: float = 0.0
+    #: Exponential moving average of one stream's throughput from this donor, bytes/s.
+    rate: float | None = None
+    inflight: int = 0
+    failures: int = 0
+    busy: int = 0
+    backoff_until: float = 0.0
+    #: Why this donor is no longer used for this download; None while it is.
+    out: str | None = None
+
+
+class _Abort(Exception):
+    """Internal: a fatal condition was recorded; the download nursery is being cancelled."""
+
+
+class _Download:
+    def __init__(
+        self,
+        client: rpc.RpcClient,
+        addresses: Sequence[str],
+        parallel: int,
+        config: SyncConfig,
+        stats: SyncStats,
+        on_progress: Callable[[int, int], None] | None,
+    ) -> None:
+        self.client = client
+        self.addresses = list(dict.fromkeys(addresses))
+        self.parallel = parallel
+        self.cfg = config
+        self.stats = stats
+        self.on_progress = on_progress
+        self.failures: list[str] = []
+        self.fatal: str | None = None
+        self.donors: list[_Donor] = []
+        self.manifest: Manifest | None = None
+        self.buf = bytearray()
+        self.chunk_failures: Counter[int] = Counter()
+        self.failed_on: dict[int, set[str]] = {}
+        self.changed = trio.Event()
+        self.started = trio.current_time()
+        self.last_log = self.started
+
+    # -- manifests ----------------------------------------------------------------------------
+
+    async def _fetch_manifest(
+        self, address: str, want_hash: bytes | None, found: dict[str, tuple[Manifest, float]]
+    ) -> None:
+        start = trio.current_time()
+        req = pb.GetManifestRequest(state_hash=want_hash or b"")
+        try:
+            with trio.fail_after(self.cfg.manifest_timeout_s):
+                resp = await self.client.unary(
+                    address, GET_MANIFEST, req, pb.GetManifestResponse, timeout=math.inf
+                )
+            manifest = Manifest.from_proto(resp.manifest)
+        except trio.TooSlowError:
+            self.failures.append(
+                f"{address}: no manifest within {self.cfg.manifest_timeout_s:.1f}s"
+            )
+            return
+        except (rpc.RpcError, ProtocolError) as exc:
+            self.failures.append(f"{address}: manifest: {exc}")
+            return
+        if resp.state_hash != manifest.state_hash:
+            self.failures.append(
+                f"{address}: claims state {resp.state_hash.hex()[:16]} but its manifest hashes "
+                f"to {manifest.state_hash.hex()[:16]}"
+            )
+            return
+        found[address] = (manifest, trio.current_time() - start)
+
+    async def _choose(self, want_hash: bytes | None) -> None:
+        found: dict[str, tuple[Manifest, float]] = {}
+        async with trio.open_nursery() as nursery:
+            for address in self.addresses:
+                nursery.start_soon(self._fetch_manifest, address, want_hash, found)
+        if want_hash is not None:
+            chosen = want_hash
+        else:
+            counts = Counter(m.state_hash for m, _ in found.values())
+            rounds = {m.state_hash: m.round for m, _ in found.values()}
+            if not counts:
+                raise StateSyncError("no donor answered with a manifest", self.failures)
+            chosen = max(counts, key=lambda h: (rounds[h], counts[h], h))
+        for address, (manifest, rtt) in found.items():
+            if manifest.state_hash == chosen:
+                self.manifest = manifest
+                self.donors.append(_Donor(address, rtt_s=rtt))
+        if self.manifest is None:
+            raise StateSyncError(f"no donor serves state {chosen.hex()[:16]}", self.failures)
+        m = self.manifest
+        if m.total_bytes > self.cfg.max_state_bytes:
+            raise StateSyncError(
+                f"state {chosen.hex()[:16]} has {m.total_bytes} B, over this node's limit of "
+                f"{self.cfg.max_state_bytes} B"
+            )
+        self.stats.state_hash, self.stats.round = chosen, m.round
+        self.stats.total_bytes, self.stats.chunks_total = m.total_bytes, m.n_chunks
+        log.info(
+            "state sync: round %d (%s), %.1f MB in %d chunks from %d of %d donors",
+            m.round,
+            chosen.hex()[:16],
+            m.total_bytes / 1e6,
+            m.n_chunks,
+            len(self.donors),
+            len(self.addresses),
+        )
+
+    # -- chunks -------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def _abort(self, reason: str) -> _Abort:
+        if self.fatal is None:
+            self.fatal = reason
+        return _Abort(reason)
+
+    def _backoff(self, donor: _Donor, streak: int) -> None:
+        delay = min(self.cfg.backoff_base_s * 2 ** (streak - 1), self.cfg.backoff_max_s)
+        donor.backoff_until = trio.current_time() + delay * random.uniform(0.5, 1.0)
+
+    async def _pick(self, index: int) -> _Donor:
+        """The donor expected to deliver ``index`` soonest; waits (bounded) while all are busy."""
+        while True:
+            live = [d for d in self.donors if d.out is None]
+            if not live:
+                raise self._abort("no donor left that can serve the state")
+            now = trio.current_time()
+            ready = [d for d in live if d.inflight < self.cfg.per_donor and d.backoff_until <= now]
+            # A donor that failed is used only while no healthy donor could take the chunk
+            # soon: waiting for a busy healthy stream beats another timeout on a stalled donor.
+            healthy = [d for d in ready if d.failures == 0]
+            healthy_busy = any(
+                d.failures == 0 and d.backoff_until <= now and d not in ready for d in live
+            )
+            pool = healthy or ([] if healthy_busy else ready)
+            if pool:
+                tried = self.failed_on.get(index, set())
+                untried = [d for d in pool if d.address not in tried] or pool
+                known = [d.rate for d in self.donors if d.rate]
+                default_rate = max(known) if known else 1.0
+                best = min(
+                    untried,
+                    key=lambda d: (d.failures, (d.inflight + 1) / (d.rate or default_rate)),
+                )
+                best.inflight += 1
+                return best
+            # Wake when a donor frees a stream slot or when the earliest backoff ends.
+            wake = min((d.backoff_until for d in live if d.backoff_until > now), default=math.inf)
+            with trio.move_on_at(wake):
+                await self.changed.wait()
+
+    def _timeout(self, donor: _Donor, nbytes: int) -> float:
+        rate = donor.rate or max((d.rate for d in self.donors if d.rate), default=None)
+        if rate is None:
+            return self.cfg.first_chunk_timeout_s
+        predicted = nbytes / rate + 2 * donor.rtt_s
+        return max(self.cfg.min_chunk_timeout_s, self.cfg.timeout_slack * predicted)
+
+    def _verify_and_store(self, index: int, data: bytearray) -> bool:
+        """Runs in a worker thread: hashing 4 MiB takes milliseconds the event loop needs."""
+        assert self.manifest is not None
+        if chunk_hash(data) != self.manifest.chunk_hashes[index]:
+            return False
+        start, end = self.manifest.chunk_span(index)
+        self.buf[start:end] = data
+        return True
+
+    def _failed(self, donor: _Donor, index: int, reason: str, *, drop: bool = False) -> None:
+        self.stats.failed_fetches += 1
+        self.failures.append(f"{donor.address} chunk {index}: {reason}")
+        self.chunk_failures[index] += 1
+        self.failed_on.setdefault(index, set()).add(donor.address)
+        donor.failures += 1
+        if drop or donor.failures >= self.cfg.max_donor_failures:
+            if donor.out is None:
+                donor.out = reason
+                log.warning("state sync: dropping donor %s: %s", donor.address, reason)
+        else:
+            self._backoff(donor, donor.failures)
+        if self.chunk_failures[index] >= self.cfg.max_chunk_failures:
+            raise self._abort(f"chunk {index} failed {self.chunk_failures[index]} times")
+
+    async def _fetch(self, index: int, donor: _Donor) -> bool:
+        assert self.manifest is not None
+        start, end = self.manifest.chunk_span(index)
+        nbytes = end - start
+        req = pb.GetChunkRequest(state_hash=self.manifest.state_hash, index=index)
+        timeout = self._timeout(donor, nbytes)
+        began = trio.current_time()
+        try:
+            with trio.fail_after(timeout):
+                meta, data = await self.client.get_tensor(
+                    donor.address, GET_CHUNK, req, timeout=math.inf, max_bytes=nbytes
+                )
+        except trio.TooSlowError:
+            self._failed(donor, index, f"no chunk within {timeout:.2f}s")
+            return False
+        except rpc.RpcError as exc:
+            if exc.code is rpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.stats.busy_rejections += 1
+                donor.busy += 1
+                self._backoff(donor, donor.busy)
+                return False
+            gone = exc.code in (rpc.StatusCode.NOT_FOUND, rpc.StatusCode.OUT_OF_RANGE)
+            self._failed(donor, index, str(exc), drop=gone)
+            return False
+        except ProtocolError as exc:
+            self._failed(donor, index, f"malformed chunk stream: {exc}", drop=True)
+            return False
+        if meta.dtype != "uint8" or len(data) != nbytes:
+            self._failed(donor, index, f"sent {len(data)} B of {meta.dtype}", drop=True)
+            return False
+        elapsed = trio.current_time() - began
+        if not await trio.to_thread.run_sync(self._verify_and_store, index, data):
+            self.stats.corrupt_chunks += 1
+            log.warning(
+                "state sync: chunk %d from %s does not match the manifest's hash; refetching it "
+                "from another donor",
+                index,
+                donor.address,
+            )
+            self._failed(donor, index, "sent a chunk whose hash does not match", drop=True)
+            return False
+        sample = nbytes / max(elapsed, 1e-6)
+        donor.rate = sample if donor.rate is None else 0.7 * donor.rate + 0.3 * sample
+        donor.failures = donor.busy = 0
+        self.stats.chunks_by_donor[donor.address] = (
+            self.stats.chunks_by_donor.get(donor.address, 0) + 1
+        )
+        self._done(nbytes)
+        return True
+
+    def _done(self, nbytes: int) -> None:
+        s = self.stats
+        s.chunks_done += 1
+        s.bytes_done += nbytes
+        now = trio.current_time()
+        s.elapsed_s = now - self.started
+        if self.on_progress is not None:
+            self.on_progress(s.chunks_done, s.chunks_total)
+        if s.chunks_done == s.chunks_total or now - self.last_log >= self.cfg.progress_interval_s:
+            self.last_log = now
+            log.info(
+                "state sync: %d/%d chunks, %.1f/%.1f MB, %.1f MB/s",
+                s.chunks_done,
+                s.chunks_total,
+                s.bytes_done / 1e6,
+                s.total_bytes / 1e6,
+                s.mb_per_s,
+            )
+
+    async def _worker(
+        self,
+        queue: trio.MemoryReceiveChannel[int],
+        requeue: trio.MemorySendChannel[int],
+        all_done: trio.CancelScope,
+    ) -> None:
+        async for index in queue:
+            donor = await self._pick(index)
+            try:
+                ok = await self._fetch(index, donor)
+            finally:
+                donor.inflight -= 1
+                self._notify()
+            if not ok:
+                requeue.send_nowait(index)
+            elif self.stats.chunks_done == self.stats.chunks_total:
+                all_done.cancel()
+
+    async def run(self, want_hash: bytes | None) -> StateSnapshot:
+        await self._choose(want_hash)
+        manifest = self.manifest
+        assert manifest is not None
+        self.buf = bytearray(manifest.total_bytes)
+        if manifest.n_chunks:
+            send, recv = trio.open_memory_channel[int](math.inf)
+            # Stagger the start so that concurrent joiners do not all begin at chunk 0.
+            first = random.randrange(manifest.n_chunks)
+            for i in range(manifest.n_chunks):
+                send.send_nowait((first + i) % manifest.n_chunks)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for _ in range(self.parallel):
+                        nursery.start_soon(self._worker, recv, send, nursery.cancel_scope)
+            except BaseExceptionGroup as group:
+                aborts, rest = group.split(_Abort)
+                if rest is not None:
+                    raise rest from None
+                assert aborts is not None
+                raise StateSyncError(
+                    f"state sync failed after {self.stats.chunks_done}/{manifest.n_chunks} "
+                    f"chunks: {self.fatal}",
+                    self.failures,
+                ) from None
+        snapshot = StateSnapshot.from_buffer(manifest, self.buf, verify=False)
+        self.stats.elapsed_s = trio.current_time() - self.started
+        log.info(
+            "state sync: got round %d (%s), %.1f MB in %.2fs (%.1f MB/s), %d corrupt chunks, "
+            "%d failed and %d refused fetches",
+            snapshot.round,
+            snapshot.state_hash.hex()[:16],
+            snapshot.total_bytes / 1e6,
+            self.stats.elapsed_s,
+            self.stats.mb_per_s,
+            self.stats.corrupt_chunks,
+            self.stats.failed_fetches,
+            self.stats.busy_rejections,
+        )
+        return snapshot
+
+
+async def download_state(
+    client: rpc.RpcClient,
+    donors: Sequence[str],
+    *,
+    deadline_s: float,
+    want_hash: bytes | None = None,
+    parallel: int = 4,
+    config: SyncConfig | None = None,
+    stats: SyncStats | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> StateSnapshot:
+    """Downloads a state from ``donors`` (addresses), verified chunk by chunk, within deadline_s.
+
+    Without ``want_hash``, takes the newest round any donor serves (among equal rounds, the
+    state most donors agree on). Raises StateSyncError when the deadline passes, no donor can
+    serve the state, or a chunk keeps failing; ``on_progress(done, total)`` is called per chunk.
+    """
+    if deadline_s <= 0:
+        raise ValueError("deadline_s must be positive")
+    if parallel < 1:
+        raise ValueError("parallel must be >= 1")
+    if want_hash is not None and len(want_hash) != HASH_BYTES:
+        raise ValueError(f"want_hash must have {HASH_BYTES} bytes")
+    if not donors:
+        raise StateSyncError("no donors given")
+    job = _Download(
+        client, donors, parallel, config or SyncConfig(), stats or SyncStats(), on_progress
+    )
+    with trio.move_on_after(deadline_s):
+        return await job.run(want_hash)
+    s = job.stats
+    raise StateSyncError(
+        f"state sync did not finish within its {deadline_s:.1f}s deadline "
+        f"({s.chunks_done}/{s.chunks_total} chunks, {len(job.donors)} donors)",
+        job.failures,
+    )
