@@ -121,7 +121,17 @@ class Caller:
         while len(self._verified) > 4096:
             self._verified.popitem(last=False)
 
-    async def _call(self, address: str, path: str, request: Message, response_type: type[R]) -> R:
+    async def _call(
+        self,
+        address: str,
+        path: str,
+        request: Message,
+        response_type: type[R],
+        *,
+        timeout: float | None = None,
+    ) -> R:
+        if timeout is not None:
+            return await self.client.unary(address, path, request, response_type, timeout=timeout)
         start = time.perf_counter()
         response = await self.client.unary(
             address, path, request, response_type, timeout=self.rtt.timeout()
@@ -189,7 +199,12 @@ class Caller:
     ) -> pb.StoreResponse:
         req = pb.StoreRequest(sender_port=self.port, records=records)
         try:
-            resp = await self._call(address, STORE, req, pb.StoreResponse)
+            # Stores go out k at a time and verify signatures on arrival: they take longer than
+            # a find and nobody waits on them interactively, so they get the longest timeout
+            # and stay out of the round-trip estimate that paces lookups.
+            resp = await self._call(
+                address, STORE, req, pb.StoreResponse, timeout=self.rtt.policy.max_s
+            )
             if len(resp.outcomes) != len(records):
                 raise ProtocolError(f"{address} answered {len(resp.outcomes)} of {len(records)}")
             if self.is_verified(peer_id, address):

@@ -97,7 +97,7 @@ class RoutingTable:
         return sum(len(b) for b in self._buckets)
 
     def __contains__(self, peer_id: PeerId) -> bool:
-        return peer_id in self._buckets[bucket_index(self.own_id, node_id(peer_id))]
+        return self.get(peer_id) is not None
 
     def contacts(self) -> list[Contact]:
         return [c for b in self._buckets for c in b.values()]

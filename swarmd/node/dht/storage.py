@@ -69,8 +69,9 @@ class Storage:
         self._subs: dict[bytes, dict[bytes, Record]] = {}
         self._usage: dict[bytes, _Usage] = {}
         self._total = _Usage()
-        # (expires_ms, key, subkey) of every stored record; stale entries are skipped on pop.
-        self._expiries: list[tuple[int, bytes, bytes | None]] = []
+        # (expires_ms, key, has_subkey, subkey) of every stored record, so that tuples always
+        # compare; entries whose slot has changed since are skipped when popped.
+        self._expiries: list[tuple[int, bytes, bool, bytes]] = []
 
     def __len__(self) -> int:
         return self._total.count
@@ -94,13 +95,12 @@ class Storage:
         self.purge(now)
         check_shape(record, self.limits.records, now)
         old = self._slot(record.key, record.subkey)
-        if old is not None:
-            if old.owner_key != record.owner_key:
-                raise RecordError("slot is held by another owner until its record expires")
-            if not record.supersedes(old):
-                return Outcome.SUPERSEDED
+        if old is not None and old.owner_key != record.owner_key:
+            raise RecordError("slot is held by another owner until its record expires")
         self._check_quota(record, old)
-        self._verifier.verify(record)
+        self._verifier.verify(record)  # cheap for records seen before (republishes)
+        if old is not None and not record.supersedes(old):
+            return Outcome.SUPERSEDED
         if old is not None:
             self._account(old, -1)
         if record.subkey is None:
@@ -108,7 +108,8 @@ class Storage:
         else:
             self._subs.setdefault(record.key, {})[record.subkey] = record
         self._account(record, +1)
-        heapq.heappush(self._expiries, (record.expires_ms, record.key, record.subkey))
+        entry = (record.expires_ms, record.key, record.subkey is not None, record.subkey or b"")
+        heapq.heappush(self._expiries, entry)
         return Outcome.STORED
 
     def _check_quota(self, record: Record, old: Record | None) -> None:
@@ -158,7 +159,8 @@ class Storage:
     def purge(self, now: float) -> None:
         now_ms = int(now * 1000)
         while self._expiries and self._expiries[0][0] <= now_ms:
-            expires_ms, key, subkey = heapq.heappop(self._expiries)
+            expires_ms, key, has_subkey, raw_subkey = heapq.heappop(self._expiries)
+            subkey = raw_subkey if has_subkey else None
             current = self._slot(key, subkey)
             if current is None or current.expires_ms != expires_ms:
                 continue  # replaced since; the newer record has its own heap entry

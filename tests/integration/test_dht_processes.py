@@ -1,0 +1,101 @@
+"""`swarmd dht` daemons as real processes: a swarm of five, churn, clear errors, no torch."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from swarmd.node.dht import open_dht
+from swarmd.protocol.identity import Identity
+from tests.helpers import ProcessGroup, swarmd_cmd
+
+
+def test_five_daemons_serve_stores_and_gets_and_survive_a_death(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    first = processes.start(
+        swarmd_cmd("dht", "--state-dir", str(tmp_path / "d0"), "--log-interval", "0.3")
+    )
+    assert first.info["event"] == "listening" and first.info["routing_table"] == 0
+    daemons = [first]
+    for i in range(1, 5):
+        peers = ",".join(d.address for d in daemons[-2:])
+        daemons.append(
+            processes.start(
+                swarmd_cmd("dht", "--state-dir", str(tmp_path / f"d{i}"), "--peers", peers)
+            )
+        )
+        size = daemons[-1].info["routing_table"]
+        assert isinstance(size, int) and size >= 1
+    peer_ids = {d.info["peer_id"] for d in daemons}
+    assert len(peer_ids) == 5
+
+    async def main() -> None:
+        async with (
+            open_dht(Identity.generate(), bootstrap=[daemons[1].address]) as (writer, _),
+            open_dht(Identity.generate(), bootstrap=[daemons[4].address]) as (reader, _),
+        ):
+            assert len(writer.table) >= 4
+            assert await writer.store("run/config", b"lr=0.7", time.time() + 60) >= 5
+            async with writer.announce("run/ready/1", b"w"), reader.announce("run/ready/1", b"r"):
+                found = await reader.get_value("run/config")
+                assert found is not None and found.value == b"lr=0.7"
+                assert found.owner == writer.peer_id
+                ready = await reader.peers("run/ready/1", exhaustive=True)
+                assert set(ready) == {writer.peer_id, reader.peer_id}
+                # A daemon dies: the value is still there, and lookups route around it.
+                daemons[2].process.send_signal(signal.SIGKILL)
+                daemons[2].process.wait()
+                with trio.fail_after(3):
+                    found = await reader.get_value("run/config")
+                assert found is not None and found.value == b"lr=0.7"
+                with trio.fail_after(3):
+                    again = await writer.peers("run/ready/1", exhaustive=True)
+                assert set(again) == set(ready)
+
+    trio.run(main)
+    # The bootstrap node logs its routing table size periodically.
+    first.process.send_signal(signal.SIGTERM)
+    first.process.wait(timeout=10)
+    assert first.process.stderr is not None
+    log = first.process.stderr.read()
+    assert "routing_table" in log and "listening on" in log
+
+
+def test_no_answering_bootstrap_peer_is_a_clear_error(tmp_path: Path) -> None:
+    done = subprocess.run(
+        swarmd_cmd("dht", "--state-dir", str(tmp_path), "--peers", "127.0.0.1:1"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 3
+    assert "no bootstrap peer answered" in done.stderr and "127.0.0.1:1" in done.stderr
+    assert "Traceback" not in done.stderr
+    bad = subprocess.run(
+        swarmd_cmd("dht", "--state-dir", str(tmp_path), "--peers", "nonsense"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bad.returncode == 2 and "bad --peers" in bad.stderr
+
+
+def test_a_dht_only_node_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "import swarmd.node.cli, swarmd.node.dht, swarmd.node.dht.main\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('swarmd'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import json\n" + code], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "swarmd.node.dht.main" in json.loads(done.stdout)

@@ -1,0 +1,342 @@
+"""Many DHT nodes in one trio loop, over real gRPC on loopback.
+
+Time is real here (gRPC's threads are), so these tests use short expiries only where expiry is
+not under test; expiry itself runs on an injected fake clock shared by the nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+import trio
+
+from swarmd.node.dht import BootstrapError, DHTConfig, DHTNode, Value, open_dht
+from swarmd.node.dht.caller import FIND, STORE
+from swarmd.node.dht.ids import id_to_bytes, key_id
+from swarmd.node.dht.records import sign_record
+from swarmd.protocol import dht_pb2 as pb
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity
+
+TTL = 300.0
+
+
+def run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    return trio.run(fn, *args)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Swarm:
+    nodes: list[DHTNode] = field(default_factory=list)
+    addresses: list[str] = field(default_factory=list)
+    scopes: list[trio.CancelScope] = field(default_factory=list)
+    alive: list[bool] = field(default_factory=list)
+
+    def kill(self, i: int) -> None:
+        self.scopes[i].cancel()
+        self.alive[i] = False
+
+    def live(self) -> list[int]:
+        return [i for i, a in enumerate(self.alive) if a]
+
+
+@asynccontextmanager
+async def swarm(
+    n: int, *, config: DHTConfig | None = None, clock: Callable[[], float] = time.time
+) -> AsyncIterator[Swarm]:
+    """n nodes, each joining through up to three random earlier ones."""
+    s = Swarm()
+    rng = random.Random(n)
+
+    async def host(peers: list[str], *, task_status: trio.TaskStatus[None]) -> None:
+        with trio.CancelScope() as scope:
+            async with open_dht(
+                Identity.generate(), bootstrap=peers, config=config, clock=clock
+            ) as (
+                node,
+                server,
+            ):
+                s.nodes.append(node)
+                s.addresses.append(str(server.address))
+                s.scopes.append(scope)
+                s.alive.append(True)
+                task_status.started()
+                await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            await nursery.start(host, rng.sample(s.addresses, min(3, len(s.addresses))))
+        yield s
+        nursery.cancel_scope.cancel()
+
+
+def test_64_nodes_every_node_gets_what_any_stored_even_after_20_percent_die() -> None:
+    async def main() -> None:
+        rng = random.Random(1)
+        async with swarm(64) as s:
+            assert min(len(n.table) for n in s.nodes) >= 10
+            stored: dict[str, bytes] = {}
+            for i in rng.sample(range(64), 24):
+                key, value = f"key/{i}", rng.randbytes(40)
+                replicas = await s.nodes[i].store(key, value, time.time() + TTL)
+                assert replicas >= 15
+                stored[key] = value
+            keys = list(stored)
+            # Every node reads some key another node stored.
+            for i, node in enumerate(s.nodes):
+                key = keys[i % len(keys)]
+                found = await node.get_value(key)
+                assert found is not None and found.value == stored[key], (i, key)
+            for i in rng.sample(range(64), 13):  # 20%
+                s.kill(i)
+            await trio.sleep(0.2)
+            misses = []
+            for i in s.live():
+                key = keys[i % len(keys)]
+                with trio.fail_after(3):
+                    found = await s.nodes[i].get_value(key)
+                if found is None or found.value != stored[key]:
+                    misses.append((i, key))
+            assert misses == []
+
+    run(main)
+
+
+def test_sub_keys_from_many_owners_merge_and_announce_watch() -> None:
+    async def main() -> None:
+        async with swarm(16) as s:
+            key = "run/demo/round/17"
+            for i in range(10):
+                await s.nodes[i].store(key, b"ready%d" % i, time.time() + TTL, subkey=f"n{i}")
+            merged = await s.nodes[15].get_map(key, exhaustive=True)
+            assert {k: v.value for k, v in merged.items()} == {
+                f"n{i}": b"ready%d" % i for i in range(10)
+            }
+            assert merged["n3"].owner == s.nodes[3].peer_id
+            # An owner updates its entry with a later expiry; the others stay.
+            await s.nodes[3].store(key, b"again", time.time() + TTL + 10, subkey="n3")
+            merged = await s.nodes[12].get_map(key)
+            assert merged["n3"].value == b"again" and len(merged) == 10
+
+            # announce/watch: peers under a key, bound to their own peer ids.
+            seen: list[set[str]] = []
+            async with trio.open_nursery() as nursery:
+
+                async def watcher() -> None:
+                    async for current in s.nodes[0].watch("ready/18", interval=0.05):
+                        seen.append({str(p) for p in current})
+                        if len(current) == 3:
+                            return
+
+                nursery.start_soon(watcher)
+                async with (
+                    s.nodes[5].announce("ready/18", b"a", ttl=5),
+                    s.nodes[6].announce("ready/18", b"b", ttl=5),
+                    s.nodes[7].announce("ready/18", b"c", ttl=5),
+                ):
+                    with trio.fail_after(5):
+                        while not seen or len(seen[-1]) < 3:
+                            await trio.sleep(0.05)
+            assert seen[-1] == {str(s.nodes[i].peer_id) for i in (5, 6, 7)}
+            found = await s.nodes[9].peers("ready/18")
+            assert {p: v.value for p, v in found.items()} == {
+                s.nodes[5].peer_id: b"a",
+                s.nodes[6].peer_id: b"b",
+                s.nodes[7].peer_id: b"c",
+            }
+
+    run(main)
+
+
+def test_expired_values_disappear_on_a_fake_clock() -> None:
+    clock = FakeClock()
+
+    async def main() -> None:
+        async with swarm(8, clock=clock) as s:
+            await s.nodes[0].store("short", b"v", clock.now + 10)
+            await s.nodes[0].store("long", b"w", clock.now + 100)
+            await s.nodes[1].store("dict", b"x", clock.now + 10, subkey="a")
+            await s.nodes[2].store("dict", b"y", clock.now + 100, subkey="b")
+            assert isinstance(await s.nodes[5].get("short"), Value)
+            assert set(await s.nodes[5].get_map("dict", exhaustive=True)) == {"a", "b"}
+            clock.now += 11
+            for node in s.nodes:
+                assert await node.get("short") is None
+                assert set(await node.get_map("dict")) == {"b"}
+                found = await node.get_value("long")
+                assert found is not None and found.value == b"w"
+            assert all(not n.storage.get(b"short") for n in s.nodes)
+            clock.now += 100
+            assert await s.nodes[3].get("long") is None
+            assert sum(len(n.storage.records()) for n in s.nodes) == 0
+
+    run(main)
+
+
+def test_forged_oversized_and_replayed_stores_are_refused() -> None:
+    async def main() -> None:
+        async with swarm(4) as s:
+            target = s.nodes[1]
+            address = s.addresses[1]
+            me = Identity.generate()
+            client = rpc.RpcClient(me)
+            try:
+                good = sign_record(me, b"k", b"good", time.time() + 60)
+                forged = dataclasses.replace(good, value=b"evil").to_pb()
+                unsigned = dataclasses.replace(good, signature=b"").to_pb()
+                big = sign_record(me, b"big", b"x" * (64 << 10 + 1), time.time() + 60).to_pb()
+                other = Identity.generate()
+                impostor = sign_record(other, b"k2", b"v", time.time() + 60).to_pb()
+                impostor.owner_key = me.public_key  # claims to be me
+                resp = await client.unary(
+                    address,
+                    STORE,
+                    pb.StoreRequest(records=[good.to_pb(), forged, unsigned, big, impostor]),
+                    pb.StoreResponse,
+                )
+                refused = pb.StoreResponse.REFUSED
+                assert list(resp.outcomes) == [pb.StoreResponse.STORED] + [refused] * 4
+                assert "signature" in resp.reasons[1]
+                assert "not signed" in resp.reasons[2]
+                assert "exceeds" in resp.reasons[3]
+                assert "signature" in resp.reasons[4]
+                assert [r.value for r in target.storage.get(b"k")] == [b"good"]
+                assert target.storage.get(b"big") == [] and target.storage.get(b"k2") == []
+
+                # A newer version, then the old one replayed: the newer one stays.
+                newer = sign_record(me, b"k", b"newer", time.time() + 120)
+                await client.unary(
+                    address, STORE, pb.StoreRequest(records=[newer.to_pb()]), pb.StoreResponse
+                )
+                resp = await client.unary(
+                    address, STORE, pb.StoreRequest(records=[good.to_pb()]), pb.StoreResponse
+                )
+                assert list(resp.outcomes) == [pb.StoreResponse.SUPERSEDED]
+                assert [r.value for r in target.storage.get(b"k")] == [b"newer"]
+
+                # Too many records in one call.
+                many = pb.StoreRequest(records=[good.to_pb()] * 300)
+                with pytest.raises(rpc.RpcError) as info:
+                    await client.unary(address, STORE, many, pb.StoreResponse)
+                assert info.value.code is rpc.StatusCode.INVALID_ARGUMENT
+            finally:
+                client.close()
+
+            # The same signed request sent twice: the second is a replay.
+            body = pb.StoreRequest(records=[sign_record(me, b"r", b"v", time.time() + 60).to_pb()])
+            raw = body.SerializeToString()
+            metadata = me.sign_request(STORE, raw).to_metadata()
+
+            def send_twice() -> list[str]:
+                codes = []
+                with grpc.insecure_channel(address) as channel:
+                    call = channel.unary_unary(STORE)
+                    for _ in range(2):
+                        try:
+                            call(raw, metadata=metadata, timeout=5)
+                            codes.append("OK")
+                        except grpc.RpcError as exc:
+                            codes.append(exc.code().name)
+                return codes
+
+            assert await trio.to_thread.run_sync(send_twice) == ["OK", "UNAUTHENTICATED"]
+
+    run(main)
+
+
+def test_getters_ignore_forged_records_served_by_malicious_nodes() -> None:
+    async def main() -> None:
+        async with swarm(7) as s:
+            await s.nodes[0].store("cfg", b"honest", time.time() + 60)
+            honest = s.nodes[0].storage.get(b"cfg")[0]
+            forged = dataclasses.replace(honest, value=b"evil", expires_ms=honest.expires_ms + 5000)
+            # Nodes 1-4 serve a forged newer version (planted past their own checks); nodes 5
+            # and 6 hold nothing, so they must read the value from the others.
+            for node in s.nodes[1:5]:
+                node.storage._plain[b"cfg"] = forged
+            for node in s.nodes[5:]:
+                node.storage._plain.pop(b"cfg", None)
+            for node in s.nodes[5:]:
+                found = await node.get_value("cfg")
+                assert found is None or found.value == b"honest"
+                records = await node.get_records("cfg", exhaustive=True)
+                assert [r.value for r in records] == [b"honest"]
+
+    run(main)
+
+
+def test_dead_nodes_are_routed_around_and_evicted() -> None:
+    async def main() -> None:
+        async with swarm(12) as s:
+            await s.nodes[0].store("x", b"1", time.time() + 60)
+            dead = [2, 5, 7]
+            for i in dead:
+                s.kill(i)
+            await trio.sleep(0.2)
+            dead_ids = {s.nodes[i].peer_id for i in dead}
+            asker = s.nodes[1]
+            assert any(p in asker.table for p in dead_ids)
+            with trio.fail_after(2):
+                found = await asker.get_value("x")
+                await asker.store("y", b"2", time.time() + 60)
+            assert found is not None and found.value == b"1"
+            # The dead nodes it tried are out of its table and backed off, not retried at once.
+            assert all(p not in asker.table for p in dead_ids if asker.table.in_backoff(p))
+            assert any(asker.table.in_backoff(p) for p in dead_ids)
+
+    run(main)
+
+
+def test_find_answers_many_targets_in_one_call() -> None:
+    async def main() -> None:
+        async with swarm(6) as s:
+            await s.nodes[0].store("a", b"1", time.time() + 60)
+            client = rpc.RpcClient(Identity.generate())
+            try:
+                keys = [b"a", b"b", b"c"]
+                resp = await client.unary(
+                    s.addresses[0],
+                    FIND,
+                    pb.FindRequest(targets=[id_to_bytes(key_id(k)) for k in keys], keys=keys),
+                    pb.FindResponse,
+                )
+            finally:
+                client.close()
+            assert len(resp.results) == 3
+            assert all(len(r.nodes) == 5 for r in resp.results)
+            assert [len(r.records) for r in resp.results] == [1, 0, 0]
+
+    run(main)
+
+
+def test_bootstrap_fails_clearly_when_no_peer_answers() -> None:
+    async def main() -> None:
+        config = DHTConfig(bootstrap_timeout_s=2)
+        with pytest.raises(BootstrapError, match=r"no bootstrap peer answered.*127\.0\.0\.1:1"):
+            async with open_dht(Identity.generate(), bootstrap=["127.0.0.1:1"], config=config):
+                pass
+
+    run(main)
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="get_quorum"):
+        DHTConfig(get_quorum=0)
+    with pytest.raises(ValueError, match="refresh_interval_s"):
+        DHTConfig(refresh_interval_s=0)

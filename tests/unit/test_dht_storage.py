@@ -1,0 +1,120 @@
+"""Local DHT storage: newest expiry wins, owner locks, sub-key merging, expiry, quotas."""
+
+from __future__ import annotations
+
+import pytest
+
+from swarmd.node.dht.records import RecordError, sign_record
+from swarmd.node.dht.storage import Outcome, Storage, StorageLimits
+from swarmd.protocol.identity import Identity
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_newer_expiry_wins_and_old_versions_replayed_later_are_ignored(clock: FakeClock) -> None:
+    store = Storage(clock=clock)
+    me = Identity.generate()
+    v1 = sign_record(me, b"k", b"one", clock.now + 10)
+    v2 = sign_record(me, b"k", b"two", clock.now + 20)
+    assert store.put(v1) is Outcome.STORED
+    assert store.put(v2) is Outcome.STORED
+    assert store.put(v1) is Outcome.SUPERSEDED  # replay of the old version
+    assert store.put(v2) is Outcome.SUPERSEDED  # same record again
+    assert [r.value for r in store.get(b"k")] == [b"two"]
+    assert len(store) == 1
+
+
+def test_a_live_slot_belongs_to_its_owner_until_it_expires(clock: FakeClock) -> None:
+    store = Storage(clock=clock)
+    alice, mallory = Identity.generate(), Identity.generate()
+    store.put(sign_record(alice, b"run/config", b"lr=1", clock.now + 10))
+    with pytest.raises(RecordError, match="another owner"):
+        store.put(sign_record(mallory, b"run/config", b"lr=999", clock.now + 100))
+    clock.now += 11
+    assert store.get(b"run/config") == []
+    assert store.put(sign_record(mallory, b"run/config", b"lr=2", clock.now + 10))
+    assert [r.value for r in store.get(b"run/config")] == [b"lr=2"]
+
+
+def test_sub_keys_from_many_owners_merge(clock: FakeClock) -> None:
+    store = Storage(clock=clock)
+    owners = [Identity.generate() for _ in range(5)]
+    for i, owner in enumerate(owners):
+        sub = str(owner.peer_id).encode()
+        store.put(sign_record(owner, b"round/17", b"ready%d" % i, clock.now + 10 + i, sub))
+    store.put(sign_record(owners[0], b"round/17", b"plain", clock.now + 5))
+    found = store.get(b"round/17")
+    assert len(found) == 6
+    assert found[0].subkey is None
+    assert sorted(r.value for r in found[1:]) == [b"ready%d" % i for i in range(5)]
+    # Each entry expires on its own.
+    clock.now += 11.5
+    assert sorted(r.value for r in store.get(b"round/17")) == [b"ready2", b"ready3", b"ready4"]
+
+
+def test_expired_records_are_refused_dropped_and_never_served(clock: FakeClock) -> None:
+    store = Storage(clock=clock)
+    me = Identity.generate()
+    with pytest.raises(RecordError, match="expired"):
+        store.put(sign_record(me, b"k", b"v", clock.now - 1))
+    store.put(sign_record(me, b"k", b"v", clock.now + 1))
+    store.put(sign_record(me, b"k", b"s", clock.now + 1, b"sub"))
+    assert len(store.get(b"k")) == 2
+    clock.now += 1
+    assert store.get(b"k") == []
+    assert len(store) == 0 and store.nbytes == 0
+    assert store.usage(me.public_key) == (0, 0)
+
+
+def test_per_owner_quotas_in_records_and_bytes(clock: FakeClock) -> None:
+    limits = StorageLimits(max_records_per_owner=3, max_bytes_per_owner=2000)
+    store = Storage(limits, clock=clock)
+    me, other = Identity.generate(), Identity.generate()
+    for i in range(3):
+        store.put(sign_record(me, b"k%d" % i, b"v", clock.now + 10))
+    with pytest.raises(RecordError, match="owner quota"):
+        store.put(sign_record(me, b"k3", b"v", clock.now + 10))
+    # Updating a record it already has is not a new record.
+    assert store.put(sign_record(me, b"k0", b"w", clock.now + 20)) is Outcome.STORED
+    with pytest.raises(RecordError, match="owner quota"):
+        store.put(sign_record(other, b"big", b"x" * 2000, clock.now + 10))
+    store.put(sign_record(other, b"ok", b"x" * 1000, clock.now + 10))
+    assert store.usage(me.public_key)[0] == 3
+    # Quotas free up when records expire.
+    clock.now += 15
+    store.put(sign_record(me, b"k3", b"v", clock.now + 10))
+    assert store.usage(me.public_key)[0] == 2
+
+
+def test_global_cap_bounds_floods_from_many_keys(clock: FakeClock) -> None:
+    store = Storage(StorageLimits(max_records=4), clock=clock)
+    for i in range(4):
+        store.put(sign_record(Identity.generate(), b"k%d" % i, b"v", clock.now + 10))
+    with pytest.raises(RecordError, match="full"):
+        store.put(sign_record(Identity.generate(), b"k4", b"v", clock.now + 10))
+
+
+def test_forged_records_are_refused_before_anything_is_stored(clock: FakeClock) -> None:
+    import dataclasses
+
+    store = Storage(clock=clock)
+    record = sign_record(Identity.generate(), b"k", b"v", clock.now + 10)
+    with pytest.raises(RecordError, match="signature"):
+        store.put(dataclasses.replace(record, value=b"evil"))
+    assert len(store) == 0
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_records_per_owner"):
+        StorageLimits(max_records_per_owner=0)
