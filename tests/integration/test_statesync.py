@@ -336,3 +336,74 @@ def test_donor_keeps_the_previous_state_for_downloads_in_progress() -> None:
                 c.close()
 
     run(main)
+
+
+class SlowDonor(StateDonor):
+    """Stalls every chunk request after the first ``serve_first`` (in-process fault injection)."""
+
+    def __init__(self, config: DonorConfig, serve_first: int, stall_s: float) -> None:
+        super().__init__(config)
+        self.serve_first, self.stall_s = serve_first, stall_s
+        self.requests = 0
+
+    async def chunk_payload(self, snapshot: StateSnapshot, index: int) -> memoryview:
+        self.requests += 1
+        if self.requests > self.serve_first:
+            await trio.sleep(self.stall_s)
+        return await super().chunk_payload(snapshot, index)
+
+
+def test_abandoned_requests_give_their_slot_back() -> None:
+    snap = StateSnapshot.build({"w": torch.arange(4096.0)}, round=1, chunk_bytes=4096)
+    donor = SlowDonor(DonorConfig(max_concurrent_chunks=1), serve_first=0, stall_s=0.3)
+
+    async def main() -> None:
+        donor.publish(snap)
+        async with rpc.serve([donor.service()], "127.0.0.1", 0) as server:
+            c = client()
+            req = pb.GetChunkRequest(state_hash=snap.state_hash, index=0)
+            try:
+                # The joiner gives up while the donor is still preparing the chunk.
+                with pytest.raises(rpc.RpcError) as info:
+                    await c.get_tensor(str(server.address), GET_CHUNK, req, timeout=0.1)
+                assert info.value.code is rpc.StatusCode.DEADLINE_EXCEEDED
+                with trio.fail_after(2):
+                    while donor.active_chunks:
+                        await trio.sleep(0.01)
+                _, data = await c.get_tensor(str(server.address), GET_CHUNK, req, timeout=5)
+                assert bytes(data) == bytes(snap.chunk(0))
+                assert donor.active_chunks == 0
+            finally:
+                c.close()
+
+    run(main)
+
+
+def test_a_donor_stalling_mid_download_ends_at_the_overall_deadline() -> None:
+    snap = StateSnapshot.build({"w": torch.arange(8192.0)}, round=1, chunk_bytes=4096)
+    donor = SlowDonor(DonorConfig(), serve_first=3, stall_s=3600)
+
+    async def main() -> None:
+        donor.publish(snap)
+        async with rpc.serve([donor.service()], "127.0.0.1", 0) as server:
+            c = client()
+            stats = SyncStats()
+            start = trio.current_time()
+            try:
+                with pytest.raises(StateSyncError, match=r"within its 1.0s deadline \(3/8 chunks"):
+                    # Timeouts derived from throughput would drop the donor first; a huge slack
+                    # leaves only the overall deadline to end the wait.
+                    await download_state(
+                        c,
+                        [str(server.address)],
+                        deadline_s=1.0,
+                        parallel=1,
+                        config=SyncConfig(timeout_slack=1e6),
+                        stats=stats,
+                    )
+            finally:
+                c.close()
+            assert 1.0 <= trio.current_time() - start < 1.5
+            assert stats.chunks_done == 3
+
+    run(main)
