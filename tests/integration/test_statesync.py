@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,6 @@ from swarmd.node.statesync import (
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb
 from swarmd.protocol.identity import Identity
-from tests.helpers import Proc, ProcessGroup
 from tests.integration.statesync_donor import make_state
 
 DONOR = Path(__file__).with_name("statesync_donor.py")
@@ -59,33 +59,45 @@ DONORS: dict[str, list[str]] = {
 PROCESSES = [["a", "corrupt_all", "corrupt_2", "newer"], ["kill"], ["stall"]]
 
 
+@dataclass
+class Donor:
+    process: subprocess.Popen[str]
+    info: dict[str, Any]
+
+    @property
+    def address(self) -> str:
+        return str(self.info["address"])
+
+
 @pytest.fixture(scope="module")
-def donors() -> Iterator[dict[str, Proc]]:
-    group = ProcessGroup()
+def donors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Donor]]:
+    logs = tmp_path_factory.mktemp("donors")
+    procs: list[subprocess.Popen[str]] = []
     try:
-        for names in PROCESSES:
+        for i, names in enumerate(PROCESSES):
             cmd = [sys.executable, str(DONOR), "--mb", str(MB), *DONORS[names[0]]]
             for name in names[1:]:
                 cmd += ["--also", shlex.join(["--mb", str(MB), *DONORS[name]])]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            group.procs.append(proc)
-        started: dict[str, Proc] = {}
-        for names, proc in zip(PROCESSES, group.procs, strict=True):
+            with open(logs / f"{i}.err", "w") as err:
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True))
+        started: dict[str, Donor] = {}
+        for i, (names, proc) in enumerate(zip(PROCESSES, procs, strict=True)):
             assert proc.stdout is not None
             sel = selectors.DefaultSelector()
             sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(60), f"donors {names} did not start"
-            line = proc.stdout.readline()
-            assert line, f"donors {names} exited: {proc.stderr.read() if proc.stderr else ''}"
+            line = proc.stdout.readline() if sel.select(60) else ""
+            assert line, f"donors {names} did not start:\n{(logs / f'{i}.err').read_text()}"
             for name, info in zip(names, json.loads(line)["donors"], strict=True):
-                started[name] = Proc(proc, info)
+                started[name] = Donor(proc, info)
         yield started
     finally:
         # Test donors keep nothing worth a graceful shutdown; SIGKILL also ends stopped ones.
-        for proc in group.procs:
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        group.close()
+            proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
 
 
 def run(fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
@@ -122,7 +134,7 @@ def dead_address() -> str:
 
 
 @pytest.mark.parametrize("fault", ["kill", "stall"])
-def test_donor_dies_or_stalls_mid_transfer(donors: dict[str, Proc], fault: str) -> None:
+def test_donor_dies_or_stalls_mid_transfer(donors: dict[str, Donor], fault: str) -> None:
     """SIGKILL (connection reset) or SIGSTOP (silence) one of two donors mid-download."""
     victim, healthy = donors[fault], donors["a"]
     want = expected()
@@ -164,7 +176,7 @@ def test_donor_dies_or_stalls_mid_transfer(donors: dict[str, Proc], fault: str) 
 
 
 def test_corrupt_chunks_are_detected_and_refetched(
-    donors: dict[str, Proc], caplog: pytest.LogCaptureFixture
+    donors: dict[str, Donor], caplog: pytest.LogCaptureFixture
 ) -> None:
     liar, healthy = donors["corrupt_all"], donors["a"]
     stats = SyncStats()
@@ -189,7 +201,7 @@ def test_corrupt_chunks_are_detected_and_refetched(
     assert_same_state(got, expected())
 
 
-def test_no_good_donor_gives_a_clear_error_within_the_deadline(donors: dict[str, Proc]) -> None:
+def test_no_good_donor_gives_a_clear_error_within_the_deadline(donors: dict[str, Donor]) -> None:
     async def attempt(addresses: list[str], deadline: float) -> tuple[StateSyncError, float]:
         c = client()
         start = trio.current_time()
@@ -227,7 +239,7 @@ def test_no_good_donor_gives_a_clear_error_within_the_deadline(donors: dict[str,
     run(main)
 
 
-def test_donor_refuses_excess_downloads_and_joiner_retries(donors: dict[str, Proc]) -> None:
+def test_donor_refuses_excess_downloads_and_joiner_retries(donors: dict[str, Donor]) -> None:
     donor = donors["a"]  # serves 2 chunks at once, 50 ms each
     state_hash = bytes.fromhex(str(donor.info["state_hash"]))
 
@@ -280,7 +292,7 @@ def test_donor_refuses_excess_downloads_and_joiner_retries(donors: dict[str, Pro
     run(main)
 
 
-def test_newer_round_is_preferred_and_want_hash_overrides(donors: dict[str, Proc]) -> None:
+def test_newer_round_is_preferred_and_want_hash_overrides(donors: dict[str, Donor]) -> None:
     old, new = donors["a"], donors["newer"]
     assert new.info["round"] == 2
 

@@ -106,7 +106,7 @@ PINNED_TINY_HASH = "b80e14b155f7bb874ffd76ffbf3c984227e90efc25c1b73f68a604e08092
 def test_hash_changes_when_any_byte_or_field_changes() -> None:
     small = {"a": torch.arange(6, dtype=torch.int16), "b": torch.tensor([1.0, 2.0])}
     base = StateSnapshot.build(small, round=1, chunk_bytes=1024)
-    seen = {base.state_hash}
+    seen: set[bytes] = {base.state_hash}
     raw = bytearray(base._buf)
     for i in range(len(raw)):
         flipped = bytearray(raw)
@@ -123,8 +123,8 @@ def test_hash_changes_when_any_byte_or_field_changes() -> None:
         StateSnapshot.build({"a": small["a"].reshape(2, 3), "b": small["b"]}, round=1),
         StateSnapshot.build({"b": small["b"], "a": small["a"]}, round=1, chunk_bytes=1024),
     ]
-    hashes = {v.state_hash for v in variants} | {base.state_hash}
-    assert len(hashes) == len(variants) + 1
+    distinct = {v.state_hash for v in variants} | {base.state_hash}
+    assert len(distinct) == len(variants) + 1
 
 
 def test_from_buffer_refuses_corrupt_or_truncated_buffers() -> None:
@@ -165,7 +165,7 @@ def _tensor(**kw: object) -> pb.Manifest:
     for key, value in kw.items():
         if key == "shape":
             del msg.tensors[1].shape[:]
-            msg.tensors[1].shape.extend(value)  # type: ignore[call-overload]
+            msg.tensors[1].shape.extend(value)  # type: ignore[arg-type]
         else:
             setattr(msg.tensors[1], key, value)
     return msg
