@@ -340,3 +340,36 @@ def test_config_is_validated() -> None:
         DHTConfig(get_quorum=0)
     with pytest.raises(ValueError, match="refresh_interval_s"):
         DHTConfig(refresh_interval_s=0)
+
+
+def test_own_records_are_republished_before_they_expire() -> None:
+    async def main() -> None:
+        async with swarm(8) as s:
+            owner = s.nodes[0]
+            await owner.store("lease", b"v", time.time() + 4)
+            holders = [n for n in s.nodes[1:] if n.storage.get(b"lease")]
+            assert len(holders) == 7
+            for node in holders:  # every replica is lost (say, its nodes restarted)
+                node.storage._plain.pop(b"lease")
+            # Half the remaining lifetime (about 2 s) later, the owner has put it back.
+            with trio.fail_after(3.5):
+                while sum(1 for n in s.nodes[1:] if n.storage.get(b"lease")) < 7:
+                    await trio.sleep(0.1)
+
+    run(main)
+
+
+def test_periodic_refresh_evicts_dead_contacts_without_any_lookup() -> None:
+    config = DHTConfig(refresh_interval_s=0.3, stale_after_s=0.2)
+
+    async def main() -> None:
+        async with swarm(6, config=config) as s:
+            dead = s.nodes[3].peer_id
+            assert all(dead in n.table for i, n in enumerate(s.nodes) if i != 3)
+            s.kill(3)
+            with trio.fail_after(3):
+                while any(dead in n.table for n in s.nodes[:3] + s.nodes[4:]):
+                    await trio.sleep(0.05)
+            assert len(s.nodes[0].table) == 4
+
+    run(main)

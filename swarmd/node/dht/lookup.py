@@ -8,8 +8,9 @@ to the k closest nodes, so the nodes nearest the key hold its newest version.
 
 Slow and dead nodes cost little: a node that fails is dropped from the shortlist (and evicted
 from the routing table), and a reply that takes longer than twice the smoothed round trip
-stops counting against α, so the lookup asks the next node instead of waiting for it. The
-whole lookup runs under one deadline.
+stops counting against α, so the lookup asks the next node instead of waiting for it. Once
+the α closest nodes have answered, the rest of the k closest are asked at once (the paper's
+final round). The whole lookup runs under one deadline.
 """
 
 from __future__ import annotations
@@ -140,8 +141,13 @@ async def lookup(
                 if finished(short):
                     break
                 active = sum(1 for c in candidates.values() if c.state == "asked" and not c.stalled)
+                # Once the α closest have answered, the lookup has found the key's neighbourhood:
+                # ask the rest of the k closest at once (Kademlia's final round) instead of α
+                # at a time.
+                converged = all(c.state == "answered" for c in short[: params.alpha])
+                limit = params.k if converged else params.alpha
                 for c in short:
-                    if active >= params.alpha:
+                    if active >= limit:
                         break
                     if c.state == "new":
                         c.state, c.asked_at = "asked", trio.current_time()

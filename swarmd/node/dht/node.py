@@ -143,6 +143,9 @@ class DHTNode:
         self._service = DHTService(identity, self.table, self.storage, self.config.service)
         #: This node's own records, re-published until they expire.
         self._own: dict[tuple[bytes, bytes | None], Record] = {}
+        #: When each own record is next re-published (this node's clock).
+        self._due: dict[tuple[bytes, bytes | None], float] = {}
+        self._own_changed = trio.Event()
         self._bootstrap: list[str] = []
 
     def service(self) -> rpc.Service:
@@ -216,14 +219,29 @@ class DHTNode:
         with contextlib.suppress(rpc.RpcError, ProtocolError):  # the caller evicts it
             await self.caller.ping(address, peer_id)
 
+    def _next_due(self, record: Record, now: float) -> float:
+        """Re-publish every interval, or at half the remaining lifetime if that comes first,
+        so that a record reaches nodes that joined near its key before it expires."""
+        wait = min(self.config.republish_interval_s, max(1.0, (record.expires - now) / 2))
+        return now + wait * random.uniform(0.8, 1.0)
+
     async def _republish_loop(self) -> None:
         while True:
-            await trio.sleep(self.config.republish_interval_s * random.uniform(0.8, 1.0))
-            now_ms = int(self._clock() * 1000)
-            for slot in [s for s, r in self._own.items() if r.expires_ms <= now_ms]:
+            now = self._clock()
+            for slot in [s for s, r in self._own.items() if r.expires <= now]:
                 del self._own[slot]
-            if self._own:
-                await self._replicate(list(self._own.values()))
+                del self._due[slot]
+            due = [slot for slot, when in self._due.items() if when <= now]
+            if due:
+                await self._replicate([self._own[slot] for slot in due])
+                now = self._clock()
+                for slot in due:
+                    if slot in self._own:
+                        self._due[slot] = self._next_due(self._own[slot], now)
+            self._own_changed = trio.Event()
+            wait = min(self._due.values(), default=now + self.config.republish_interval_s) - now
+            with trio.move_on_after(max(0.0, wait)):
+                await self._own_changed.wait()
 
     # -- store -----------------------------------------------------------------------------
 
@@ -261,7 +279,10 @@ class DHTNode:
             None if subkey is None else _bytes(subkey),
         )
         check_shape(record, self.config.storage.records, self._clock())
-        self._own[(record.key, record.subkey)] = record
+        slot = (record.key, record.subkey)
+        self._own[slot] = record
+        self._due[slot] = self._next_due(record, self._clock())
+        self._own_changed.set()
         return (await self._replicate([record]))[0]
 
     async def _replicate(self, records: list[Record]) -> list[int]:
