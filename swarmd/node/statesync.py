@@ -160,7 +160,7 @@ class SyncStats:
         return self.bytes_done / 1e6 / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Donor:
     address: str
     rtt_s: float = 0.0
@@ -460,7 +460,14 @@ class _Download:
                     f"chunks: {self.fatal}",
                     self.failures,
                 ) from None
+        # Every chunk matched the manifest as it arrived; the manifest must be the state chosen.
         snapshot = StateSnapshot.from_buffer(manifest, self.buf, verify=False)
+        if snapshot.state_hash != self.stats.state_hash:
+            raise StateSyncError(
+                f"assembled state {snapshot.state_hash.hex()[:16]} is not the state chosen, "
+                f"{self.stats.state_hash.hex()[:16]}",
+                self.failures,
+            )
         self.stats.elapsed_s = trio.current_time() - self.started
         log.info(
             "state sync: got round %d (%s), %.1f MB in %.2fs (%.1f MB/s), %d corrupt chunks, "
