@@ -2,70 +2,133 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
-import selectors
+import queue
+import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@dataclass
 class Proc:
-    process: subprocess.Popen[str]
-    info: dict[str, object]
+    """A child process that speaks JSON lines on stdout; stderr is drained and kept (tail)."""
+
+    def __init__(
+        self, process: subprocess.Popen[str], info: dict[str, object] | None = None
+    ) -> None:
+        self.process = process
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=200)
+        threading.Thread(target=self._pump_stdout, daemon=True).start()
+        threading.Thread(target=self._pump_stderr, daemon=True).start()
+        self.info: dict[str, object] = info or {}
+
+    def _pump_stdout(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _pump_stderr(self) -> None:
+        if self.process.stderr is None:
+            return
+        for line in self.process.stderr:
+            self.stderr_tail.append(line)
 
     @property
     def address(self) -> str:
         return str(self.info["address"])
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, message: dict[str, object]) -> None:
+        """One JSON line to the child's stdin (started with stdin=True)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self, timeout: float = 30.0) -> dict[str, object]:
+        """The child's next JSON line on stdout; a clear AssertionError on timeout or exit."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(
+                f"{self.process.args} printed nothing within {timeout}s; stderr:\n"
+                + "".join(self.stderr_tail)
+            ) from None
+        if line is None:
+            self.process.wait(timeout=5)
+            raise AssertionError(
+                f"{self.process.args} exited ({self.process.returncode}); stderr:\n"
+                + "".join(self.stderr_tail)
+            )
+        result: dict[str, object] = json.loads(line)
+        return result
 
 
 class ProcessGroup:
     """Starts processes that announce themselves with a JSON line; kills them all at teardown."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
+        self.procs: list[Proc] = []
 
     def start(
-        self, args: list[str], *, timeout: float = 30.0, env: dict[str, str] | None = None
+        self,
+        args: list[str],
+        *,
+        timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+        stdin: bool = False,
     ) -> Proc:
-        proc = subprocess.Popen(
+        return self.start_many([args], timeout=timeout, env=env, stdin=stdin)[0]
+
+    def start_many(
+        self,
+        commands: list[list[str]],
+        *,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        stdin: bool = False,
+    ) -> list[Proc]:
+        """Starts all commands at once (imports overlap), then waits for each one's line."""
+        started = [self._spawn(args, env, stdin) for args in commands]
+        for proc in started:
+            proc.info = proc.receive(timeout)
+        return started
+
+    def _spawn(self, args: list[str], env: dict[str, str] | None, stdin: bool) -> Proc:
+        process = subprocess.Popen(
             args,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, **(env or {})},
         )
+        proc = Proc(process)
         self.procs.append(proc)
-        assert proc.stdout is not None
-        # readline blocks; the process prints its JSON line within seconds or dies trying.
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            proc.kill()
-            raise AssertionError(f"{args} did not announce itself within {timeout}s")
-        line = proc.stdout.readline()
-        if not line:
-            err = proc.stderr.read() if proc.stderr else ""
-            raise AssertionError(f"{args} exited before announcing itself:\n{err}")
-        return Proc(proc, json.loads(line))
+        return proc
 
     def close(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            if proc.process.poll() is None:
+                proc.process.send_signal(signal.SIGCONT)  # a stopped child cannot exit
+                proc.process.terminate()
         for proc in self.procs:
             try:
-                proc.wait(timeout=10)
+                proc.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            for stream in (proc.stdout, proc.stderr):
-                if stream:
-                    stream.close()
+                proc.process.kill()
+                proc.process.wait()
+            if proc.process.stdin:
+                proc.process.stdin.close()
 
 
 def swarmd_cmd(*args: str) -> list[str]:

@@ -1,0 +1,187 @@
+"""Butterfly all-reduce between separate processes on loopback, against a raw-socket bound.
+
+Each of P worker processes holds M million random fp32 values (seeded by its index) and runs
+rounds of swarmd's all-reduce (swarmd/node/allreduce.py) with the others. The group is given
+to the workers directly, so matchmaking is excluded from round_s; matchmaking_s reports the
+DHT-based group formation separately once it exists (nan until then).
+
+bound_s is the bytes-on-wire lower bound: the bytes that must cross loopback in one round
+(every peer sends (P-1)/P of its vector in each of the two phases, at the codec's size) divided
+by the throughput of one raw TCP socket stream measured in this run.
+
+Last line: peers=… mparams=… codec=… round_s=… matchmaking_s=… max_err=… bound_s=…
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import trio
+
+from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity, PeerId
+
+
+def data_for(index: int, numel: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + index)
+    return torch.randn(numel, generator=gen)
+
+
+def true_mean_max_err(result: torch.Tensor, peers: int, numel: int) -> float:
+    """Max |result - mean| computed in float64 chunks (weights are all 1)."""
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(peers)]
+    err, step = 0.0, 1 << 22
+    for start in range(0, numel, step):
+        n = min(step, numel - start)
+        acc = torch.zeros(n, dtype=torch.float64)
+        for g in gens:
+            acc += torch.randn(n, generator=g)
+        err = max(err, float((result[start : start + n].double() - acc / peers).abs().max()))
+    return err
+
+
+async def worker(index: int, numel: int, codec: str, chunk: int) -> None:
+    identity = Identity.generate()
+    transport = rpc.TransportConfig(chunk_bytes=chunk, max_message_bytes=max(4 << 20, 2 * chunk))
+    client = rpc.RpcClient(identity, transport)
+    averager = Averager(client, identity.peer_id, AllReduceConfig(codec=codec))  # type: ignore[arg-type]
+    local = data_for(index, numel)
+    async with rpc.serve([averager.service()], "127.0.0.1", 0, config=transport) as server:
+        print(
+            json.dumps({"address": str(server.address), "peer_id": str(identity.peer_id)}),
+            flush=True,
+        )
+        while True:
+            line = await trio.to_thread.run_sync(sys.stdin.readline)
+            if not line:
+                break
+            cmd = json.loads(line)
+            members = tuple(Member(PeerId.from_string(p), a) for p, a in cmd["members"])
+            group = Group(hashlib.sha256(f"bench/{cmd['round']}".encode()).digest(), members)
+            t0 = time.monotonic()
+            result = await averager.allreduce(group, local, 1.0)
+            elapsed = time.monotonic() - t0
+            out = {"round_s": elapsed, "ok": result.ok, "dropped": len(result.dropped)}
+            if cmd.get("check"):
+                out["max_err"] = await trio.to_thread.run_sync(
+                    true_mean_max_err, result.tensor, cmd["peers"], numel
+                )
+            print(json.dumps(out), flush=True)
+    client.close()
+
+
+def socket_gbps(nbytes: int) -> float:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def receive() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            buf = bytearray(1 << 22)
+            got = 0
+            while got < nbytes:
+                n = conn.recv_into(buf)
+                if n == 0:
+                    break
+                got += n
+            conn.sendall(b"k")
+
+    payload = memoryview(bytearray(nbytes))
+    rates = []
+    for _ in range(3):
+        thread = threading.Thread(target=receive)
+        thread.start()
+        t0 = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            conn.sendall(payload)
+            conn.recv(1)
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+        thread.join()
+    listener.close()
+    return max(rates)
+
+
+WORKER_CMD = [__file__]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--mparams", type=float, default=100, help="millions of fp32 values")
+    parser.add_argument("--codec", choices=["fp32", "fp16", "int8"], default="fp32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk-kib", type=int, default=1024, help="stream frame size")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)
+        trio.run(
+            worker, int(args.worker[0]), int(args.worker[1]), args.worker[2], int(args.worker[3])
+        )
+        return
+    numel = int(args.mparams * 1e6)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *WORKER_CMD,
+                "--worker",
+                str(i),
+                str(numel),
+                args.codec,
+                str(args.chunk_kib << 10),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(args.peers)
+    ]
+    try:
+        infos = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+        members = sorted((i["peer_id"], i["address"]) for i in infos)
+        round_times, errs = [], []
+        for r in range(args.rounds):
+            check = r == args.rounds - 1
+            cmd = json.dumps({"round": r, "members": members, "check": check, "peers": args.peers})
+            for p in procs:
+                p.stdin.write(cmd + "\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            outs = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+            if not all(o["ok"] and o["dropped"] == 0 for o in outs):
+                print(f"round {r} degraded: {outs}")
+            round_times.append(max(o["round_s"] for o in outs))
+            print(f"round {r}: {round_times[-1]:.2f} s (slowest peer)", flush=True)
+            if check:
+                errs = [o["max_err"] for o in outs]
+    finally:
+        for p in procs:
+            if p.stdin:
+                p.stdin.close()
+        for p in procs:
+            p.wait(timeout=60)
+    bytes_per_value = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0}[args.codec]
+    wire = 2 * args.peers * (args.peers - 1) / args.peers * numel * bytes_per_value
+    gbps = socket_gbps(256 << 20)
+    bound = wire / (gbps * 1e9)
+    print(f"raw socket {gbps:.2f} GB/s; {wire / 1e9:.2f} GB cross loopback per round")
+    print(
+        f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} "
+        f"round_s={statistics.median(round_times):.3f} matchmaking_s={math.nan} "
+        f"max_err={max(errs):.3g} bound_s={bound:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

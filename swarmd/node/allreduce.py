@@ -1,0 +1,575 @@
+"""Butterfly all-reduce that finishes when peers die, stall or lie.
+
+A group of n peers (same member order everywhere) splits the vector into n parts, sized by
+each member's bandwidth. Phase 1 (reduce-scatter): every peer streams its part j, compressed,
+to member j. Member j validates what arrives, waits until everyone expected has sent or its
+deadline passes, and reduces (weighted mean, or a robust aggregate). Phase 2 (all-gather):
+every peer fetches reduced part j from member j. Member j serves the *encoded* result and
+decodes it for itself too, so every peer ends with the same bytes.
+
+Failures, and what keeps survivors consistent:
+
+* a sender that never sends, stalls, or sends garbage is left out of the parts it missed;
+  the reducer names it in the result;
+* a reducer that does not answer: the peer asks the other members for the copy they got
+  from that reducer (`relay`); members only ever relay what they received directly, so
+  there is no cycle and no guessing. Only if nobody has it do the survivors re-reduce the
+  part at a fallback reducer (member (j + attempt) mod n), which waits for the survivors'
+  contributions. Since nobody had the original, everyone ends with the re-reduced bytes;
+* nothing ever raises into the trainer: a part that cannot be averaged at all keeps the
+  local values and is reported in `failed_parts`.
+
+Deadlines come from measured throughput (an EWMA over completed transfers), never from a
+hand-tuned constant: expected transfer time times a slack factor, plus a floor for latency.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import trio
+
+from swarmd.compression import (
+    CompressionError,
+    DecodeLimits,
+    HalfCodec,
+    HalfConfig,
+    Int8Codec,
+    RawCodec,
+    ResidualStore,
+    decode,
+)
+from swarmd.compression.codec import Codec
+from swarmd.node.reduction import ReductionConfig, aggregate, check_contribution, norm_outliers
+from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol import rpc
+from swarmd.protocol.framing import TensorMeta
+from swarmd.protocol.identity import PeerId
+
+log = logging.getLogger("swarmd.allreduce")
+
+SERVICE = "swarmd.averaging.v1.Averager"
+PUT_PART = rpc.method_path(SERVICE, "PutPart")
+GET_PART = rpc.method_path(SERVICE, "GetPart")
+
+CodecName = Literal["fp32", "fp16", "int8"]
+_BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02}
+
+
+def make_codec(name: CodecName) -> Codec:
+    if name == "fp32":
+        return RawCodec()
+    if name == "fp16":
+        return HalfCodec(HalfConfig("float16"))
+    if name == "int8":
+        return Int8Codec()
+    raise ValueError(f"unknown codec {name!r}")
+
+
+@dataclass(frozen=True)
+class Member:
+    peer_id: PeerId
+    address: str
+    #: Announced bandwidth in bytes/s; parts are sized in proportion.
+    bandwidth: float = 1e8
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
+            raise ValueError(f"member bandwidth must be finite and > 0, got {self.bandwidth}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Who averages together in one round. Members must be in the same order on every peer."""
+
+    round_id: bytes
+    members: tuple[Member, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("a group needs at least one member")
+        ids = [m.peer_id for m in self.members]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate member in group")
+        if not 1 <= len(self.round_id) <= 64:
+            raise ValueError("round_id must be 1..64 bytes")
+
+    def index_of(self, peer_id: PeerId) -> int | None:
+        for i, m in enumerate(self.members):
+            if m.peer_id == peer_id:
+                return i
+        return None
+
+
+def part_bounds(numel: int, bandwidths: Sequence[float]) -> list[tuple[int, int]]:
+    """Contiguous spans proportional to bandwidth, covering [0, numel) exactly."""
+    total = sum(bandwidths)
+    bounds, start, acc = [], 0, 0.0
+    for i, b in enumerate(bandwidths):
+        acc += b
+        end = numel if i == len(bandwidths) - 1 else round(numel * acc / total)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    codec: CodecName = "int8"
+    #: Carry each peer's compression error into its next contribution (no effect for fp32).
+    error_feedback: bool = True
+    reduction: ReductionConfig = field(default_factory=ReductionConfig)
+    #: Deadlines: floor + slack x (bytes / measured throughput).
+    min_deadline_s: float = 1.0
+    max_deadline_s: float = 600.0
+    deadline_slack: float = 4.0
+    #: Throughput assumed before anything was measured (bytes/s); deliberately modest.
+    initial_throughput: float = 50e6
+    #: How long a finished round keeps serving its parts to slower members.
+    linger_s: float = 60.0
+    #: Messages for a round this peer has not registered yet wait this long for it.
+    unknown_round_wait_s: float = 5.0
+    max_pending_rounds: int = 64
+
+    def __post_init__(self) -> None:
+        if self.codec not in _BYTES_PER_VALUE:
+            raise ValueError(f"unknown codec {self.codec!r}; expected fp32, fp16 or int8")
+        if not 0 < self.min_deadline_s <= self.max_deadline_s:
+            raise ValueError("need 0 < min_deadline_s <= max_deadline_s")
+        if self.deadline_slack < 1 or self.initial_throughput <= 0:
+            raise ValueError("deadline_slack must be >= 1 and initial_throughput > 0")
+        if self.linger_s < 0 or self.unknown_round_wait_s < 0 or self.max_pending_rounds < 1:
+            raise ValueError("linger_s, unknown_round_wait_s must be >= 0, max_pending_rounds >= 1")
+
+
+@dataclass
+class AllReduceResult:
+    tensor: torch.Tensor
+    #: Members left out of at least one part (never sent, sent garbage, stalled, died).
+    dropped: set[PeerId]
+    #: Parts that could not be averaged at all: they hold this peer's own values.
+    failed_parts: list[int]
+    #: Parts obtained from a relay or a fallback reducer rather than from their reducer.
+    recovered_parts: list[int]
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_parts
+
+
+class Throughput:
+    """EWMA of bytes/s over completed transfers: the basis of every deadline."""
+
+    def __init__(self, initial: float) -> None:
+        self.value = initial
+        self._measured = False
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes < (1 << 16) or seconds <= 0:
+            return  # tiny transfers measure latency, not bandwidth
+        rate = nbytes / seconds
+        self.value = rate if not self._measured else 0.7 * self.value + 0.3 * rate
+        self._measured = True
+
+
+class _Reduction:
+    """One part being reduced at this peer (its own part, or a fallback attempt)."""
+
+    def __init__(self, numel: int, expected: set[int]) -> None:
+        self.numel = numel
+        self.expected = expected
+        self.values: dict[int, torch.Tensor] = {}
+        self.weights: dict[int, float] = {}
+        self.rejected: dict[int, str] = {}
+        self.all_arrived = trio.Event()
+        self.done = trio.Event()
+        self.encoded: bytes | None = None
+        self.decoded: torch.Tensor | None = None
+        self.contributors: set[int] = set()
+
+    def add(self, index: int, value: torch.Tensor | None, weight: float, why: str = "") -> None:
+        if value is None:
+            self.rejected[index] = why
+        else:
+            self.values[index] = value
+            self.weights[index] = weight
+        if self.expected <= set(self.values) | set(self.rejected):
+            self.all_arrived.set()
+
+
+class _Outcome:
+    """What this peer obtained for a part straight from its reducer (relays serve only this)."""
+
+    def __init__(self) -> None:
+        self.ready = trio.Event()
+        self.encoded: bytes | None = None
+
+
+class _Round:
+    def __init__(self, group: Group, me: int, numel: int, config: AllReduceConfig) -> None:
+        self.group = group
+        self.me = me
+        self.numel = numel
+        self.bounds = part_bounds(numel, [m.bandwidth for m in group.members])
+        self.reductions: dict[tuple[int, int], _Reduction] = {}
+        self.direct = {j: _Outcome() for j in range(len(group.members))}
+        self.finished_at: float | None = None
+        self.config = config
+
+    def part_numel(self, part: int) -> int:
+        start, end = self.bounds[part]
+        return end - start
+
+    def reducer_of(self, part: int, attempt: int) -> int:
+        return (part + attempt) % len(self.group.members)
+
+    def reduction(self, part: int, attempt: int) -> _Reduction:
+        key = (part, attempt)
+        red = self.reductions.get(key)
+        if red is None:
+            n = len(self.group.members)
+            # A fallback reducer expects everyone but the reducers that already failed.
+            failed = {self.reducer_of(part, a) for a in range(attempt)}
+            expected = set(range(n)) - failed
+            red = self.reductions[key] = _Reduction(self.part_numel(part), expected)
+        return red
+
+
+class Averager:
+    """Runs all-reduce rounds for this daemon and serves other members' requests."""
+
+    def __init__(
+        self, client: rpc.RpcClient, me: PeerId, config: AllReduceConfig | None = None
+    ) -> None:
+        self.config = config or AllReduceConfig()
+        self._client = client
+        self._me = me
+        self._codec = make_codec(self.config.codec)
+        self._residuals = ResidualStore()
+        self.throughput = Throughput(self.config.initial_throughput)
+        self._rounds: OrderedDict[bytes, _Round] = OrderedDict()
+        self._registered: dict[bytes, trio.Event] = {}
+        self._stale: OrderedDict[bytes, None] = OrderedDict()
+
+    # -- service -----------------------------------------------------------------------------
+
+    def service(self) -> rpc.Service:
+        return rpc.Service(
+            SERVICE,
+            [
+                rpc.tensor_in("PutPart", self._put_part),
+                rpc.tensor_out("GetPart", apb.GetPartRequest, self._get_part),
+            ],
+        )
+
+    async def _find_round(self, round_id: bytes) -> _Round:
+        if round_id in self._stale:
+            raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "stale round")
+        rnd = self._rounds.get(round_id)
+        if rnd is not None:
+            return rnd
+        # The sender may be a little ahead of us: wait briefly for this round to start here.
+        event = self._registered.get(round_id)
+        if event is None:
+            if len(self._registered) >= self.config.max_pending_rounds:
+                raise rpc.RpcError(rpc.StatusCode.RESOURCE_EXHAUSTED, "too many unknown rounds")
+            event = self._registered[round_id] = trio.Event()
+        with trio.move_on_after(self.config.unknown_round_wait_s):
+            await event.wait()
+        rnd = self._rounds.get(round_id)
+        if rnd is None:
+            if not event.is_set():
+                self._registered.pop(round_id, None)
+            raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "unknown round")
+        return rnd
+
+    def _sender_index(self, rnd: _Round, ctx: rpc.CallContext) -> int:
+        index = rnd.group.index_of(ctx.peer_id) if ctx.peer_id is not None else None
+        if index is None:
+            raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, "sender is not in this group")
+        return index
+
+    async def _put_part(
+        self, meta: TensorMeta, data: bytearray, ctx: rpc.CallContext
+    ) -> apb.PartAck:
+        info = apb.PartInfo()
+        try:
+            info.ParseFromString(meta.info)
+        except Exception:
+            raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "malformed PartInfo") from None
+        rnd = await self._find_round(info.round_id)
+        sender = self._sender_index(rnd, ctx)
+        n = len(rnd.group.members)
+        if info.part >= n or info.attempt >= n or rnd.reducer_of(info.part, info.attempt) != rnd.me:
+            raise rpc.RpcError(
+                rpc.StatusCode.FAILED_PRECONDITION, "this peer does not reduce that part"
+            )
+        red = rnd.reduction(info.part, info.attempt)
+        if red.done.is_set():
+            raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "part already reduced (late)")
+        if sender in red.values or sender in red.rejected:
+            raise rpc.RpcError(rpc.StatusCode.ALREADY_EXISTS, "duplicate contribution")
+        if not (math.isfinite(info.weight) and info.weight > 0):
+            red.add(sender, None, 0.0, f"bad weight {info.weight}")
+            raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "weight must be finite and > 0")
+        limits = DecodeLimits(max_elements=red.numel, max_bytes=4 * red.numel + 4096)
+        try:
+            value = await trio.to_thread.run_sync(decode, data, limits)
+        except CompressionError as exc:
+            red.add(sender, None, 0.0, f"undecodable: {exc}")
+            raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {exc}") from None
+        why = check_contribution(value, red.numel)
+        if why is not None:
+            red.add(sender, None, 0.0, why)
+            raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {why}")
+        red.add(sender, value, info.weight)
+        return apb.PartAck(received_bytes=len(data))
+
+    async def _get_part(
+        self, req: apb.GetPartRequest, ctx: rpc.CallContext
+    ) -> tuple[TensorMeta, memoryview]:
+        rnd = await self._find_round(req.round_id)
+        self._sender_index(rnd, ctx)
+        n = len(rnd.group.members)
+        if req.part >= n or req.attempt >= n:
+            raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "no such part")
+        if req.relay:
+            outcome = rnd.direct[req.part]
+            await outcome.ready.wait()
+            encoded = outcome.encoded
+        else:
+            if rnd.reducer_of(req.part, req.attempt) != rnd.me:
+                raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "not this peer's part")
+            red = rnd.reduction(req.part, req.attempt)
+            await red.done.wait()
+            encoded = red.encoded
+        if encoded is None:
+            raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "this peer has no copy of that part")
+        return TensorMeta("uint8", (len(encoded),)), memoryview(encoded)
+
+    # -- one round ---------------------------------------------------------------------------
+
+    def _deadline(self, nbytes: float) -> float:
+        cfg = self.config
+        expected = nbytes / max(self.throughput.value, 1.0)
+        return min(cfg.max_deadline_s, cfg.min_deadline_s + cfg.deadline_slack * expected)
+
+    def _register(self, group: Group, numel: int) -> _Round:
+        me = group.index_of(self._me)
+        if me is None:
+            raise ValueError("this peer is not a member of the group")
+        if group.round_id in self._rounds or group.round_id in self._stale:
+            raise ValueError("round id already used")
+        now = time.monotonic()
+        for rid, old in list(self._rounds.items()):
+            if old.finished_at is not None and now - old.finished_at > self.config.linger_s:
+                del self._rounds[rid]
+                self._stale[rid] = None
+        while len(self._stale) > 4096:
+            self._stale.popitem(last=False)
+        rnd = self._rounds[group.round_id] = _Round(group, me, numel, self.config)
+        event = self._registered.pop(group.round_id, None)
+        if event is not None:
+            event.set()
+        return rnd
+
+    async def allreduce(
+        self, group: Group, tensor: torch.Tensor, weight: float, *, key: str = "default"
+    ) -> AllReduceResult:
+        """Averages a flat float32 tensor with the group; never raises for peer failures."""
+        if tensor.dim() != 1 or tensor.dtype != torch.float32:
+            raise ValueError("allreduce takes a flat float32 tensor")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError("weight must be finite and > 0")
+        start = time.monotonic()
+        local = tensor.detach().contiguous()
+        rnd = self._register(group, local.numel())
+        n, me = len(group.members), rnd.me
+        result = local.clone()
+        failed: list[int] = []
+        recovered: list[int] = []
+        dropped: set[int] = set()
+
+        # Error feedback: compress what we would have sent plus what earlier rounds lost.
+        use_ef = self.config.error_feedback and self.config.codec != "fp32"
+        to_send = self._residuals.compensate(key, local) if use_ef else local
+        encoded_parts: dict[int, bytes] = {}
+        decoded_parts: list[torch.Tensor] = []
+        for j, (s, e) in enumerate(rnd.bounds):
+            if j == me:
+                decoded_parts.append(to_send[s:e])
+                continue
+            blob = await trio.to_thread.run_sync(self._codec.encode, to_send[s:e].clone())
+            encoded_parts[j] = blob
+            if use_ef:
+                limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
+                decoded_parts.append(await trio.to_thread.run_sync(decode, blob, limits))
+        if use_ef:
+            self._residuals.record(key, to_send, torch.cat(decoded_parts))
+
+        bytes_per_part = max(len(b) for b in encoded_parts.values()) if encoded_parts else 0
+        phase_deadline = self._deadline(bytes_per_part * max(n - 1, 1))
+
+        async def send_part(j: int, attempt: int, target: int) -> bool:
+            info = apb.PartInfo(round_id=group.round_id, part=j, weight=weight, attempt=attempt)
+            blob = encoded_parts[j]
+            meta = TensorMeta("uint8", (len(blob),), info=info.SerializeToString())
+            t0 = time.monotonic()
+            try:
+                await self._client.put_tensor(
+                    group.members[target].address,
+                    PUT_PART,
+                    meta,
+                    memoryview(blob),
+                    apb.PartAck,
+                    timeout=phase_deadline,
+                )
+            except (rpc.RpcError, OSError) as exc:
+                log.info("part %d to member %d failed: %s", j, target, exc)
+                return False
+            self.throughput.observe(len(blob), time.monotonic() - t0)
+            return True
+
+        async def fetch(
+            target: int, j: int, attempt: int, relay: bool, timeout: float
+        ) -> bytes | None:
+            req = apb.GetPartRequest(round_id=group.round_id, part=j, attempt=attempt, relay=relay)
+            t0 = time.monotonic()
+            try:
+                _, data = await self._client.get_tensor(
+                    group.members[target].address,
+                    GET_PART,
+                    req,
+                    timeout=timeout,
+                    max_bytes=8 * rnd.part_numel(j) + 4096,
+                )
+            except (rpc.RpcError, OSError, ValueError) as exc:
+                log.info(
+                    "fetching part %d (attempt %d, relay=%s) from member %d failed: %s",
+                    j,
+                    attempt,
+                    relay,
+                    target,
+                    exc,
+                )
+                return None
+            self.throughput.observe(len(data), time.monotonic() - t0)
+            return bytes(data)
+
+        async def reduce(j: int, attempt: int, own: torch.Tensor) -> None:
+            red = rnd.reduction(j, attempt)
+            red.add(me, own, weight)
+            with trio.move_on_after(phase_deadline):
+                await red.all_arrived.wait()
+            await self._finish_reduction(red, group)
+            dropped.update(red.expected - red.contributors)
+
+        def decode_part(j: int, blob: bytes) -> torch.Tensor | None:
+            numel = rnd.part_numel(j)
+            try:
+                value = decode(blob, DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096))
+            except CompressionError:
+                return None
+            return value if check_contribution(value, numel) is None else None
+
+        async def obtain(j: int) -> None:
+            s, e = rnd.bounds[j]
+            fetch_timeout = 2 * phase_deadline + self._deadline(bytes_per_part)
+            blob = await fetch(j, j, 0, False, fetch_timeout)
+            rnd.direct[j].encoded = blob
+            rnd.direct[j].ready.set()
+            if blob is None:
+                recovered.append(j)
+                blob = await self._from_relays(rnd, j, fetch, fetch_timeout)
+            attempt = 1
+            while blob is None and attempt < n:
+                target = rnd.reducer_of(j, attempt)
+                if target == me:
+                    # The part's own value at the fallback reducer is its uncompressed local one.
+                    await reduce(j, attempt, to_send[s:e])
+                    blob = rnd.reduction(j, attempt).encoded
+                elif await send_part(j, attempt, target):
+                    blob = await fetch(target, j, attempt, False, fetch_timeout)
+                attempt += 1
+            value = decode_part(j, blob) if blob is not None else None
+            if value is None:
+                failed.append(j)
+                return
+            result[s:e] = value
+
+        async with trio.open_nursery() as nursery:
+            for j in range(n):
+                if j != me:
+                    nursery.start_soon(send_part, j, 0, j)
+                    nursery.start_soon(obtain, j)
+            s, e = rnd.bounds[me]
+            nursery.start_soon(reduce, me, 0, to_send[s:e])
+
+        own = rnd.reduction(me, 0)
+        rnd.direct[me].encoded = own.encoded
+        rnd.direct[me].ready.set()
+        s, e = rnd.bounds[me]
+        if own.decoded is not None:
+            result[s:e] = own.decoded
+        else:
+            failed.append(me)
+        rnd.finished_at = time.monotonic()
+        dropped.discard(me)
+        return AllReduceResult(
+            tensor=result,
+            dropped={group.members[i].peer_id for i in dropped},
+            failed_parts=sorted(failed),
+            recovered_parts=sorted(recovered),
+            duration_s=time.monotonic() - start,
+        )
+
+    async def _from_relays(self, rnd: _Round, j: int, fetch, timeout: float) -> bytes | None:  # type: ignore[no-untyped-def]
+        """Asks the other members for the copy of part j they got from its reducer."""
+        others = [i for i in range(len(rnd.group.members)) if i not in (j, rnd.me)]
+        found: list[bytes] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask(i: int) -> None:
+                blob = await fetch(i, j, 0, True, timeout)
+                if blob is not None and not found:
+                    found.append(blob)
+                    nursery.cancel_scope.cancel()
+
+            for i in others:
+                nursery.start_soon(ask, i)
+        return found[0] if found else None
+
+    async def _finish_reduction(self, red: _Reduction, group: Group) -> None:
+        """Drops outliers, aggregates, encodes once; every member gets exactly these bytes."""
+        if red.done.is_set():
+            return
+        values = dict(red.values)
+        for index, why in norm_outliers(values, self.config.reduction).items():
+            red.rejected[index] = why
+            del values[index]
+        for index, why in red.rejected.items():
+            log.warning(
+                "dropped member %s from a part: %s", group.members[index].peer_id.short(), why
+            )
+        order = sorted(values)
+        if order:
+            reduced = await trio.to_thread.run_sync(
+                aggregate,
+                [values[i] for i in order],
+                [red.weights[i] for i in order],
+                self.config.reduction,
+            )
+            encoded = await trio.to_thread.run_sync(self._codec.encode, reduced)
+            limits = DecodeLimits(max_elements=red.numel, max_bytes=len(encoded) * 8 + 4096)
+            red.encoded = encoded
+            red.decoded = await trio.to_thread.run_sync(decode, encoded, limits)
+        red.contributors = set(order)
+        red.done.set()

@@ -1,0 +1,109 @@
+"""How a reducer turns the contributions it received into one part: validation and aggregation.
+
+Pure torch, no I/O, so it is tested directly. The reducer's job is also its defence: it is the
+one place that sees every peer's values for its part, so it drops NaN/Inf, wrong shapes and
+norms far outside the group before they reach anyone's model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["mean", "trimmed_mean", "centered_clip"]
+
+
+@dataclass(frozen=True)
+class ReductionConfig:
+    aggregation: Aggregation = "mean"
+    #: trimmed_mean: fraction of contributions dropped at each end, per coordinate.
+    trim_fraction: float = 0.2
+    #: centered_clip: radius of the clip, relative to the median contribution norm.
+    clip_radius: float = 1.0
+    clip_iterations: int = 3
+    #: With >= 3 contributions, a norm beyond this multiple of the median norm is dropped.
+    norm_outlier_factor: float = 10.0
+    #: Absolute bound on a contribution's L2 norm (inf: none).
+    max_norm: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in ("mean", "trimmed_mean", "centered_clip"):
+            raise ValueError(f"unknown aggregation {self.aggregation!r}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError("trim_fraction must be in [0, 0.5)")
+        if self.clip_radius <= 0 or self.clip_iterations < 1:
+            raise ValueError("clip_radius must be > 0 and clip_iterations >= 1")
+        if self.norm_outlier_factor <= 1:
+            raise ValueError("norm_outlier_factor must be > 1")
+        if not self.max_norm > 0:
+            raise ValueError("max_norm must be > 0")
+
+
+def check_contribution(value: torch.Tensor, numel: int) -> str | None:
+    """Why a single contribution is unusable, or None if it is fine on its own."""
+    if value.dtype != torch.float32:
+        return f"dtype {value.dtype}, expected float32"
+    if value.dim() != 1 or value.numel() != numel:
+        return f"shape {tuple(value.shape)}, expected ({numel},)"
+    if not bool(torch.isfinite(value).all()):
+        return "non-finite values"
+    return None
+
+
+def norm_outliers(values: dict[int, torch.Tensor], config: ReductionConfig) -> dict[int, str]:
+    """Contributions whose norm is beyond the absolute bound or far beyond the group's."""
+    norms = {k: float(torch.linalg.vector_norm(v, dtype=torch.float64)) for k, v in values.items()}
+    bad = {
+        k: f"norm {n:.3g} > bound {config.max_norm:.3g}"
+        for k, n in norms.items()
+        if n > config.max_norm
+    }
+    rest = sorted(n for k, n in norms.items() if k not in bad)
+    if len(rest) >= 3:
+        median = (
+            rest[len(rest) // 2]
+            if len(rest) % 2
+            else 0.5 * (rest[len(rest) // 2 - 1] + rest[len(rest) // 2])
+        )
+        limit = config.norm_outlier_factor * max(median, 1e-30)
+        for k, n in norms.items():
+            if k not in bad and n > limit:
+                bad[k] = (
+                    f"norm {n:.3g} > {config.norm_outlier_factor:g} x group median {median:.3g}"
+                )
+    return bad
+
+
+def aggregate(
+    values: list[torch.Tensor], weights: list[float], config: ReductionConfig
+) -> torch.Tensor:
+    """The reduced part, float32. The plain mean is computed in float64 so that every reducer
+    (and a test) gets the correctly rounded weighted mean regardless of summation order."""
+    if not values:
+        raise ValueError("nothing to aggregate")
+    if config.aggregation == "mean" or len(values) < 3:
+        total = sum(weights)
+        acc = torch.zeros_like(values[0], dtype=torch.float64)
+        for v, w in zip(values, weights, strict=True):
+            acc.add_(v, alpha=w)
+        return acc.div_(total).to(torch.float32)
+    stacked = torch.stack(values)
+    if config.aggregation == "trimmed_mean":
+        k = int(config.trim_fraction * len(values))
+        ordered, _ = torch.sort(stacked, dim=0)
+        return ordered[k : len(values) - k].mean(dim=0)
+    # centered_clip (Karimireddy et al. 2021): iteratively average clipped deviations.
+    norms = torch.linalg.vector_norm(stacked, dim=1)
+    tau = config.clip_radius * float(norms.median())
+    center = stacked.median(dim=0).values
+    share = torch.tensor(weights, dtype=torch.float32)
+    share = share / share.sum()
+    for _ in range(config.clip_iterations):
+        delta = stacked - center
+        dn = torch.linalg.vector_norm(delta, dim=1).clamp_min(1e-30)
+        scale = torch.clamp(tau / dn, max=1.0)
+        center = center + (share * scale) @ delta
+    return center

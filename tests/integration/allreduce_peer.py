@@ -1,0 +1,128 @@
+"""A real peer process for all-reduce tests, honest or misbehaving on purpose.
+
+argv[1] is JSON: {"index", "numel", "codec", "weight", "behavior", "linger_s", "out_dir"}.
+Prints {"address", "peer_id", "pid"} once serving. Then, for every line on stdin
+({"round": name, "members": [[peer_id, address], ...]}), runs one all-reduce and prints
+{"ok", "dropped", "failed_parts", "recovered_parts", "seconds", "file"}; the result tensor is
+saved to "file". Behaviours: "honest"; "slow" (waits 30 s before sending or serving anything:
+the test kills or stops it mid-round); "nan" and "shape" (sends NaN values / a part of the wrong
+length, reduces its own part honestly); "huge" (sends values a million times too large).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity, PeerId
+
+
+def local_values(index: int, numel: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 + index))
+
+
+def round_id(name: str) -> bytes:
+    return hashlib.sha256(f"test/{name}".encode()).digest()
+
+
+def misbehave(averager: Averager, behavior: str) -> None:
+    codec = averager._codec
+    honest_encode = codec.encode
+
+    def encode(tensor: torch.Tensor) -> bytes:
+        if behavior == "nan":
+            blob = honest_encode(torch.ones_like(tensor))
+            return blob.replace(b"\x00\x00\x80\x3f", b"\x00\x00\xc0\x7f")  # 1.0f -> NaN
+        if behavior == "shape":
+            return honest_encode(torch.cat([tensor, torch.zeros(3)]))
+        if behavior == "huge":
+            return honest_encode(tensor * 1e6)
+        return honest_encode(tensor)
+
+    # Only what this peer sends is corrupted: its reductions encode through the same codec,
+    # so it keeps an honest copy for them.
+    averager._codec = type("Liar", (), {"encode": staticmethod(encode)})()
+    original_finish = averager._finish_reduction
+
+    async def finish(red: Any, group: Group) -> None:
+        averager._codec = codec
+        try:
+            await original_finish(red, group)
+        finally:
+            averager._codec = type("Liar", (), {"encode": staticmethod(encode)})()
+
+    averager._finish_reduction = finish  # type: ignore[method-assign]
+
+
+async def main(cfg: dict[str, Any]) -> None:
+    identity = Identity.generate()
+    client = rpc.RpcClient(identity)
+    config = AllReduceConfig(
+        codec=cfg.get("codec", "fp32"), linger_s=cfg.get("linger_s", 60.0), min_deadline_s=1.0
+    )
+    averager = Averager(client, identity.peer_id, config)
+    behavior = cfg.get("behavior", "honest")
+    if behavior in ("nan", "shape", "huge"):
+        misbehave(averager, behavior)
+    if behavior == "slow":
+        honest_put = client.put_tensor
+
+        async def slow_put(*args: Any, **kwargs: Any) -> Any:
+            await trio.sleep(30)
+            return await honest_put(*args, **kwargs)
+
+        client.put_tensor = slow_put  # type: ignore[method-assign]
+        honest_get = averager._get_part
+
+        async def slow_get(*args: Any, **kwargs: Any) -> Any:
+            await trio.sleep(30)
+            return await honest_get(*args, **kwargs)
+
+        averager._get_part = slow_get  # type: ignore[method-assign]
+    local = local_values(cfg["index"], cfg["numel"])
+    async with rpc.serve([averager.service()], "127.0.0.1", 0) as server:
+        print(
+            json.dumps(
+                {
+                    "address": str(server.address),
+                    "peer_id": str(identity.peer_id),
+                    "pid": os.getpid(),
+                }
+            ),
+            flush=True,
+        )
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
+            cmd = json.loads(line)
+            members = tuple(Member(PeerId.from_string(p), a) for p, a in cmd["members"])
+            result = await averager.allreduce(
+                Group(round_id(cmd["round"]), members), local, float(cfg.get("weight", 1.0))
+            )
+            path = Path(cfg["out_dir"]) / f"{cfg['index']}-{cmd['round']}.pt"
+            torch.save(result.tensor, path)
+            print(
+                json.dumps(
+                    {
+                        "ok": result.ok,
+                        "dropped": sorted(str(p) for p in result.dropped),
+                        "failed_parts": result.failed_parts,
+                        "recovered_parts": result.recovered_parts,
+                        "seconds": result.duration_s,
+                        "file": str(path),
+                    }
+                ),
+                flush=True,
+            )
+    client.close()
+
+
+if __name__ == "__main__":
+    trio.run(main, json.loads(sys.argv[1]))

@@ -1,0 +1,154 @@
+"""Butterfly all-reduce between 4 real processes: exact results, and failures survived."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from swarmd.node.allreduce import PUT_PART, part_bounds
+from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol import rpc
+from swarmd.protocol.framing import TensorMeta
+from swarmd.protocol.identity import Identity
+from tests.helpers import ROOT, Proc, ProcessGroup
+from tests.integration.allreduce_peer import local_values, round_id
+
+NUMEL = 50_000
+WEIGHTS = [1.0, 2.0, 3.0, 4.0]
+
+
+def start_peers(
+    processes: ProcessGroup, tmp_path: Path, behaviors: dict[int, str] | None = None, **cfg: Any
+) -> list[Proc]:
+    script = str(ROOT / "tests" / "integration" / "allreduce_peer.py")
+    commands = []
+    for i in range(4):
+        config = {
+            "index": i,
+            "numel": NUMEL,
+            "weight": WEIGHTS[i],
+            "behavior": (behaviors or {}).get(i, "honest"),
+            "out_dir": str(tmp_path),
+            **cfg,
+        }
+        commands.append([sys.executable, script, json.dumps(config)])
+    return processes.start_many(commands, stdin=True)
+
+
+def members(peers: list[Proc]) -> list[list[str]]:
+    return sorted([str(p.info["peer_id"]), p.address] for p in peers)
+
+
+def run_round(peers: list[Proc], everyone: list[Proc], name: str) -> list[dict[str, Any]]:
+    for p in peers:
+        p.send({"round": name, "members": members(everyone)})
+    return [p.receive(timeout=60) for p in peers]
+
+
+def weighted_mean(indices: list[int]) -> torch.Tensor:
+    acc = torch.zeros(NUMEL, dtype=torch.float64)
+    for i in indices:
+        acc += local_values(i, NUMEL).double() * WEIGHTS[i]
+    return (acc / sum(WEIGHTS[i] for i in indices)).float()
+
+
+def load(out: dict[str, Any]) -> torch.Tensor:
+    tensor: torch.Tensor = torch.load(out["file"])
+    return tensor
+
+
+def test_four_peers_fp32_exact_weighted_mean(processes: ProcessGroup, tmp_path: Path) -> None:
+    peers = start_peers(processes, tmp_path)
+    for name in ("r1", "r2"):
+        outs = run_round(peers, peers, name)
+        assert all(o["ok"] and o["dropped"] == [] and o["failed_parts"] == [] for o in outs)
+        results = [load(o) for o in outs]
+        assert torch.equal(results[0], weighted_mean([0, 1, 2, 3]))
+        assert all(torch.equal(r, results[0]) for r in results)
+
+
+def test_four_peers_int8_within_bound(processes: ProcessGroup, tmp_path: Path) -> None:
+    peers = start_peers(processes, tmp_path, codec="int8")
+    outs = run_round(peers, peers, "q1")
+    assert all(o["ok"] for o in outs)
+    results = [load(o) for o in outs]
+    assert all(torch.equal(r, results[0]) for r in results)  # the same bytes everywhere
+    truth = weighted_mean([0, 1, 2, 3])
+    # Each sender's part is quantised once (error <= absmax/254 per block), the mean once more.
+    sent = max(float(local_values(i, NUMEL).abs().max()) for i in range(4)) / 254
+    bound = sent + float(truth.abs().max()) / 254 + 1e-6
+    err = float((results[0] - truth).abs().max())
+    assert 0 < err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_peer_killed_or_stopped_mid_round(
+    processes: ProcessGroup, tmp_path: Path, sig: signal.Signals
+) -> None:
+    peers = start_peers(processes, tmp_path, behaviors={2: "slow"})
+    victim, survivors = peers[2], [p for i, p in enumerate(peers) if i != 2]
+    for p in peers:
+        p.send({"round": "k1", "members": members(peers)})
+    time.sleep(0.5)  # everyone is mid-round: parts sent, the victim's still pending
+    victim.process.send_signal(sig)
+    start = time.monotonic()
+    outs = [p.receive(timeout=60) for p in survivors]
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, f"survivors took {elapsed:.1f}s"
+    victim_id = str(victim.info["peer_id"])
+    for o in outs:
+        assert o["ok"], o
+        assert o["dropped"] == [victim_id]
+    results = [load(o) for o in outs]
+    assert torch.equal(results[0], weighted_mean([0, 1, 3]))
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
+@pytest.mark.parametrize("behavior", ["nan", "shape", "huge"])
+def test_bad_sender_is_dropped(processes: ProcessGroup, tmp_path: Path, behavior: str) -> None:
+    peers = start_peers(processes, tmp_path, behaviors={1: behavior})
+    outs = run_round(peers, peers, "b1")
+    bad_id = str(peers[1].info["peer_id"])
+    honest = [o for i, o in enumerate(outs) if i != 1]
+    for o in honest:
+        assert o["ok"] and o["dropped"] == [bad_id], o
+    results = [load(o) for o in honest]
+    assert all(torch.equal(r, results[0]) for r in results)
+    # The liar reduced its own part honestly (its own values never crossed the wire); every
+    # other part is the mean of the three honest peers.
+    order = [m[0] for m in members(peers)]
+    bounds = part_bounds(NUMEL, [1.0] * 4)
+    all_four, without = weighted_mean([0, 1, 2, 3]), weighted_mean([0, 2, 3])
+    for j, (s, e) in enumerate(bounds):
+        expected = all_four if order[j] == bad_id else without
+        assert torch.equal(results[0][s:e], expected[s:e]), f"part {j}"
+
+
+def test_stale_round_message_refused(processes: ProcessGroup, tmp_path: Path) -> None:
+    peers = start_peers(processes, tmp_path, linger_s=0.0)
+    run_round(peers, peers, "old")
+    run_round(peers, peers, "new")  # starting a round retires the finished one
+
+    async def late_part() -> rpc.RpcError:
+        client = rpc.RpcClient(Identity.generate())
+        info = apb.PartInfo(round_id=round_id("old"), part=0, weight=1.0)
+        meta = TensorMeta("uint8", (4,), info=info.SerializeToString())
+        try:
+            with pytest.raises(rpc.RpcError) as err:
+                await client.put_tensor(
+                    peers[0].address, PUT_PART, meta, memoryview(bytes(4)), apb.PartAck, timeout=10
+                )
+            return err.value
+        finally:
+            client.close()
+
+    error = trio.run(late_part)
+    assert error.code is rpc.StatusCode.FAILED_PRECONDITION and "stale" in error.details

@@ -1,0 +1,76 @@
+"""The reducer's validation and aggregation, without the network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swarmd.node.reduction import (
+    ReductionConfig,
+    aggregate,
+    check_contribution,
+    norm_outliers,
+)
+
+
+def test_weighted_mean_is_correctly_rounded_in_any_order() -> None:
+    xs = [torch.randn(10_000) for _ in range(5)]
+    ws = [1.0, 7.0, 0.5, 3.0, 2.5]
+    truth = (sum(x.double() * w for x, w in zip(xs, ws, strict=True)) / sum(ws)).float()
+    assert torch.equal(aggregate(xs, ws, ReductionConfig()), truth)
+    assert torch.equal(aggregate(xs[::-1], ws[::-1], ReductionConfig()), truth)
+
+
+def test_trimmed_mean_ignores_one_extreme_peer() -> None:
+    honest = [torch.full((100,), float(v)) for v in (1.0, 2.0, 3.0, 4.0)]
+    liar = torch.full((100,), 1e9)
+    cfg = ReductionConfig(aggregation="trimmed_mean", trim_fraction=0.2)
+    out = aggregate([*honest, liar], [1.0] * 5, cfg)
+    assert torch.allclose(out, torch.full((100,), 3.0))  # drops 1.0 and 1e9, means 2, 3, 4
+
+
+def test_centered_clip_bounds_a_liars_pull() -> None:
+    honest = [torch.randn(1000) * 0.01 + 1.0 for _ in range(6)]
+    liar = torch.full((1000,), 1e6)
+    cfg = ReductionConfig(aggregation="centered_clip")
+    out = aggregate([*honest, liar], [1.0] * 7, cfg)
+    plain = aggregate([*honest, liar], [1.0] * 7, ReductionConfig())
+    assert float((out - 1.0).abs().max()) < 0.5
+    assert float((plain - 1.0).abs().max()) > 1e5
+
+
+def test_check_contribution() -> None:
+    assert check_contribution(torch.zeros(4), 4) is None
+    assert "shape" in str(check_contribution(torch.zeros(5), 4))
+    assert "shape" in str(check_contribution(torch.zeros(2, 2), 4))
+    assert "dtype" in str(check_contribution(torch.zeros(4, dtype=torch.float64), 4))
+    assert "non-finite" in str(check_contribution(torch.tensor([0.0, math.nan, 0, 0]), 4))
+    assert "non-finite" in str(check_contribution(torch.tensor([0.0, math.inf, 0, 0]), 4))
+
+
+def test_norm_outliers() -> None:
+    values = {i: torch.randn(1000) for i in range(4)}
+    assert norm_outliers(values, ReductionConfig()) == {}
+    values[2] = values[2] * 1000
+    assert set(norm_outliers(values, ReductionConfig())) == {2}
+    # Two contributions give no majority to compare against: only the absolute bound applies.
+    pair = {0: torch.ones(4), 1: torch.ones(4) * 1e6}
+    assert norm_outliers(pair, ReductionConfig()) == {}
+    assert set(norm_outliers(pair, ReductionConfig(max_norm=10.0))) == {1}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"aggregation": "median"},
+        {"trim_fraction": 0.5},
+        {"norm_outlier_factor": 1.0},
+        {"max_norm": 0.0},
+        {"clip_iterations": 0},
+    ],
+)
+def test_config_validation(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        ReductionConfig(**kwargs)  # type: ignore[arg-type]
