@@ -47,6 +47,7 @@ from swarmd.compression import (
     decode,
 )
 from swarmd.compression.codec import Codec
+from swarmd.node.metrics import Metrics
 from swarmd.node.reduction import ReductionConfig, aggregate, check_contribution, norm_outliers
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -247,9 +248,14 @@ class Averager:
     """Runs all-reduce rounds for this daemon and serves other members' requests."""
 
     def __init__(
-        self, client: rpc.RpcClient, me: PeerId, config: AllReduceConfig | None = None
+        self,
+        client: rpc.RpcClient,
+        me: PeerId,
+        config: AllReduceConfig | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.config = config or AllReduceConfig()
+        self._metrics = metrics
         self._client = client
         self._me = me
         self._codec = make_codec(self.config.codec)
@@ -331,6 +337,7 @@ class Averager:
             red.add(sender, None, 0.0, why)
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {why}")
         red.add(sender, value, info.weight)
+        self._count_bytes("received", len(data))
         return apb.PartAck(received_bytes=len(data))
 
     async def _get_part(
@@ -353,6 +360,7 @@ class Averager:
             encoded = red.encoded
         if encoded is None:
             raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "this peer has no copy of that part")
+        self._count_bytes("sent", len(encoded))
         return TensorMeta("uint8", (len(encoded),)), memoryview(encoded)
 
     # -- one round ---------------------------------------------------------------------------
@@ -436,6 +444,7 @@ class Averager:
                 log.info("part %d to member %d failed: %s", j, target, exc)
                 return False
             self.throughput.observe(len(blob), time.monotonic() - t0)
+            self._count_bytes("sent", len(blob))
             return True
 
         async def fetch(
@@ -462,6 +471,7 @@ class Averager:
                 )
                 return None
             self.throughput.observe(len(data), time.monotonic() - t0)
+            self._count_bytes("received", len(data))
             return bytes(data)
 
         async def reduce(j: int, attempt: int, own: torch.Tensor) -> None:
@@ -523,13 +533,28 @@ class Averager:
             failed.append(me)
         rnd.finished_at = time.monotonic()
         dropped.discard(me)
-        return AllReduceResult(
+        outcome = AllReduceResult(
             tensor=result,
             dropped={group.members[i].peer_id for i in dropped},
             failed_parts=sorted(failed),
             recovered_parts=sorted(recovered),
             duration_s=time.monotonic() - start,
         )
+        if self._metrics is not None:
+            kind = "failed" if failed else "degraded" if dropped else "ok"
+            self._metrics.on_round(kind, outcome.duration_s, len(dropped))
+        if outcome.dropped or failed:
+            log.warning(
+                "round %s: dropped %s; parts kept local: %s",
+                group.round_id.hex()[:12],
+                sorted(p.short() for p in outcome.dropped),
+                outcome.failed_parts,
+            )
+        return outcome
+
+    def _count_bytes(self, direction: str, nbytes: int) -> None:
+        if self._metrics is not None:
+            self._metrics.on_averaging_bytes(direction, self.config.codec, nbytes)
 
     async def _from_relays(self, rnd: _Round, j: int, fetch, timeout: float) -> bytes | None:  # type: ignore[no-untyped-def]
         """Asks the other members for the copy of part j they got from its reducer."""

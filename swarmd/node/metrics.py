@@ -56,6 +56,39 @@ class Metrics:
             "swarmd_received_bytes", "Payload bytes received over RPCs", registry=self.registry
         )
 
+        self.averaging_rounds = Counter(
+            "swarmd_averaging_rounds",
+            "All-reduce rounds by outcome: ok, degraded (peers dropped), failed (parts kept local)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.averaging_duration = Histogram(
+            "swarmd_averaging_round_duration_seconds",
+            "Wall time of one all-reduce round, matchmaking excluded",
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.averaging_dropped = Counter(
+            "swarmd_averaging_peers_dropped",
+            "Members left out of a round's average (died, stalled or sent bad data)",
+            registry=self.registry,
+        )
+        self.averaging_bytes = Counter(
+            "swarmd_averaging_bytes",
+            "All-reduce payload bytes by direction and codec",
+            ["direction", "codec"],
+            registry=self.registry,
+        )
+
+    def on_round(self, outcome: str, duration_s: float, dropped: int) -> None:
+        self.averaging_rounds.labels(outcome=outcome).inc()
+        self.averaging_duration.observe(duration_s)
+        if dropped:
+            self.averaging_dropped.inc(dropped)
+
+    def on_averaging_bytes(self, direction: str, codec: str, nbytes: int) -> None:
+        self.averaging_bytes.labels(direction=direction, codec=codec).inc(nbytes)
+
     def on_served(self, method: str, code: str, duration_s: float) -> None:
         self.rpc_requests.labels(method=method, code=code).inc()
         self.rpc_duration.labels(method=method).observe(duration_s)

@@ -1,1 +1,4 @@
-"""Optimisers (DiLoCo, streaming DiLoCo, DeMo): pure torch, no I/O; they take an averaging function."""
+"""Optimisers (DiLoCo, streaming DiLoCo, DeMo): pure torch, no I/O.
+
+They take an averaging function and never touch the network.
+"""

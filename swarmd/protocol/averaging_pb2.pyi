@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -33,3 +35,27 @@ class GetPartRequest(_message.Message):
     attempt: int
     relay: bool
     def __init__(self, round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., attempt: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
+
+class MemberInfo(_message.Message):
+    __slots__ = ("address", "bandwidth")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    bandwidth: float
+    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("peer_id", "address", "bandwidth")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    peer_id: bytes
+    address: str
+    bandwidth: float
+    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+
+class GroupRecord(_message.Message):
+    __slots__ = ("members",)
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    def __init__(self, members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...

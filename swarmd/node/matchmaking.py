@@ -1,0 +1,141 @@
+"""Group formation for one (run, round, fragment) through the DHT: no coordinator, no deadlock.
+
+1. Every ready peer announces itself (address, bandwidth) under the round's key, signed.
+2. It watches that key until ``target_group_size`` peers are visible or the gather deadline
+   passes (then it goes on with whoever is there, if at least ``min_group_size``).
+3. The lowest peer id it saw is the leader. The leader publishes the member list it saw as a
+   signed group record; every other peer waits for a record that names it, preferring the
+   lowest leader id, and derives the round id from the record's exact bytes.
+
+Peers that see different sets cannot deadlock — nobody waits on anybody's answer, only on
+the DHT, with deadlines — and they cannot silently average with the wrong peers: the round id
+covers the member list, so a peer that followed another leader is simply missing from this
+round and is dropped by its deadline. A peer left out of every group skips to the next round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from swarmd.node.allreduce import Group, Member
+from swarmd.node.dht import DHTNode, Value
+from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol.identity import PeerId
+
+log = logging.getLogger("swarmd.matchmaking")
+
+
+@dataclass(frozen=True)
+class MatchmakingConfig:
+    target_group_size: int = 16
+    min_group_size: int = 2
+    #: Longest wait for the group to fill before going on with whoever is there.
+    gather_s: float = 5.0
+    #: Longest a follower waits for its leader's group record.
+    commit_wait_s: float = 5.0
+    #: How often the DHT is read while waiting (a DHT get costs a few ms on loopback).
+    poll_s: float = 0.1
+    #: Lifetime of announcements and group records.
+    ttl_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_group_size <= self.target_group_size:
+            raise ValueError("need 1 <= min_group_size <= target_group_size")
+        for name in ("gather_s", "commit_wait_s", "poll_s", "ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MatchmakingConfig.{name} must be positive")
+
+
+def round_key(run: str, round_no: int, fragment: int = 0) -> str:
+    return f"swarmd/{run}/mm/{fragment}/{round_no}"
+
+
+def _decode_member(peer: PeerId, value: Value) -> Member | None:
+    info = apb.MemberInfo()
+    try:
+        info.ParseFromString(value.value)
+        return Member(peer, info.address, info.bandwidth)
+    except Exception:  # a malformed announcement only costs its author the round
+        return None
+
+
+def _decode_group(value: Value) -> tuple[Member, ...] | None:
+    record = apb.GroupRecord()
+    try:
+        record.ParseFromString(value.value)
+        members = tuple(Member(PeerId(m.peer_id), m.address, m.bandwidth) for m in record.members)
+    except Exception:
+        return None
+    ids = [m.peer_id for m in members]
+    if not members or ids != sorted(ids) or len(set(ids)) != len(ids):
+        return None
+    if members[0].peer_id != value.owner:
+        return None  # only the leader itself (the lowest id in it) may publish a group
+    return members
+
+
+def round_id_of(key: str, record: bytes) -> bytes:
+    return hashlib.sha256(b"swarmd/round/v1\0" + key.encode() + b"\0" + record).digest()
+
+
+async def form_group(
+    dht: DHTNode,
+    key: str,
+    me: Member,
+    config: MatchmakingConfig | None = None,
+) -> Group | None:
+    """The group this peer averages with for ``key``, or None (too few peers: skip the round)."""
+    cfg = config or MatchmakingConfig()
+    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth).SerializeToString()
+    await dht.store(key, info, dht.now() + cfg.ttl_s, subkey=str(me.peer_id))
+
+    visible: dict[PeerId, Member] = {me.peer_id: me}
+    with trio.move_on_after(cfg.gather_s):
+        while True:
+            for peer, value in (await dht.peers(key)).items():
+                member = _decode_member(peer, value)
+                if member is not None:
+                    visible[peer] = member
+            if len(visible) >= cfg.target_group_size:
+                break
+            await trio.sleep(cfg.poll_s)
+    candidates = sorted(visible.values(), key=lambda m: m.peer_id)[: cfg.target_group_size]
+    if me not in candidates or len(candidates) < cfg.min_group_size:
+        log.info("round %s: %d peers visible, not enough for a group", key, len(visible))
+        return None
+
+    group_key = key + "/group"
+    if candidates[0].peer_id == me.peer_id:
+        record = apb.GroupRecord(
+            members=[
+                apb.GroupMember(peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth)
+                for m in candidates
+            ]
+        ).SerializeToString()
+        await dht.store(group_key, record, dht.now() + cfg.ttl_s, subkey=str(me.peer_id))
+        return Group(round_id_of(key, record), tuple(candidates))
+
+    fallback: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
+    with trio.move_on_after(cfg.commit_wait_s):
+        while True:
+            best: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
+            for value in (await dht.get_map(group_key)).values():
+                members = _decode_group(value)
+                if members is None or me.peer_id not in {m.peer_id for m in members}:
+                    continue
+                if best is None or value.owner < best[0]:
+                    best = (value.owner, value.value, members)
+            # Wait for the leader we expect; settle for another leader's record only if ours
+            # never shows up within the deadline (handled after the loop).
+            if best is not None and best[0] <= candidates[0].peer_id:
+                return Group(round_id_of(key, best[1]), best[2])
+            fallback = best
+            await trio.sleep(cfg.poll_s)
+    if fallback is not None:
+        return Group(round_id_of(key, fallback[1]), fallback[2])
+    log.info("round %s: no group record names this peer", key)
+    return None

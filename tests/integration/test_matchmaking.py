@@ -1,0 +1,128 @@
+"""Matchmaking through a real DHT (in-process nodes on loopback), then a real all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import torch
+import trio
+
+from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.node.dht import DHTConfig
+from swarmd.node.dht.node import open_dht
+from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.metrics import Metrics
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity
+
+FAST = MatchmakingConfig(target_group_size=4, min_group_size=2, gather_s=3.0, commit_wait_s=3.0)
+
+
+class Peer:
+    def __init__(
+        self, identity: Identity, averager: Averager, dht: object, address: str, metrics: Metrics
+    ) -> None:
+        self.metrics = metrics
+        self.identity = identity
+        self.averager = averager
+        self.dht = dht
+        self.member = Member(identity.peer_id, address)
+
+
+@asynccontextmanager
+async def swarm(n: int) -> AsyncIterator[list[Peer]]:
+    async with AsyncExitStack() as stack:
+        peers: list[Peer] = []
+        bootstrap: list[str] = []
+        for _ in range(n):
+            identity = Identity.generate()
+            client = rpc.RpcClient(identity)
+            stack.callback(client.close)
+            metrics = Metrics()
+            averager = Averager(client, identity.peer_id, AllReduceConfig(codec="fp32"), metrics)
+            node, server = await stack.enter_async_context(
+                open_dht(
+                    identity,
+                    bootstrap=bootstrap,
+                    config=DHTConfig(lookup_timeout_s=2.0),
+                    extra_services=[averager.service()],
+                )
+            )
+            bootstrap = bootstrap or [str(server.address)]
+            peers.append(Peer(identity, averager, node, str(server.address), metrics))
+        yield peers
+
+
+async def _form_all(peers: list[Peer], key: str, config: MatchmakingConfig) -> list[Group | None]:
+    groups: list[Group | None] = [None] * len(peers)
+
+    async def one(i: int) -> None:
+        groups[i] = await form_group(peers[i].dht, key, peers[i].member, config)  # type: ignore[arg-type]
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(peers)):
+            nursery.start_soon(one, i)
+    return groups
+
+
+def test_peers_asking_at_once_agree_on_one_group_and_average() -> None:
+    async def main() -> None:
+        async with swarm(4) as peers:
+            with trio.fail_after(20):
+                groups = await _form_all(peers, round_key("run", 1), FAST)
+            assert all(g is not None for g in groups)
+            assert len({g.round_id for g in groups if g}) == 1
+            group = groups[0]
+            assert group is not None and len(group.members) == 4
+            values = [torch.randn(1000) for _ in peers]
+            results: list[torch.Tensor] = [torch.empty(0)] * 4
+
+            async def reduce(i: int) -> None:
+                res = await peers[i].averager.allreduce(group, values[i], 1.0)
+                assert res.ok
+                results[i] = res.tensor
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(reduce, i)
+            truth = (sum(v.double() for v in values) / 4).float()
+            assert all(torch.equal(r, truth) for r in results)
+            text = peers[0].metrics.render().decode()
+            assert 'swarmd_averaging_rounds_total{outcome="ok"} 1.0' in text
+            # 3 parts of 250 fp32 values out, 3 in (plus headers), in each phase.
+            sent = [ln for ln in text.splitlines() if ln.startswith("swarmd_averaging_bytes_total")]
+            assert any('direction="sent"' in ln and float(ln.split()[1]) >= 6000 for ln in sent)
+            assert any('direction="received"' in ln and float(ln.split()[1]) >= 6000 for ln in sent)
+
+    trio.run(main)
+
+
+def test_group_forms_with_whoever_is_there_after_the_deadline() -> None:
+    async def main() -> None:
+        async with swarm(3) as peers:
+            # Target 4, only 3 show up: after gather_s they go on with 3 (min is 2).
+            start = trio.current_time()
+            groups = await _form_all(peers, round_key("run", 2), FAST)
+            assert trio.current_time() - start >= FAST.gather_s - 0.5
+            assert len({g.round_id for g in groups if g}) == 1
+            assert all(g is not None and len(g.members) == 3 for g in groups)
+
+    trio.run(main)
+
+
+def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
+    async def main() -> None:
+        async with swarm(3) as peers:
+            quick = MatchmakingConfig(
+                target_group_size=3, min_group_size=2, gather_s=1.0, commit_wait_s=1.0
+            )
+            # Only peer 0 is ready for round 3: below min_group_size, it skips.
+            assert (
+                await form_group(peers[0].dht, round_key("run", 3), peers[0].member, quick) is None
+            )  # type: ignore[arg-type]
+            # Round 4: everyone is there, including the peer that missed round 3.
+            groups = await _form_all(peers, round_key("run", 4), quick)
+            assert len({g.round_id for g in groups if g}) == 1 and all(groups)
+
+    trio.run(main)
