@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -61,6 +61,8 @@ PUT_PART = rpc.method_path(SERVICE, "PutPart")
 GET_PART = rpc.method_path(SERVICE, "GetPart")
 
 CodecName = Literal["fp32", "fp16", "int8"]
+#: fetch(member, part, attempt, relay, timeout) -> the encoded part, or None on failure
+_Fetch = Callable[[int, int, int, bool, float], Awaitable[bytes | bytearray | None]]
 _BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02}
 
 
@@ -211,7 +213,7 @@ class _Outcome:
 
     def __init__(self) -> None:
         self.ready = trio.Event()
-        self.encoded: bytes | None = None
+        self.encoded: bytes | bytearray | None = None
 
 
 class _Round:
@@ -406,27 +408,30 @@ class Averager:
         recovered: list[int] = []
         dropped: set[int] = set()
 
+        if not bool(torch.isfinite(local).all()):
+            raise ValueError("allreduce input contains NaN or infinity")
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
         use_ef = self.config.error_feedback and self.config.codec != "fp32"
         to_send = self._residuals.compensate(key, local) if use_ef else local
+        sent_values = torch.empty_like(to_send) if use_ef else to_send
         encoded_parts: dict[int, bytes] = {}
-        decoded_parts: list[torch.Tensor] = []
-        for j, (s, e) in enumerate(rnd.bounds):
-            if j == me:
-                decoded_parts.append(to_send[s:e])
-                continue
-            blob = await trio.to_thread.run_sync(self._codec.encode, to_send[s:e].clone())
-            encoded_parts[j] = blob
-            if use_ef:
-                limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
-                decoded_parts.append(await trio.to_thread.run_sync(decode, blob, limits))
-        if use_ef:
-            self._residuals.record(key, to_send, torch.cat(decoded_parts))
-
-        bytes_per_part = max(len(b) for b in encoded_parts.values()) if encoded_parts else 0
+        encoded_ready = {j: trio.Event() for j in range(n)}
+        largest = max(rnd.part_numel(j) for j in range(n))
+        bytes_per_part = largest * _BYTES_PER_VALUE[self.config.codec] + 256
         phase_deadline = self._deadline(bytes_per_part * max(n - 1, 1))
 
+        async def prepare(j: int) -> None:
+            """Encodes part j (and, for error feedback, what the receiver will decode)."""
+            s, e = rnd.bounds[j]
+            blob = await trio.to_thread.run_sync(self._codec.encode, to_send[s:e])
+            encoded_parts[j] = blob
+            encoded_ready[j].set()
+            if use_ef:
+                limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
+                sent_values[s:e] = await trio.to_thread.run_sync(decode, blob, limits)
+
         async def send_part(j: int, attempt: int, target: int) -> bool:
+            await encoded_ready[j].wait()
             info = apb.PartInfo(round_id=group.round_id, part=j, weight=weight, attempt=attempt)
             blob = encoded_parts[j]
             meta = TensorMeta("uint8", (len(blob),), info=info.SerializeToString())
@@ -449,7 +454,7 @@ class Averager:
 
         async def fetch(
             target: int, j: int, attempt: int, relay: bool, timeout: float
-        ) -> bytes | None:
+        ) -> bytearray | None:
             req = apb.GetPartRequest(round_id=group.round_id, part=j, attempt=attempt, relay=relay)
             t0 = time.monotonic()
             try:
@@ -472,7 +477,7 @@ class Averager:
                 return None
             self.throughput.observe(len(data), time.monotonic() - t0)
             self._count_bytes("received", len(data))
-            return bytes(data)
+            return data
 
         async def reduce(j: int, attempt: int, own: torch.Tensor) -> None:
             red = rnd.reduction(j, attempt)
@@ -482,7 +487,7 @@ class Averager:
             await self._finish_reduction(red, group)
             dropped.update(red.expected - red.contributors)
 
-        def decode_part(j: int, blob: bytes) -> torch.Tensor | None:
+        def decode_part(j: int, blob: bytes | bytearray) -> torch.Tensor | None:
             numel = rnd.part_numel(j)
             try:
                 value = decode(blob, DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096))
@@ -493,7 +498,7 @@ class Averager:
         async def obtain(j: int) -> None:
             s, e = rnd.bounds[j]
             fetch_timeout = 2 * phase_deadline + self._deadline(bytes_per_part)
-            blob = await fetch(j, j, 0, False, fetch_timeout)
+            blob: bytes | bytearray | None = await fetch(j, j, 0, False, fetch_timeout)
             rnd.direct[j].encoded = blob
             rnd.direct[j].ready.set()
             if blob is None:
@@ -518,11 +523,16 @@ class Averager:
         async with trio.open_nursery() as nursery:
             for j in range(n):
                 if j != me:
+                    nursery.start_soon(prepare, j)
                     nursery.start_soon(send_part, j, 0, j)
                     nursery.start_soon(obtain, j)
             s, e = rnd.bounds[me]
             nursery.start_soon(reduce, me, 0, to_send[s:e])
 
+        if use_ef:
+            s, e = rnd.bounds[me]
+            sent_values[s:e] = to_send[s:e]  # our own part never crossed the wire
+            self._residuals.record(key, to_send, sent_values)
         own = rnd.reduction(me, 0)
         rnd.direct[me].encoded = own.encoded
         rnd.direct[me].ready.set()
@@ -556,10 +566,12 @@ class Averager:
         if self._metrics is not None:
             self._metrics.on_averaging_bytes(direction, self.config.codec, nbytes)
 
-    async def _from_relays(self, rnd: _Round, j: int, fetch, timeout: float) -> bytes | None:  # type: ignore[no-untyped-def]
+    async def _from_relays(
+        self, rnd: _Round, j: int, fetch: _Fetch, timeout: float
+    ) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""
         others = [i for i in range(len(rnd.group.members)) if i not in (j, rnd.me)]
-        found: list[bytes] = []
+        found: list[bytes | bytearray] = []
         async with trio.open_nursery() as nursery:
 
             async def ask(i: int) -> None:
@@ -593,8 +605,11 @@ class Averager:
                 self.config.reduction,
             )
             encoded = await trio.to_thread.run_sync(self._codec.encode, reduced)
-            limits = DecodeLimits(max_elements=red.numel, max_bytes=len(encoded) * 8 + 4096)
             red.encoded = encoded
-            red.decoded = await trio.to_thread.run_sync(decode, encoded, limits)
+            if self.config.codec == "fp32":
+                red.decoded = reduced  # lossless: what members decode is exactly this
+            else:
+                limits = DecodeLimits(max_elements=red.numel, max_bytes=len(encoded) * 8 + 4096)
+                red.decoded = await trio.to_thread.run_sync(decode, encoded, limits)
         red.contributors = set(order)
         red.done.set()
