@@ -1,1 +1,37 @@
-"""The built-in model and data sources."""
+"""The built-in model (a small, stage-splittable GPT) and data sources.
+
+Imports torch and the standard library only: the daemon depends on this package,
+never the reverse.
+"""
+
+from swarmd.workloads.data import (
+    BYTE_VOCAB,
+    DataError,
+    TokenSource,
+    bin_source,
+    builtin_corpus,
+    load_source,
+    shard_for_peer,
+    text_source,
+)
+from swarmd.workloads.evaluate import evaluate
+from swarmd.workloads.gpt import GPT, GPTConfig, lm_loss
+from swarmd.workloads.registry import ModelLoadError, check_model, load_model
+
+__all__ = [
+    "BYTE_VOCAB",
+    "GPT",
+    "DataError",
+    "GPTConfig",
+    "ModelLoadError",
+    "TokenSource",
+    "bin_source",
+    "builtin_corpus",
+    "check_model",
+    "evaluate",
+    "lm_loss",
+    "load_model",
+    "load_source",
+    "shard_for_peer",
+    "text_source",
+]
