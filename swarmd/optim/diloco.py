@@ -1,0 +1,390 @@
+"""DiLoCo (Douillard et al., 2023): many local AdamW steps, one averaged outer step.
+
+Each peer trains its own copy for H inner steps, then the group averages the *pseudo-gradient*
+`global - local` (what H steps of AdamW moved the weights, pointing "uphill" like a gradient)
+and every peer applies the same average to the same global parameters with Nesterov SGD. One
+vector crosses the network every H steps instead of every step: H times less traffic than
+data parallelism, before compression.
+
+Pure torch, no I/O. The averaging function is injected: the daemon passes the networked
+all-reduce (which compresses with int8 + error feedback); tests and benchmarks pass an
+in-process mean. It is called with the flat fp32 pseudo-gradient and this peer's weight (the
+number of samples it trained on since the last sync), and must return the group's weighted
+mean: a tensor, an object with a `.tensor` (and optionally `.ok`) such as the all-reduce's
+result, or None when the round failed.
+
+Choices, and why:
+
+* The global parameters and the outer momentum live in fp32 on the CPU whatever the model's
+  device and dtype: they change by small averaged steps that bf16 would round away, and the
+  averaging layer works on CPU tensors anyway. They are the state a joiner downloads
+  (`state_dict`), with a round counter.
+* The inner AdamW state is kept across rounds and never averaged, as in the paper's
+  Algorithm 1 and OpenDiLoCo: resetting it would throw away the second-moment estimates every
+  H steps and make each round start with Adam's large bias-corrected first steps. It is local
+  state (`local_state_dict`): a restart restores it, a joiner starts it fresh.
+* When the round fails (the function returns None, or a non-finite average), the default
+  (`on_failure="local"`) applies this peer's own pseudo-gradient as if it were a group of one:
+  the work is kept, the round counter stays in step with the swarm, and the small divergence
+  from the others is what the next successful average (or a state sync) absorbs; this is what
+  hivemind-style optimisers do. `on_failure="defer"` instead leaves the global parameters
+  alone and keeps training locally for another H steps; the next pseudo-gradient then covers
+  both periods and carries their combined sample count as its weight, so nothing is lost or
+  counted twice, at the cost of this peer's round counter falling behind.
+* A partial result (some parts of the vector kept this peer's values, reported as `ok` False)
+  is applied as it is: those parts are exactly the "local" fallback, part by part.
+* An exception raised by the averaging function propagates and leaves every piece of state as
+  it was, so the caller may retry, call `apply_outer(pg, None)`, or keep training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import nn
+
+from swarmd.optim.flat import flatten, unflatten_into, views
+
+FailurePolicy = Literal["local", "defer"]
+OuterStatus = Literal["averaged", "partial", "local", "deferred"]
+
+GLOBAL_PREFIX = "global."
+MOMENTUM_PREFIX = "outer_momentum."
+ROUND_KEY = "round"
+
+
+class Averaged(Protocol):
+    """What an averaging function may return besides a bare tensor (e.g. AllReduceResult)."""
+
+    @property
+    def tensor(self) -> torch.Tensor: ...
+
+
+AverageFn = Callable[[torch.Tensor, float], Awaitable["torch.Tensor | Averaged | None"]]
+
+
+def _finite(name: str, value: object, *, low: float, high: float, low_open: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"DiLoCoConfig.{name} must be a finite number, got {value!r}")
+    ok = (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"DiLoCoConfig.{name} must be in {bracket}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class DiLoCoConfig:
+    """Defaults are the paper's: H=500, AdamW lr 4e-4 (betas 0.9/0.95, weight decay 0.1),
+    Nesterov SGD lr 0.7 momentum 0.9. `grad_clip` bounds each inner step's gradient norm
+    (None: no clipping). With `outer_momentum` 0 the outer step is plain SGD (`nesterov` has
+    no effect), and `outer_lr=1, outer_momentum=0` makes one peer's DiLoCo exactly its inner
+    AdamW."""
+
+    inner_steps: int = 500
+    inner_lr: float = 4e-4
+    inner_betas: tuple[float, float] = (0.9, 0.95)
+    inner_eps: float = 1e-8
+    inner_weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    on_failure: FailurePolicy = "local"
+
+    def __post_init__(self) -> None:
+        h = self.inner_steps
+        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+            raise ValueError(f"DiLoCoConfig.inner_steps must be a positive int, got {h!r}")
+        _finite("inner_lr", self.inner_lr, low=0.0, high=math.inf, low_open=True)
+        betas = self.inner_betas
+        if not (isinstance(betas, tuple) and len(betas) == 2):
+            raise ValueError(f"DiLoCoConfig.inner_betas must be a pair, got {betas!r}")
+        for b in betas:
+            _finite("inner_betas", b, low=0.0, high=1.0, low_open=False)
+            if b >= 1.0:
+                raise ValueError(f"DiLoCoConfig.inner_betas must be < 1, got {betas!r}")
+        _finite("inner_eps", self.inner_eps, low=0.0, high=math.inf, low_open=True)
+        _finite(
+            "inner_weight_decay", self.inner_weight_decay, low=0.0, high=math.inf, low_open=False
+        )
+        if self.grad_clip is not None:
+            _finite("grad_clip", self.grad_clip, low=0.0, high=math.inf, low_open=True)
+        _finite("outer_lr", self.outer_lr, low=0.0, high=math.inf, low_open=True)
+        _finite("outer_momentum", self.outer_momentum, low=0.0, high=1.0, low_open=False)
+        if self.outer_momentum >= 1.0:
+            raise ValueError(f"DiLoCoConfig.outer_momentum must be < 1, got {self.outer_momentum}")
+        if not isinstance(self.nesterov, bool):
+            raise ValueError(f"DiLoCoConfig.nesterov must be a bool, got {self.nesterov!r}")
+        if self.on_failure not in ("local", "defer"):
+            raise ValueError(
+                f"DiLoCoConfig.on_failure must be 'local' or 'defer', got {self.on_failure!r}"
+            )
+
+
+@dataclass(frozen=True)
+class OuterStepReport:
+    """What one outer step did; `round` is the round counter after it."""
+
+    round: int
+    status: OuterStatus
+    #: Samples this peer trained on for this pseudo-gradient (its averaging weight).
+    weight: float
+    inner_steps: int
+    #: L2 norms of this peer's pseudo-gradient and of what was applied (the group average).
+    pseudo_grad_norm: float
+    applied_norm: float
+    reason: str | None = None
+
+
+class DiLoCo:
+    """One peer's DiLoCo state around `model` (whose parameters are the local copy).
+
+    The trainer loop is: `inner_step(batch)` until `should_sync()`, then
+    `await outer_step(average)`. The outer step can also be driven in pieces,
+    `pg = pseudo_gradient()` ... `apply_outer(pg, averaged)`, so the daemon can run the torch
+    work in a worker thread and only the averaging in its event loop.
+    """
+
+    def __init__(self, model: nn.Module, config: DiLoCoConfig | None = None) -> None:
+        self.model = model
+        self.config = config = config or DiLoCoConfig()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("model has no trainable parameters")
+        self.names: list[str] = [n for n, _ in named]
+        self._params: list[nn.Parameter] = [p for _, p in named]
+        self._shapes = [p.shape for p in self._params]
+        self.numel = sum(p.numel() for p in self._params)
+        # The global copy is one flat fp32 tensor, so the outer step is one fused update and
+        # the pseudo-gradient needs no gathering; per-parameter views give it names.
+        self._global = flatten(self._params)
+        self._global_views = views(self._global, self._shapes)
+        momentum = config.outer_momentum
+        self.outer_optimizer = torch.optim.SGD(
+            [self._global],
+            lr=config.outer_lr,
+            momentum=momentum,
+            nesterov=config.nesterov and momentum > 0,
+        )
+        self.inner_optimizer = torch.optim.AdamW(
+            self._params,
+            lr=config.inner_lr,
+            betas=config.inner_betas,
+            eps=config.inner_eps,
+            weight_decay=config.inner_weight_decay,
+        )
+        self.round = 0
+        #: Inner steps and samples since the global parameters were last updated.
+        self.steps_since_sync = 0
+        self.samples_since_sync = 0
+        self._sync_due = config.inner_steps
+
+    # -- inner loop -------------------------------------------------------------------------
+
+    def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        """One AdamW step on the local parameters; returns the batch loss."""
+        x, y = batch
+        device = self._params[0].device
+        self.model.train()
+        _, loss = self.model(x.to(device), y.to(device))
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
+        self.inner_optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        if self.config.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self._params, self.config.grad_clip)
+        self.inner_optimizer.step()
+        self.steps_since_sync += 1
+        self.samples_since_sync += int(x.shape[0])
+        return float(loss.detach())
+
+    def should_sync(self) -> bool:
+        """True once H inner steps (2H, ... after deferred rounds) have run since the last
+        update of the global parameters."""
+        return self.steps_since_sync >= self._sync_due
+
+    # -- outer step -------------------------------------------------------------------------
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """`global - local`, flat fp32 on the CPU (a fresh tensor the caller may keep)."""
+        return self._global - flatten(self._params)
+
+    async def outer_step(self, average: AverageFn) -> OuterStepReport:
+        """Average the pseudo-gradient with the group and apply it (see the module notes for
+        failures). Exceptions from `average` propagate with all state unchanged."""
+        pg = self.pseudo_gradient()
+        result = await average(pg, self.weight())
+        return self.apply_outer(pg, result)
+
+    def weight(self) -> float:
+        """This peer's averaging weight: samples trained since the last global update (at
+        least 1, so a peer that syncs with no new samples still counts as itself)."""
+        return float(max(1, self.samples_since_sync))
+
+    def apply_outer(
+        self, pseudo_grad: torch.Tensor, result: torch.Tensor | Averaged | None
+    ) -> OuterStepReport:
+        """Apply an averaged pseudo-gradient (or the failure policy when `result` is None)."""
+        if pseudo_grad.shape != (self.numel,):
+            raise ValueError(
+                f"pseudo-gradient has shape {tuple(pseudo_grad.shape)}, expected ({self.numel},)"
+            )
+        status: OuterStatus
+        reason: str | None = None
+        averaged: torch.Tensor | None
+        if result is None:
+            averaged, status, reason = None, "local", "averaging failed"
+        else:
+            averaged = result if isinstance(result, torch.Tensor) else result.tensor
+            ok = True if isinstance(result, torch.Tensor) else bool(getattr(result, "ok", True))
+            status = "averaged" if ok else "partial"
+            if averaged.shape != (self.numel,):
+                raise ValueError(
+                    f"averaged tensor has shape {tuple(averaged.shape)}, expected ({self.numel},)"
+                )
+            averaged = averaged.detach().to(device="cpu", dtype=torch.float32)
+            if not bool(torch.isfinite(averaged).all()):
+                averaged, status, reason = None, "local", "averaged tensor is not finite"
+        pg_norm = float(pseudo_grad.norm())
+        weight, steps = self.weight(), self.steps_since_sync
+        if averaged is None and self.config.on_failure == "defer":
+            self._sync_due = self.steps_since_sync + self.config.inner_steps
+            return OuterStepReport(self.round, "deferred", weight, steps, pg_norm, 0.0, reason)
+        if averaged is None:
+            averaged = pseudo_grad.detach().to(torch.float32)
+        self._global.grad = averaged.clone()
+        self.outer_optimizer.step()
+        self._global.grad = None
+        unflatten_into(self._global, self._params)
+        self.round += 1
+        self.steps_since_sync = 0
+        self.samples_since_sync = 0
+        self._sync_due = self.config.inner_steps
+        return OuterStepReport(
+            self.round, status, weight, steps, pg_norm, float(averaged.norm()), reason
+        )
+
+    # -- flat views -------------------------------------------------------------------------
+
+    def flat_params(self) -> torch.Tensor:
+        """The local parameters as one fresh flat fp32 CPU tensor."""
+        return flatten(self._params)
+
+    def global_flat(self) -> torch.Tensor:
+        """A copy of the global parameters, flat fp32."""
+        return self._global.clone()
+
+    def _momentum(self) -> torch.Tensor:
+        """The outer momentum buffer; zeros before the first outer step, which is exactly what
+        SGD behaves as when it creates the buffer lazily (0 * momentum + grad)."""
+        buf = self.outer_optimizer.state.get(self._global, {}).get("momentum_buffer")
+        return buf if isinstance(buf, torch.Tensor) else torch.zeros_like(self._global)
+
+    # -- global state (what joiners download) -----------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The global state as flat named tensors (copies):
+
+        `global.<param>` (fp32), `outer_momentum.<param>` (fp32) and `round` (int64 scalar).
+        Taken between rounds it is all a peer needs to join: its local parameters become the
+        global ones and its inner AdamW starts fresh.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, view in zip(self.names, self._global_views, strict=True):
+            out[GLOBAL_PREFIX + name] = view.clone()
+        for name, view in zip(self.names, views(self._momentum(), self._shapes), strict=True):
+            out[MOMENTUM_PREFIX + name] = view.clone()
+        out[ROUND_KEY] = torch.tensor(self.round, dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Adopt a global state (e.g. downloaded from donors): validates every tensor first,
+        then sets global parameters, outer momentum and round, and resets the local
+        parameters to the global ones (local progress since the last sync is discarded)."""
+        expected = {GLOBAL_PREFIX + n for n in self.names}
+        expected |= {MOMENTUM_PREFIX + n for n in self.names}
+        expected.add(ROUND_KEY)
+        missing, extra = expected - state.keys(), state.keys() - expected
+        if missing or extra:
+            raise ValueError(
+                f"global state does not match the model: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(extra)[:5]}"
+            )
+        rnd = state[ROUND_KEY]
+        if not isinstance(rnd, torch.Tensor) or rnd.numel() != 1 or rnd.is_floating_point():
+            raise ValueError("global state: 'round' must be an integer scalar tensor")
+        if int(rnd) < 0:
+            raise ValueError(f"global state: round must be >= 0, got {int(rnd)}")
+        for key in expected - {ROUND_KEY}:
+            shape = self._shapes[self.names.index(key.split(".", 1)[1])]
+            t = state[key]
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"global state: {key!r} must be a floating-point tensor")
+            if t.shape != shape:
+                raise ValueError(
+                    f"global state: {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}"
+                )
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"global state: {key!r} has NaN or infinite values")
+        with torch.no_grad():
+            for name, view in zip(self.names, self._global_views, strict=True):
+                view.copy_(state[GLOBAL_PREFIX + name])
+            momentum = torch.empty_like(self._global)
+            for name, view in zip(self.names, views(momentum, self._shapes), strict=True):
+                view.copy_(state[MOMENTUM_PREFIX + name])
+        self.outer_optimizer.state[self._global] = {"momentum_buffer": momentum}
+        self.round = int(rnd)
+        unflatten_into(self._global, self._params)
+        self.steps_since_sync = 0
+        self.samples_since_sync = 0
+        self._sync_due = self.config.inner_steps
+
+    # -- local state (what a restart restores; never shipped) -------------------------------
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """Local parameters, inner AdamW state and counters as flat named tensors: with
+        `state_dict` it resumes training bit-identically, even mid-round."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in zip(self.names, self._params, strict=True):
+            out[f"local.{name}"] = p.detach().clone()
+            for key, value in self.inner_optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"inner.{key}.{name}"] = value.detach().clone()
+        out["steps_since_sync"] = torch.tensor(self.steps_since_sync, dtype=torch.int64)
+        out["samples_since_sync"] = torch.tensor(self.samples_since_sync, dtype=torch.int64)
+        out["sync_due"] = torch.tensor(self._sync_due, dtype=torch.int64)
+        return out
+
+    def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore `local_state_dict` (after `load_state_dict` for the global part)."""
+        counters = ("steps_since_sync", "samples_since_sync", "sync_due")
+        for key in counters:
+            if key not in state:
+                raise ValueError(f"local state: missing {key!r}")
+        inner: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for name, p in zip(self.names, self._params, strict=True):
+            value = state.get(f"local.{name}")
+            if value is None or value.shape != p.shape:
+                raise ValueError(f"local state: missing or mis-shaped 'local.{name}'")
+            prefix, suffix = "inner.", "." + name
+            entries = {
+                k[len(prefix) : -len(suffix)]: v
+                for k, v in state.items()
+                if k.startswith(prefix) and k.endswith(suffix) and "." not in k[6 : -len(suffix)]
+            }
+            if entries:
+                inner[p] = {k: v.detach().clone() for k, v in entries.items()}
+        with torch.no_grad():
+            for name, p in zip(self.names, self._params, strict=True):
+                p.copy_(state[f"local.{name}"])
+        self.inner_optimizer.state.clear()
+        for p, entries in inner.items():
+            self.inner_optimizer.state[p] = dict(entries)
+        self.steps_since_sync = int(state["steps_since_sync"])
+        self.samples_since_sync = int(state["samples_since_sync"])
+        self._sync_due = int(state["sync_due"])
