@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from swarmd.compression.buffers import (
+    byte_view,
     check_float_input,
     flat_float32,
     from_bytes,
     require_finite,
-    to_bytes,
 )
 from swarmd.compression.dct import (
     DEFAULT_MAX_CHUNK,
@@ -155,12 +155,12 @@ def components_to_bytes(comp: DctComponents, values: str = "float16") -> bytes:
     k = comp.indices.shape[1] if comp.indices.dim() == 2 else 0
     params = _PARAMS.pack(_VALUE_MODES[values], cn, cm, k)
     header = pack_header(CodecId.DCT_TOPK, VERSION, comp.dtype, comp.shape, params)
-    parts = [header, to_bytes(comp.indices.to(index_dtype(cn * cm)))]
+    parts: list[bytes | memoryview] = [header, byte_view(comp.indices.to(index_dtype(cn * cm)))]
     if values == "sign":
-        parts.append(to_bytes(comp.values.abs().mean(dim=1).to(torch.float32)))
-        parts.append(to_bytes(pack_bits(comp.values < 0)))
+        parts.append(byte_view(comp.values.abs().mean(dim=1).to(torch.float32)))
+        parts.append(byte_view(pack_bits(comp.values < 0)))
     else:
-        parts.append(to_bytes(clamp_cast(comp.values, _VALUE_DTYPES[values])))
+        parts.append(byte_view(clamp_cast(comp.values, _VALUE_DTYPES[values])))
     return b"".join(parts)
 
 

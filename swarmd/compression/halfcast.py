@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmd.compression.buffers import check_float_input, from_bytes, require_finite, to_bytes
+from swarmd.compression.buffers import byte_view, check_float_input, from_bytes, require_finite
 from swarmd.compression.errors import CompressionError
 from swarmd.compression.wire import (
     CodecId,
@@ -72,7 +72,7 @@ class HalfCodec:
         half = clamp_cast(tensor, target)
         params = _PARAMS.pack(dtype_code(target))
         header = pack_header(CodecId.HALF, VERSION, tensor.dtype, tuple(tensor.shape), params)
-        return header + to_bytes(half)
+        return b"".join((header, byte_view(half)))
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_half(parse_header(data, limits), data)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmd.compression.buffers import check_float_input, from_bytes, require_finite, to_bytes
+from swarmd.compression.buffers import byte_view, check_float_input, from_bytes, require_finite
 from swarmd.compression.error_feedback import ResidualStore
 from swarmd.compression.errors import CompressionError
 from swarmd.compression.raw import RawCodec
@@ -217,7 +217,7 @@ class PowerSGD:
         rnd.finish(q)
         params = _PARAMS.pack(rnd.rank)
         header = pack_header(CodecId.LOWRANK, VERSION, tensor.dtype, rnd.shape, params)
-        return header + to_bytes(p_hat) + to_bytes(q)
+        return b"".join((header, byte_view(p_hat), byte_view(q)))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Flat name -> tensor map ("q:<name>", "error:<name>"), torch.save friendly."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from swarmd.compression.buffers import check_float_input, from_bytes, require_finite, to_bytes
+from swarmd.compression.buffers import byte_view, check_float_input, from_bytes, require_finite
 from swarmd.compression.wire import (
     CodecId,
     DecodeLimits,
@@ -33,7 +33,7 @@ class RawCodec:
         tensor = tensor.detach().cpu()
         require_finite(tensor, "RAW input")
         header = pack_header(CodecId.RAW, VERSION, tensor.dtype, tuple(tensor.shape), b"")
-        return header + to_bytes(tensor)
+        return b"".join((header, byte_view(tensor)))
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_raw(parse_header(data, limits), data)

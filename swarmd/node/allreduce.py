@@ -48,7 +48,13 @@ from swarmd.compression import (
 )
 from swarmd.compression.codec import Codec
 from swarmd.node.metrics import Metrics
-from swarmd.node.reduction import ReductionConfig, aggregate, check_contribution, norm_outliers
+from swarmd.node.reduction import (
+    ReductionConfig,
+    aggregate,
+    check_contribution,
+    l2_norm,
+    norm_outliers,
+)
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta
@@ -403,12 +409,12 @@ class Averager:
         local = tensor.detach().contiguous()
         rnd = self._register(group, local.numel())
         n, me = len(group.members), rnd.me
-        result = local.clone()
+        result = torch.empty_like(local)  # every part is written below
         failed: list[int] = []
         recovered: list[int] = []
         dropped: set[int] = set()
 
-        if not bool(torch.isfinite(local).all()):
+        if not math.isfinite(l2_norm(local)):
             raise ValueError("allreduce input contains NaN or infinity")
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
         use_ef = self.config.error_feedback and self.config.codec != "fp32"
@@ -517,6 +523,7 @@ class Averager:
             value = decode_part(j, blob) if blob is not None else None
             if value is None:
                 failed.append(j)
+                result[s:e] = local[s:e]
                 return
             result[s:e] = value
 
@@ -541,6 +548,7 @@ class Averager:
             result[s:e] = own.decoded
         else:
             failed.append(me)
+            result[s:e] = local[s:e]
         rnd.finished_at = time.monotonic()
         dropped.discard(me)
         outcome = AllReduceResult(
