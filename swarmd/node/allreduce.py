@@ -25,6 +25,7 @@ hand-tuned constant: expected transfer time times a slack factor, plus a floor f
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -223,7 +224,11 @@ class _Outcome:
 
 
 class _Round:
-    def __init__(self, group: Group, me: int, numel: int, config: AllReduceConfig) -> None:
+    def __init__(
+        self, group: Group, me: int, numel: int, config: AllReduceConfig, codec: CodecName
+    ) -> None:
+        self.codec_name = codec
+        self.codec = make_codec(codec)
         self.group = group
         self.me = me
         self.numel = numel
@@ -261,12 +266,16 @@ class Averager:
         me: PeerId,
         config: AllReduceConfig | None = None,
         metrics: Metrics | None = None,
+        *,
+        outgoing_encoder: Callable[[torch.Tensor], bytes] | None = None,
     ) -> None:
+        """``outgoing_encoder`` replaces the codec for this peer's own contributions; tests
+        inject a lying peer with it (NaN, wrong shapes, huge values)."""
         self.config = config or AllReduceConfig()
         self._metrics = metrics
+        self._outgoing_encoder = outgoing_encoder
         self._client = client
         self._me = me
-        self._codec = make_codec(self.config.codec)
         self._residuals = ResidualStore()
         self.throughput = Throughput(self.config.initial_throughput)
         self._rounds: OrderedDict[bytes, _Round] = OrderedDict()
@@ -345,7 +354,7 @@ class Averager:
             red.add(sender, None, 0.0, why)
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {why}")
         red.add(sender, value, info.weight)
-        self._count_bytes("received", len(data))
+        self._count_bytes("received", rnd.codec_name, len(data))
         return apb.PartAck(received_bytes=len(data))
 
     async def _get_part(
@@ -368,7 +377,7 @@ class Averager:
             encoded = red.encoded
         if encoded is None:
             raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "this peer has no copy of that part")
-        self._count_bytes("sent", len(encoded))
+        self._count_bytes("sent", rnd.codec_name, len(encoded))
         return TensorMeta("uint8", (len(encoded),)), memoryview(encoded)
 
     # -- one round ---------------------------------------------------------------------------
@@ -378,7 +387,7 @@ class Averager:
         expected = nbytes / max(self.throughput.value, 1.0)
         return min(cfg.max_deadline_s, cfg.min_deadline_s + cfg.deadline_slack * expected)
 
-    def _register(self, group: Group, numel: int) -> _Round:
+    def _register(self, group: Group, numel: int, codec: CodecName) -> _Round:
         me = group.index_of(self._me)
         if me is None:
             raise ValueError("this peer is not a member of the group")
@@ -391,23 +400,34 @@ class Averager:
                 self._stale[rid] = None
         while len(self._stale) > 4096:
             self._stale.popitem(last=False)
-        rnd = self._rounds[group.round_id] = _Round(group, me, numel, self.config)
+        rnd = self._rounds[group.round_id] = _Round(group, me, numel, self.config, codec)
         event = self._registered.pop(group.round_id, None)
         if event is not None:
             event.set()
         return rnd
 
     async def allreduce(
-        self, group: Group, tensor: torch.Tensor, weight: float, *, key: str = "default"
+        self,
+        group: Group,
+        tensor: torch.Tensor,
+        weight: float,
+        *,
+        key: str = "default",
+        codec: CodecName | None = None,
     ) -> AllReduceResult:
-        """Averages a flat float32 tensor with the group; never raises for peer failures."""
+        """Averages a flat float32 tensor with the group; never raises for peer failures.
+
+        ``key`` names the error-feedback residual (one per distinct vector being averaged);
+        ``codec`` overrides the configured one for this call (every member must agree).
+        """
+        codec_name: CodecName = codec or self.config.codec
         if tensor.dim() != 1 or tensor.dtype != torch.float32:
             raise ValueError("allreduce takes a flat float32 tensor")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be finite and > 0")
         start = time.monotonic()
         local = tensor.detach().contiguous()
-        rnd = self._register(group, local.numel())
+        rnd = self._register(group, local.numel(), codec_name)
         n, me = len(group.members), rnd.me
         result = torch.empty_like(local)  # every part is written below
         failed: list[int] = []
@@ -417,19 +437,20 @@ class Averager:
         if not math.isfinite(l2_norm(local)):
             raise ValueError("allreduce input contains NaN or infinity")
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
-        use_ef = self.config.error_feedback and self.config.codec != "fp32"
+        use_ef = self.config.error_feedback and codec_name != "fp32"
         to_send = self._residuals.compensate(key, local) if use_ef else local
         sent_values = torch.empty_like(to_send) if use_ef else to_send
         encoded_parts: dict[int, bytes] = {}
         encoded_ready = {j: trio.Event() for j in range(n)}
         largest = max(rnd.part_numel(j) for j in range(n))
-        bytes_per_part = largest * _BYTES_PER_VALUE[self.config.codec] + 256
+        bytes_per_part = largest * _BYTES_PER_VALUE[codec_name] + 256
+        encode = self._outgoing_encoder or rnd.codec.encode
         phase_deadline = self._deadline(bytes_per_part * max(n - 1, 1))
 
         async def prepare(j: int) -> None:
             """Encodes part j (and, for error feedback, what the receiver will decode)."""
             s, e = rnd.bounds[j]
-            blob = await trio.to_thread.run_sync(self._codec.encode, to_send[s:e])
+            blob = await trio.to_thread.run_sync(encode, to_send[s:e])
             encoded_parts[j] = blob
             encoded_ready[j].set()
             if use_ef:
@@ -455,7 +476,7 @@ class Averager:
                 log.info("part %d to member %d failed: %s", j, target, exc)
                 return False
             self.throughput.observe(len(blob), time.monotonic() - t0)
-            self._count_bytes("sent", len(blob))
+            self._count_bytes("sent", codec_name, len(blob))
             return True
 
         async def fetch(
@@ -482,7 +503,7 @@ class Averager:
                 )
                 return None
             self.throughput.observe(len(data), time.monotonic() - t0)
-            self._count_bytes("received", len(data))
+            self._count_bytes("received", rnd.codec_name, len(data))
             return data
 
         async def reduce(j: int, attempt: int, own: torch.Tensor) -> None:
@@ -490,7 +511,7 @@ class Averager:
             red.add(me, own, weight)
             with trio.move_on_after(phase_deadline):
                 await red.all_arrived.wait()
-            await self._finish_reduction(red, group)
+            await self._finish_reduction(red, rnd)
             dropped.update(red.expected - red.contributors)
 
         def decode_part(j: int, blob: bytes | bytearray) -> torch.Tensor | None:
@@ -570,9 +591,9 @@ class Averager:
             )
         return outcome
 
-    def _count_bytes(self, direction: str, nbytes: int) -> None:
+    def _count_bytes(self, direction: str, codec: str, nbytes: int) -> None:
         if self._metrics is not None:
-            self._metrics.on_averaging_bytes(direction, self.config.codec, nbytes)
+            self._metrics.on_averaging_bytes(direction, codec, nbytes)
 
     async def _from_relays(
         self, rnd: _Round, j: int, fetch: _Fetch, timeout: float
@@ -592,7 +613,7 @@ class Averager:
                 nursery.start_soon(ask, i)
         return found[0] if found else None
 
-    async def _finish_reduction(self, red: _Reduction, group: Group) -> None:
+    async def _finish_reduction(self, red: _Reduction, rnd: _Round) -> None:
         """Drops outliers, aggregates, encodes once; every member gets exactly these bytes."""
         if red.done.is_set():
             return
@@ -602,7 +623,7 @@ class Averager:
             del values[index]
         for index, why in red.rejected.items():
             log.warning(
-                "dropped member %s from a part: %s", group.members[index].peer_id.short(), why
+                "dropped member %s from a part: %s", rnd.group.members[index].peer_id.short(), why
             )
         order = sorted(values)
         if order:
@@ -612,12 +633,76 @@ class Averager:
                 [red.weights[i] for i in order],
                 self.config.reduction,
             )
-            encoded = await trio.to_thread.run_sync(self._codec.encode, reduced)
+            encoded = await trio.to_thread.run_sync(rnd.codec.encode, reduced)
             red.encoded = encoded
-            if self.config.codec == "fp32":
+            if rnd.codec_name == "fp32":
                 red.decoded = reduced  # lossless: what members decode is exactly this
             else:
                 limits = DecodeLimits(max_elements=red.numel, max_bytes=len(encoded) * 8 + 4096)
                 red.decoded = await trio.to_thread.run_sync(decode, encoded, limits)
         red.contributors = set(order)
         red.done.set()
+
+
+@dataclass(frozen=True)
+class CodecPolicy:
+    """Which codec each tensor travels with: small and 1-D tensors (biases, norms, embeddings'
+    positions) are cheap and sensitive, so they stay fp32; large matrices use ``large``."""
+
+    large: CodecName = "int8"
+    small: CodecName = "fp32"
+    #: Tensors with fewer elements than this, or of one dimension, count as small.
+    small_numel: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        for name in (self.large, self.small):
+            if name not in _BYTES_PER_VALUE:
+                raise ValueError(f"unknown codec {name!r}")
+        if self.small_numel < 0:
+            raise ValueError("small_numel must be >= 0")
+
+    def codec_for(self, tensor: torch.Tensor) -> CodecName:
+        return self.small if tensor.dim() <= 1 or tensor.numel() < self.small_numel else self.large
+
+
+def sub_group(group: Group, bucket: str) -> Group:
+    """The same members under a round id of their own, one per codec bucket."""
+    rid = hashlib.sha256(group.round_id + b"/" + bucket.encode()).digest()
+    return Group(rid, group.members)
+
+
+async def allreduce_named(
+    averager: Averager,
+    group: Group,
+    tensors: dict[str, torch.Tensor],
+    weight: float,
+    policy: CodecPolicy | None = None,
+) -> tuple[dict[str, torch.Tensor], list[AllReduceResult]]:
+    """Averages named tensors, each bucket of one codec as one flat all-reduce (concurrently).
+
+    Every member must pass the same names and shapes (the run's model): the buckets are
+    derived from them deterministically.
+    """
+    policy = policy or CodecPolicy()
+    buckets: dict[CodecName, list[str]] = {}
+    for name in sorted(tensors):
+        buckets.setdefault(policy.codec_for(tensors[name]), []).append(name)
+    averaged: dict[str, torch.Tensor] = {}
+    results: list[AllReduceResult] = []
+
+    async def one(codec: CodecName, names: list[str]) -> None:
+        flat = torch.cat([tensors[n].detach().reshape(-1).float() for n in names])
+        res = await averager.allreduce(
+            sub_group(group, codec), flat, weight, key=f"bucket/{codec}", codec=codec
+        )
+        results.append(res)
+        offset = 0
+        for n in names:
+            size = tensors[n].numel()
+            averaged[n] = res.tensor[offset : offset + size].view_as(tensors[n])
+            offset += size
+
+    async with trio.open_nursery() as nursery:
+        for codec, names in buckets.items():
+            nursery.start_soon(one, codec, names)
+    return averaged, results

@@ -15,13 +15,15 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.compression.codec import Codec
+from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 
@@ -34,33 +36,20 @@ def round_id(name: str) -> bytes:
     return hashlib.sha256(f"test/{name}".encode()).digest()
 
 
-def misbehave(averager: Averager, behavior: str) -> None:
-    codec = averager._codec
-    honest_encode = codec.encode
+def lying_encoder(codec: Codec, behavior: str) -> Callable[[torch.Tensor], bytes]:
+    """What a faulty or malicious peer sends; its own reductions stay honest."""
 
     def encode(tensor: torch.Tensor) -> bytes:
         if behavior == "nan":
-            blob = honest_encode(torch.ones_like(tensor))
+            blob = codec.encode(torch.ones_like(tensor))
             return blob.replace(b"\x00\x00\x80\x3f", b"\x00\x00\xc0\x7f")  # 1.0f -> NaN
         if behavior == "shape":
-            return honest_encode(torch.cat([tensor, torch.zeros(3)]))
+            return codec.encode(torch.cat([tensor, torch.zeros(3)]))
         if behavior == "huge":
-            return honest_encode(tensor * 1e6)
-        return honest_encode(tensor)
+            return codec.encode(tensor * 1e6)
+        raise ValueError(behavior)
 
-    # Only what this peer sends is corrupted: its reductions encode through the same codec,
-    # so it keeps an honest copy for them.
-    averager._codec = type("Liar", (), {"encode": staticmethod(encode)})()
-    original_finish = averager._finish_reduction
-
-    async def finish(red: Any, group: Group) -> None:
-        averager._codec = codec
-        try:
-            await original_finish(red, group)
-        finally:
-            averager._codec = type("Liar", (), {"encode": staticmethod(encode)})()
-
-    averager._finish_reduction = finish  # type: ignore[method-assign]
+    return encode
 
 
 async def main(cfg: dict[str, Any]) -> None:
@@ -69,10 +58,13 @@ async def main(cfg: dict[str, Any]) -> None:
     config = AllReduceConfig(
         codec=cfg.get("codec", "fp32"), linger_s=cfg.get("linger_s", 60.0), min_deadline_s=1.0
     )
-    averager = Averager(client, identity.peer_id, config)
     behavior = cfg.get("behavior", "honest")
-    if behavior in ("nan", "shape", "huge"):
-        misbehave(averager, behavior)
+    liar = (
+        lying_encoder(make_codec(config.codec), behavior)
+        if behavior in ("nan", "shape", "huge")
+        else None
+    )
+    averager = Averager(client, identity.peer_id, config, outgoing_encoder=liar)
     if behavior == "slow":
         honest_put = client.put_tensor
 

@@ -8,7 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member, allreduce_named
 from swarmd.node.dht import DHTConfig
 from swarmd.node.dht.node import open_dht
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
@@ -124,5 +124,36 @@ def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
             # Round 4: everyone is there, including the peer that missed round 3.
             groups = await _form_all(peers, round_key("run", 4), quick)
             assert len({g.round_id for g in groups if g}) == 1 and all(groups)
+
+    trio.run(main)
+
+
+def test_named_tensors_travel_with_a_codec_per_tensor() -> None:
+    async def main() -> None:
+        async with swarm(3) as peers:
+            groups = await _form_all(peers, round_key("run", 5), FAST)
+            group = groups[0]
+            assert group is not None and all(g == group for g in groups)
+            named = [{"bias": torch.randn(300), "weight": torch.randn(300, 300)} for _ in peers]
+            outs: list[dict[str, torch.Tensor]] = [{}] * 3
+
+            async def reduce(i: int) -> None:
+                outs[i], results = await allreduce_named(peers[i].averager, group, named[i], 1.0)
+                assert all(r.ok for r in results) and len(results) == 2
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(reduce, i)
+            for name in ("bias", "weight"):
+                assert all(torch.equal(o[name], outs[0][name]) for o in outs)
+                assert outs[0][name].shape == named[0][name].shape
+            bias_mean = (sum(n["bias"].double() for n in named) / 3).float()
+            assert torch.equal(outs[0]["bias"], bias_mean)  # small: fp32, exact
+            weight_mean = sum(n["weight"] for n in named) / 3
+            err = float((outs[0]["weight"] - weight_mean).abs().max())
+            assert 0 < err < 0.1  # large: int8, lossy but bounded
+            text = peers[0].metrics.render().decode()
+            assert 'codec="int8",direction="sent"' in text
+            assert 'codec="fp32",direction="sent"' in text
 
     trio.run(main)
