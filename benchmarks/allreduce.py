@@ -2,8 +2,8 @@
 
 Each of P worker processes holds M million random fp32 values (seeded by its index) and runs
 rounds of swarmd's all-reduce (swarmd/node/allreduce.py) with the others. The group is given
-to the workers directly, so matchmaking is excluded from round_s; matchmaking_s reports the
-DHT-based group formation separately once it exists (nan until then).
+formed each round through the DHT (swarmd/node/matchmaking.py, every worker runs a DHT node),
+and that time is reported separately as matchmaking_s, not included in round_s.
 
 bound_s is the bytes-on-wire lower bound: the bytes that must cross loopback in one round
 (every peer sends (P-1)/P of its vector in each of the two phases, at the codec's size) divided
@@ -15,9 +15,7 @@ Last line: peers=… mparams=… codec=… round_s=… matchmaking_s=… max_err
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import socket
 import statistics
 import subprocess
@@ -28,9 +26,11 @@ import time
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.node.allreduce import AllReduceConfig, Averager, Member
+from swarmd.node.dht.node import open_dht
+from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.protocol import rpc
-from swarmd.protocol.identity import Identity, PeerId
+from swarmd.protocol.identity import Identity
 
 
 def data_for(index: int, numel: int) -> torch.Tensor:
@@ -51,28 +51,40 @@ def true_mean_max_err(result: torch.Tensor, peers: int, numel: int) -> float:
     return err
 
 
-async def worker(index: int, numel: int, codec: str, chunk: int) -> None:
+async def worker(index: int, numel: int, codec: str, chunk: int, bootstrap: str) -> None:
     identity = Identity.generate()
     transport = rpc.TransportConfig(chunk_bytes=chunk, max_message_bytes=max(4 << 20, 2 * chunk))
     client = rpc.RpcClient(identity, transport)
     averager = Averager(client, identity.peer_id, AllReduceConfig(codec=codec))  # type: ignore[arg-type]
     local = data_for(index, numel)
-    async with rpc.serve([averager.service()], "127.0.0.1", 0, config=transport) as server:
-        print(
-            json.dumps({"address": str(server.address), "peer_id": str(identity.peer_id)}),
-            flush=True,
-        )
-        while True:
-            line = await trio.to_thread.run_sync(sys.stdin.readline)
-            if not line:
-                break
+    async with open_dht(
+        identity,
+        bootstrap=[bootstrap] if bootstrap else [],
+        transport=transport,
+        extra_services=[averager.service()],
+    ) as (dht, server):
+        me = Member(identity.peer_id, str(server.address))
+        print(json.dumps({"address": str(server.address)}), flush=True)
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
-            members = tuple(Member(PeerId.from_string(p), a) for p, a in cmd["members"])
-            group = Group(hashlib.sha256(f"bench/{cmd['round']}".encode()).digest(), members)
+            # Matchmaking: every worker announces itself for this round in the DHT and the
+            # group is committed by its leader, exactly as the daemon does.
+            config = MatchmakingConfig(
+                target_group_size=cmd["peers"], min_group_size=cmd["peers"], gather_s=30.0
+            )
+            t0 = time.monotonic()
+            group = await form_group(dht, round_key("bench", cmd["round"]), me, config)
+            matchmaking = time.monotonic() - t0
+            assert group is not None and len(group.members) == cmd["peers"]
             t0 = time.monotonic()
             result = await averager.allreduce(group, local, 1.0)
             elapsed = time.monotonic() - t0
-            out = {"round_s": elapsed, "ok": result.ok, "dropped": len(result.dropped)}
+            out = {
+                "round_s": elapsed,
+                "matchmaking_s": matchmaking,
+                "ok": result.ok,
+                "dropped": len(result.dropped),
+            }
             if cmd.get("check"):
                 out["max_err"] = await trio.to_thread.run_sync(
                     true_mean_max_err, result.tensor, cmd["peers"], numel
@@ -122,39 +134,34 @@ def main() -> None:
     parser.add_argument("--codec", choices=["fp32", "fp16", "int8"], default="fp32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk-kib", type=int, default=1024, help="stream frame size")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
-        trio.run(
-            worker, int(args.worker[0]), int(args.worker[1]), args.worker[2], int(args.worker[3])
-        )
+        i, n, codec, chunk, bootstrap = args.worker
+        trio.run(worker, int(i), int(n), codec, int(chunk), bootstrap)
         return
     numel = int(args.mparams * 1e6)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                *WORKER_CMD,
-                "--worker",
-                str(i),
-                str(numel),
-                args.codec,
-                str(args.chunk_kib << 10),
-            ],
+
+    def spawn(i: int, bootstrap: str) -> subprocess.Popen[str]:
+        command = [*WORKER_CMD, "--worker", str(i), str(numel), args.codec]
+        return subprocess.Popen(
+            [sys.executable, *command, str(args.chunk_kib << 10), bootstrap],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        for i in range(args.peers)
-    ]
+
+    first = spawn(0, "")
+    first_address = json.loads(first.stdout.readline())["address"]  # type: ignore[union-attr]
+    procs = [first] + [spawn(i, first_address) for i in range(1, args.peers)]
     try:
-        infos = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
-        members = sorted((i["peer_id"], i["address"]) for i in infos)
-        round_times, errs = [], []
+        for p in procs[1:]:
+            json.loads(p.stdout.readline())  # type: ignore[union-attr]
+        round_times, mm_times, errs = [], [], []
         for r in range(args.rounds):
             check = r == args.rounds - 1
-            cmd = json.dumps({"round": r, "members": members, "check": check, "peers": args.peers})
+            cmd = json.dumps({"round": r, "check": check, "peers": args.peers})
             for p in procs:
                 p.stdin.write(cmd + "\n")  # type: ignore[union-attr]
                 p.stdin.flush()  # type: ignore[union-attr]
@@ -162,7 +169,12 @@ def main() -> None:
             if not all(o["ok"] and o["dropped"] == 0 for o in outs):
                 print(f"round {r} degraded: {outs}")
             round_times.append(max(o["round_s"] for o in outs))
-            print(f"round {r}: {round_times[-1]:.2f} s (slowest peer)", flush=True)
+            mm_times.append(max(o["matchmaking_s"] for o in outs))
+            print(
+                f"round {r}: all-reduce {round_times[-1]:.2f} s, matchmaking {mm_times[-1]:.2f} s "
+                "(slowest peer)",
+                flush=True,
+            )
             if check:
                 errs = [o["max_err"] for o in outs]
     finally:
@@ -178,7 +190,8 @@ def main() -> None:
     print(f"raw socket {gbps:.2f} GB/s; {wire / 1e9:.2f} GB cross loopback per round")
     print(
         f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} "
-        f"round_s={statistics.median(round_times):.3f} matchmaking_s={math.nan} "
+        f"round_s={statistics.median(round_times):.3f} "
+        f"matchmaking_s={statistics.median(mm_times):.3f} "
         f"max_err={max(errs):.3g} bound_s={bound:.3f}"
     )
 
