@@ -137,7 +137,7 @@ class AllReduceConfig:
     error_feedback: bool = True
     reduction: ReductionConfig = field(default_factory=ReductionConfig)
     #: Deadlines: floor + slack x (bytes / measured throughput).
-    min_deadline_s: float = 1.0
+    min_deadline_s: float = 5.0
     max_deadline_s: float = 600.0
     deadline_slack: float = 4.0
     #: Throughput assumed before anything was measured (bytes/s); deliberately modest.

@@ -56,7 +56,7 @@ async def main(cfg: dict[str, Any]) -> None:
     identity = Identity.generate()
     client = rpc.RpcClient(identity)
     config = AllReduceConfig(
-        codec=cfg.get("codec", "fp32"), linger_s=cfg.get("linger_s", 60.0), min_deadline_s=1.0
+        codec=cfg.get("codec", "fp32"), linger_s=cfg.get("linger_s", 60.0), min_deadline_s=3.0
     )
     behavior = cfg.get("behavior", "honest")
     liar = (
