@@ -367,11 +367,13 @@ def load_source(spec: str, *, vocab_size: int | None = None) -> TokenSource:
     A directory counts as nanoGPT's when it holds `train.bin`; `vocab_size` only applies to
     `.bin` data (byte-level sources always have 256).
     """
-    if spec in ("", "builtin", "stdlib"):
-        return builtin_corpus()
     p = Path(spec)
     if (p.is_dir() and (p / "train.bin").is_file()) or p.suffix == ".bin":
         return bin_source(p, vocab_size or GPT2_VOCAB)
     if vocab_size is not None and vocab_size != BYTE_VOCAB:
-        raise ValueError(f"text data uses byte tokens (vocab 256), not vocab_size={vocab_size}")
+        raise ValueError(
+            f"{spec or 'builtin'}: byte-level data has vocab_size 256, not {vocab_size}"
+        )
+    if spec in ("", "builtin", "stdlib"):
+        return builtin_corpus()
     return text_source(p)

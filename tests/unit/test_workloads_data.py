@@ -189,3 +189,5 @@ def test_bad_text_inputs(tmp_path: Path) -> None:
         short.train_batch(0, 1, 0, 8, seed=0, step=0)
     with pytest.raises(ValueError, match="vocab"):
         load_source(str(tmp_path / "short.txt"), vocab_size=50257)
+    with pytest.raises(ValueError, match="vocab_size 256"):
+        load_source("builtin", vocab_size=50257)
