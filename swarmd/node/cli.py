@@ -184,6 +184,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dht)
 
     p = sub.add_parser(
+        "join",
+        help="train with a run's peers (DiLoCo)",
+        description="Joins a training run: bootstraps into the DHT through --peers, reads the "
+        "run's configuration from it (or publishes one with --create-run), downloads the "
+        "group's newest state or resumes this peer's saved state, then trains with DiLoCo "
+        "until SIGINT/SIGTERM, --max-steps or --duration. Exit code 2 if the run cannot be "
+        "joined, 3 if no bootstrap peer answers.",
+    )
+    p.add_argument("--run", required=True, help="the run's name")
+    p.add_argument(
+        "--peers",
+        type=_address_list,
+        default=(),
+        help="bootstrap peers, HOST:PORT[,HOST:PORT...] (omit only for the first peer)",
+    )
+    p.add_argument(
+        "--listen",
+        type=_listen_address,
+        default=Address("127.0.0.1", 0),
+        help="HOST:PORT to serve other peers on (default: 127.0.0.1:0, an OS-chosen port)",
+    )
+    p.add_argument(
+        "--create-run",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="publish a new run from this TOML file (keys: see swarmd/node/runconfig.py; "
+        "'-' for the built-in defaults)",
+    )
+    p.add_argument("--max-steps", type=_positive_int, default=None, help="stop after N steps")
+    p.add_argument("--duration", type=_positive_float, default=None, help="stop after S seconds")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="text progress on stderr, or JSON lines on stdout (default: text)",
+    )
+    p.add_argument(
+        "--progress-interval", type=_positive_float, default=5.0, help="seconds between lines"
+    )
+    p.add_argument(
+        "--metrics",
+        type=_listen_address,
+        default=None,
+        help="serve Prometheus metrics on HOST:PORT",
+    )
+    _add_state_dir(p)
+    p.set_defaults(func=cmd_join)
+
+    p = sub.add_parser(
         "demo",
         help="run the built-in demo on this machine",
         description="Until the training job lands, the demo exercises the transport for real: "
@@ -361,6 +411,42 @@ def cmd_dht(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(str(exc)) from None
     return EXIT_OK
+
+
+def _address_list(text: str) -> tuple[str, ...]:
+    items = [t for t in (part.strip() for part in text.split(",")) if t]
+    for item in items:
+        _address(item)
+    return tuple(items)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from swarmd.node.daemon import JoinOptions, run_join
+    from swarmd.node.runconfig import RunConfig, RunConfigError
+
+    create = None
+    if args.create_run is not None:
+        try:
+            create = (
+                RunConfig(name=args.run)
+                if str(args.create_run) == "-"
+                else RunConfig.from_toml(args.create_run, name=args.run)
+            )
+        except RunConfigError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    options = JoinOptions(
+        run=args.run,
+        state_dir=args.state_dir,
+        listen=args.listen,
+        peers=args.peers,
+        metrics=args.metrics,
+        create_run=create,
+        max_steps=args.max_steps,
+        duration_s=args.duration,
+        log_format=args.log_format,
+        progress_interval_s=args.progress_interval,
+    )
+    return run_join(options)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

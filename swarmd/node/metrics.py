@@ -36,6 +36,9 @@ class Metrics:
             "swarmd_build_info", "swarmd version (always 1)", ["version"], registry=self.registry
         )
         self.build_info.labels(version=swarmd.__version__).set(1)
+        #: Plain totals of the byte counters, for progress lines (no registry round trip).
+        self.sent_total = 0
+        self.received_total = 0
         self.rpc_requests = Counter(
             "swarmd_rpc_requests",
             "RPCs served by this peer, by method and gRPC status code",
@@ -94,6 +97,8 @@ class Metrics:
         self.rpc_duration.labels(method=method).observe(duration_s)
 
     def on_bytes(self, sent: int, received: int) -> None:
+        self.sent_total += sent
+        self.received_total += received
         if sent:
             self.sent_bytes.inc(sent)
         if received:

@@ -1,0 +1,500 @@
+"""`swarmd join`: one peer of a DiLoCo run, from identity to graceful leave.
+
+The daemon is one trio run. Its gRPC server carries every service (peer, DHT, all-reduce, state
+donor); background tasks (DHT upkeep, heartbeat, progress) live in one nursery; the torch work
+runs in a worker thread so the event loop keeps serving other peers while it trains.
+
+Lifecycle: join the DHT through --peers; read the run's signed config from the DHT (or publish
+it with --create-run); start from the group's newest state if anyone advertises one, else from
+this peer's own saved state, else from the run's seeded initial weights (identical on every
+peer); then train: H inner steps, matchmaking, all-reduce of the pseudo-gradient, outer step,
+publish and save the new state. SIGINT/SIGTERM stop at the next step boundary, save, and leave
+(the heartbeat lapses; groups drop us by their deadlines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from swarmd.node.allreduce import AllReduceConfig, Averager, Member
+from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.metrics import Metrics, MetricsServer
+from swarmd.node.peer import Scratch, announce, peer_service
+from swarmd.node.runconfig import CONFIG_TTL_S, RunConfig, RunConfigError, config_key, peers_key
+from swarmd.node.statesync import StateSyncError, download_state
+from swarmd.node.statesync_donor import StateAdvert, StateDonor, advert_key, choose_donors
+from swarmd.node.statesync_snapshot import StateSnapshot
+from swarmd.optim.diloco import DiLoCo, DiLoCoConfig
+from swarmd.protocol import rpc
+from swarmd.protocol.address import Address
+from swarmd.protocol.identity import Identity
+from swarmd.workloads import GPT, GPTConfig, TokenSource, evaluate, load_source, shard_for_peer
+
+log = logging.getLogger("swarmd.daemon")
+
+STATE_FILE = "state.pt"
+NUM_SHARDS = 64
+VALIDATION_BATCHES = 4
+
+
+class JoinError(Exception):
+    """Joining failed in a way the user must fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    run: str
+    state_dir: Path
+    listen: Address = field(default_factory=lambda: Address("127.0.0.1", 0))
+    peers: tuple[str, ...] = ()
+    metrics: Address | None = None
+    create_run: RunConfig | None = None
+    #: Stop after this many inner steps or seconds (None: run until signalled).
+    max_steps: int | None = None
+    duration_s: float | None = None
+    log_format: str = "text"
+    progress_interval_s: float = 5.0
+    join_timeout_s: float = 60.0
+    #: Advertised bandwidth (bytes/s) for part sizing; the all-reduce measures the real one.
+    bandwidth: float = 1e8
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format must be text or json")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError("duration_s must be > 0")
+
+
+class Progress:
+    """Terminal or JSON-lines output of what the peer is doing."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def event(self, kind: str, text: str, **fields: Any) -> None:
+        if self.fmt == "json":
+            print(json.dumps({"event": kind, "time": round(time.time(), 3), **fields}), flush=True)
+        else:
+            print(f"[swarmd] {text}", file=sys.stderr, flush=True)
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    """Atomic: a crash leaves the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_saved(path: Path, config_hash: str) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        state: dict[str, Any] = torch.load(path, weights_only=True)
+    except Exception as exc:  # a torn or foreign file must not stop the peer: start over
+        log.warning("ignoring unreadable saved state %s: %s", path, exc)
+        return None
+    if state.get("config_hash") != config_hash:
+        log.warning("saved state %s belongs to another run config; ignoring it", path)
+        return None
+    return state
+
+
+class Peer:
+    """The training peer; `run()` is the whole lifecycle."""
+
+    def __init__(self, options: JoinOptions) -> None:
+        self.opts = options
+        self.out = Progress(options.log_format)
+        self.identity = Identity.load_or_create(options.state_dir)
+        self.metrics = Metrics()
+        self.transport = rpc.TransportConfig(max_concurrent_rpcs=32)
+        self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
+        self.dht = DHTNode(self.identity, self.client)
+        self.averager = Averager(
+            self.client, self.identity.peer_id, AllReduceConfig(), self.metrics
+        )
+        self.donor = StateDonor()
+        self.address = ""
+        self.stats: dict[str, Any] = {"step": 0, "round": 0, "loss": math.nan, "peers": 1}
+
+    async def run(self) -> None:
+        opts = self.opts
+        metrics_server = (
+            MetricsServer(self.metrics, opts.metrics.host, opts.metrics.port)
+            if opts.metrics
+            else None
+        )
+        services = [
+            peer_service(self.identity, Scratch(1 << 20)),
+            self.dht.service(),
+            self.averager.service(),
+            self.donor.service(),
+        ]
+        try:
+            async with (
+                rpc.serve(
+                    services,
+                    opts.listen.host,
+                    opts.listen.port,
+                    config=self.transport,
+                    observer=self.metrics,
+                ) as server,
+                trio.open_nursery() as nursery,
+            ):
+                self.address = str(server.address)
+                announce(
+                    "listening",
+                    address=self.address,
+                    peer_id=str(self.identity.peer_id),
+                    metrics_port=metrics_server.port if metrics_server else None,
+                )
+                nursery.start_soon(self._stop_on_signal, nursery.cancel_scope)
+                await nursery.start(self.dht.run, server.address.port, list(opts.peers))
+                config = await self._run_config()
+                await self._train(config, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            if metrics_server:
+                metrics_server.close()
+            self.client.close()
+
+    async def _stop_on_signal(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self.out.event("leaving", f"{signal.Signals(signum).name}: leaving the run")
+                self.stop_requested = True
+                return
+
+    stop_requested = False
+
+    async def _run_config(self) -> RunConfig:
+        opts = self.opts
+        if opts.create_run is not None:
+            config = opts.create_run
+            await self.dht.store(
+                config_key(config.name), config.to_json(), self.dht.now() + CONFIG_TTL_S
+            )
+            self.out.event(
+                "run_created",
+                f"created run {config.name!r} (config {config.hash})",
+                run=config.name,
+                config_hash=config.hash,
+            )
+            return config
+        with trio.move_on_after(opts.join_timeout_s):
+            while True:
+                value = await self.dht.get_value(config_key(opts.run))
+                if value is not None:
+                    try:
+                        config = RunConfig.from_json(value.value)
+                    except RunConfigError as exc:
+                        raise JoinError(str(exc)) from None
+                    if config.name != opts.run:
+                        raise JoinError(
+                            f"the DHT holds a config for {config.name!r}, not {opts.run!r}"
+                        )
+                    self.out.event(
+                        "run_joined",
+                        f"joined run {config.name!r} (config {config.hash}, created by "
+                        f"{value.owner.short()})",
+                        run=config.name,
+                        config_hash=config.hash,
+                    )
+                    return config
+                await trio.sleep(1.0)
+        raise JoinError(
+            f"no run named {opts.run!r} was found in the DHT within {opts.join_timeout_s:.0f}s; "
+            "check --run, or create it with --create-run FILE"
+        )
+
+    # -- training ---------------------------------------------------------------------------
+
+    def _build(self, config: RunConfig) -> tuple[DiLoCo, TokenSource]:
+        torch.manual_seed(config.seed)
+        model = GPT(
+            GPTConfig(
+                n_layer=config.n_layer,
+                n_head=config.n_head,
+                n_embd=config.n_embd,
+                block_size=config.block_size,
+            ),
+            seed=config.seed,
+        )
+        diloco = DiLoCo(
+            model,
+            DiLoCoConfig(
+                inner_steps=config.inner_steps,
+                inner_lr=config.inner_lr,
+                outer_lr=config.outer_lr,
+                outer_momentum=config.outer_momentum,
+            ),
+        )
+        return diloco, load_source(config.data)
+
+    async def _adverts(self, config: RunConfig) -> list[StateAdvert]:
+        adverts: list[StateAdvert] = []
+        for peer, value in (await self.dht.get_map(advert_key(config.name))).items():
+            if peer == str(self.identity.peer_id):
+                continue
+            try:
+                adverts.append(StateAdvert.from_bytes(value.value))
+            except ValueError:
+                continue
+        return adverts
+
+    async def _sync_from_group(
+        self, config: RunConfig, diloco: DiLoCo, adverts: list[StateAdvert]
+    ) -> bool:
+        """Downloads the state most donors advertise and loads it; False if that failed."""
+        want, donors = choose_donors(adverts)
+        try:
+            snap = await download_state(self.client, donors, deadline_s=120.0, want_hash=want)
+        except StateSyncError as exc:
+            log.warning("state sync failed (%s); going on with this peer's state", exc)
+            return False
+        if snap.meta.get("config") != config.hash:
+            log.warning("donors' state belongs to another config; ignoring it")
+            return False
+        await trio.to_thread.run_sync(diloco.load_state_dict, snap.to_state_dict())
+        self.out.event(
+            "state_synced",
+            f"downloaded the group's state (round {snap.round}) from {len(donors)} donor(s)",
+            round=snap.round,
+        )
+        return True
+
+    async def _initial_state(self, config: RunConfig, diloco: DiLoCo) -> tuple[str, int]:
+        """Loads the newest state: the group's, else ours, else the seeded init. Returns where
+        it came from and the inner step to resume the data order at."""
+        adverts = await self._adverts(config)
+        saved = load_saved(self.opts.state_dir / STATE_FILE, config.hash)
+        saved_round = int(saved["global"]["round"]) if saved else -1
+        if (
+            adverts
+            and max(a.round for a in adverts) > saved_round
+            and await self._sync_from_group(config, diloco, adverts)
+        ):
+            return "group", int(saved.get("step", 0)) if saved else 0
+        if saved is not None:
+            await trio.to_thread.run_sync(diloco.load_state_dict, saved["global"])
+            diloco.load_local_state_dict(saved["local"])
+            self.out.event(
+                "resumed", f"resumed from saved state (round {saved_round})", round=saved_round
+            )
+            return "saved", int(saved.get("step", 0))
+        return "fresh", 0
+
+    async def _catch_up(self, config: RunConfig, diloco: DiLoCo, my_hash: bytes) -> bool:
+        """A peer that missed a round (no group, a late join) holds a state nobody else has;
+        it takes the group's instead of drifting apart forever."""
+        adverts = [a for a in await self._adverts(config) if a.round >= diloco.round]
+        if not adverts:
+            return False
+        want, _ = choose_donors(adverts)
+        newest = max(a.round for a in adverts)
+        if newest > diloco.round or want != my_hash:
+            return await self._sync_from_group(config, diloco, adverts)
+        return False
+
+    async def _train(self, config: RunConfig, nursery: trio.Nursery) -> None:
+        diloco, source = await trio.to_thread.run_sync(self._build, config)
+        origin, step = await self._initial_state(config, diloco)
+        shard = shard_for_peer(self.identity.peer_id.raw, NUM_SHARDS)
+        me = Member(self.identity.peer_id, self.address, self.opts.bandwidth)
+        mm = MatchmakingConfig(
+            target_group_size=config.target_group_size,
+            min_group_size=config.min_group_size,
+            gather_s=10.0,
+            commit_wait_s=10.0,
+        )
+        nursery.start_soon(self._heartbeat, config)
+        nursery.start_soon(self._report_progress)
+        self.out.event(
+            "training",
+            f"training {diloco.numel / 1e6:.2f}M parameters, H={config.inner_steps}, "
+            f"codec {config.codec}, data shard {shard}/{NUM_SHARDS} ({origin} start)",
+            params=diloco.numel,
+            origin=origin,
+        )
+        start = time.monotonic()
+        tokens = 0
+        self.stats["started"] = start
+        first_val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
+        self.out.event(
+            "validation", f"validation loss {first_val:.4f}", round=diloco.round, val_loss=first_val
+        )
+        while not self._should_stop(step, start):
+            batch = source.train_batch(
+                shard, NUM_SHARDS, config.batch_size, config.block_size, config.seed, step
+            )
+            loss = await trio.to_thread.run_sync(diloco.inner_step, batch)
+            step += 1
+            tokens += config.batch_size * config.block_size
+            self.stats.update(step=step, loss=loss, tokens=tokens)
+            if diloco.should_sync():
+                await self._outer_step(config, diloco, source, me, mm, step)
+        self.out.event(
+            "stopped", f"stopped after {step} inner steps", step=step, round=diloco.round
+        )
+
+    def _should_stop(self, step: int, start: float) -> bool:
+        opts = self.opts
+        if self.stop_requested:
+            return True
+        if opts.max_steps is not None and step >= opts.max_steps:
+            return True
+        return opts.duration_s is not None and time.monotonic() - start >= opts.duration_s
+
+    def _validate(self, diloco: DiLoCo, source: TokenSource, config: RunConfig) -> float:
+        batches = source.validation_batches(
+            config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
+        )
+        return evaluate(diloco.model, batches)
+
+    async def _outer_step(
+        self,
+        config: RunConfig,
+        diloco: DiLoCo,
+        source: TokenSource,
+        me: Member,
+        mm: MatchmakingConfig,
+        step: int,
+    ) -> None:
+        t0 = time.monotonic()
+        pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
+        # Wait for as many peers as are alive in the run (their heartbeats), not for the
+        # configured maximum: a small run should not sit out the whole gather deadline.
+        live = len(await self.dht.peers(peers_key(config.name)))
+        target = max(config.min_group_size, min(config.target_group_size, live))
+        mm = dataclasses.replace(mm, target_group_size=target)
+        group = await form_group(self.dht, round_key(config.name, diloco.round), me, mm)
+        result = None
+        size, dropped = 1, 0
+        if group is not None and len(group.members) > 1:
+            size = len(group.members)
+            result = await self.averager.allreduce(
+                group,
+                pg,
+                diloco.weight(),
+                key="diloco",
+                codec=config.codec,  # type: ignore[arg-type]
+            )
+            dropped = len(result.dropped)
+        report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
+
+        def snapshot() -> StateSnapshot:
+            return StateSnapshot.build(
+                diloco.state_dict(), round=diloco.round, meta={"config": config.hash}
+            )
+
+        snap = await trio.to_thread.run_sync(snapshot)
+        if (report.status != "averaged" or dropped) and await self._catch_up(
+            config, diloco, snap.state_hash
+        ):
+            snap = await trio.to_thread.run_sync(snapshot)
+        self.donor.publish(snap)
+        await self.dht.store(
+            advert_key(config.name),
+            StateAdvert.of(snap, self.address).to_bytes(),
+            self.dht.now() + 120.0,
+            subkey=str(self.identity.peer_id),
+        )
+        state = {
+            "config_hash": config.hash,
+            "global": diloco.state_dict(),
+            "local": diloco.local_state_dict(),
+            "step": step,
+        }
+        await trio.to_thread.run_sync(save_state, self.opts.state_dir / STATE_FILE, state)
+        val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
+        self.stats.update(round=diloco.round, peers=size, last_outer=report.status)
+        self.out.event(
+            "outer_step",
+            f"round {report.round}: {report.status} with {size} peer(s)"
+            f"{f', {dropped} dropped' if dropped else ''}, validation loss {val:.4f}, "
+            f"state {snap.state_hash.hex()[:12]}, {time.monotonic() - t0:.1f}s",
+            round=report.round,
+            status=report.status,
+            group_size=size,
+            dropped=dropped,
+            val_loss=val,
+            state_hash=snap.state_hash.hex(),
+            seconds=round(time.monotonic() - t0, 3),
+        )
+
+    async def _heartbeat(self, config: RunConfig) -> None:
+        async with self.dht.announce(peers_key(config.name), self.address.encode(), ttl=30.0):
+            await trio.sleep_forever()
+
+    async def _report_progress(self) -> None:
+        last_tokens, last_time = 0, time.monotonic()
+        while True:
+            await trio.sleep(self.opts.progress_interval_s)
+            now = time.monotonic()
+            step = int(self.stats["step"])
+            tokens = int(self.stats.get("tokens", 0))
+            tokens_per_s = (tokens - last_tokens) / max(now - last_time, 1e-9)
+            last_tokens, last_time = tokens, now
+            sent = self.metrics.sent_total
+            self.out.event(
+                "progress",
+                f"step {step} loss {self.stats['loss']:.4f} | {tokens_per_s:.0f} tokens/s | "
+                f"round {self.stats['round']} ({self.stats.get('last_outer', '-')}, "
+                f"{self.stats['peers']} peers) | sent {sent / 2**20:.1f} MiB",
+                step=step,
+                loss=self.stats["loss"],
+                tokens_per_s=round(tokens_per_s, 1),
+                round=self.stats["round"],
+                sent_bytes=sent,
+            )
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The single error inside nested nursery groups (or the group itself if there are many)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def run_join(options: JoinOptions) -> int:
+    torch.set_num_threads(1)
+    try:
+        trio.run(Peer(options).run)
+    except BaseExceptionGroup as group:
+        leaf = _leaf(group)
+        if isinstance(leaf, JoinError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, BootstrapError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return 3
+        raise
+    return 0

@@ -1,0 +1,128 @@
+"""A run's configuration: what every peer of the run must agree on, published in the DHT.
+
+The run's creator signs it (every DHT record is signed) and stores it under
+``swarmd/<run>/config``; a joining peer reads it and refuses to train if its own swarmd version
+differs, because peers of different versions may compute different things from the same
+bytes. The config hash goes into every state advert, so a state built under another config is
+never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import swarmd
+
+#: The DHT keeps records at most a day; the creator re-publishes it while it runs.
+CONFIG_TTL_S = 23 * 3600.0
+
+
+class RunConfigError(ValueError):
+    """A run configuration is malformed, or belongs to another swarmd version."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    #: Model shape (the built-in GPT); see swarmd.workloads.GPTConfig.
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 128
+    #: `builtin` (the Python standard library's sources), a text file/directory, or `.bin`.
+    data: str = "builtin"
+    batch_size: int = 8
+    #: DiLoCo: inner AdamW steps between outer steps, and the optimisers' settings.
+    inner_steps: int = 50
+    inner_lr: float = 1e-3
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    #: How pseudo-gradients travel: int8 (with error feedback), fp16 or fp32.
+    codec: str = "int8"
+    target_group_size: int = 16
+    min_group_size: int = 2
+    #: Seed of the initial weights (identical on every peer) and of the data order.
+    seed: int = 0
+    version: str = field(default=swarmd.__version__)
+
+    def __post_init__(self) -> None:
+        if not self.name or len(self.name) > 64 or "/" in self.name:
+            raise RunConfigError("run name must be 1-64 characters without '/'")
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "inner_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RunConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise RunConfigError("n_embd must be divisible by n_head")
+        if self.codec not in ("int8", "fp16", "fp32"):
+            raise RunConfigError(f"codec must be int8, fp16 or fp32, got {self.codec!r}")
+        if not 1 <= self.min_group_size <= self.target_group_size:
+            raise RunConfigError("need 1 <= min_group_size <= target_group_size")
+        if not (0 < self.inner_lr < 1 and 0 < self.outer_lr <= 10 and 0 <= self.outer_momentum < 1):
+            raise RunConfigError("learning rates or momentum out of range")
+
+    # -- serialisation ---------------------------------------------------------------------
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], *, name: str | None = None) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise RunConfigError(f"unknown run option(s): {', '.join(unknown)}")
+        merged = dict(values)
+        if name is not None:
+            merged["name"] = name
+        if "name" not in merged:
+            raise RunConfigError("a run needs a name")
+        try:
+            return cls(**merged)
+        except TypeError as exc:
+            raise RunConfigError(str(exc)) from None
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> RunConfig:
+        try:
+            values = json.loads(raw)
+        except ValueError as exc:
+            raise RunConfigError(f"run config is not JSON: {exc}") from None
+        if not isinstance(values, dict):
+            raise RunConfigError("run config must be a JSON object")
+        config = cls.from_mapping(values)
+        if config.version != swarmd.__version__:
+            raise RunConfigError(
+                f"run {config.name!r} was created with swarmd {config.version}, this is "
+                f"swarmd {swarmd.__version__}: install that version to join it"
+            )
+        return config
+
+    @classmethod
+    def from_toml(cls, path: Path, *, name: str | None = None) -> RunConfig:
+        try:
+            values = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise RunConfigError(f"run file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise RunConfigError(f"run file {path} is not valid TOML: {exc}") from None
+        values.pop("version", None)
+        return cls.from_mapping(values, name=name)
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json()).hexdigest()[:16]
+
+
+def config_key(run: str) -> str:
+    return f"swarmd/{run}/config"
+
+
+def peers_key(run: str) -> str:
+    return f"swarmd/{run}/peers"
