@@ -225,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress-interval", type=_positive_float, default=5.0, help="seconds between lines"
     )
     p.add_argument(
+        "--join-timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds to wait for the run's config in the DHT (default: 60)",
+    )
+    p.add_argument(
         "--metrics",
         type=_listen_address,
         default=None,
@@ -235,18 +241,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "demo",
-        help="run the built-in demo on this machine",
-        description="Until the training job lands, the demo exercises the transport for real: "
-        "it starts several peer processes on loopback, pings them, relays a random tensor "
-        "through all of them with integrity checks, shows a forged request being refused, "
-        "prints throughput and each peer's byte counters, and shuts them down.",
+        help="run a real multi-peer training run on this machine",
+        description="Starts a `swarmd dht` bootstrap and several `swarmd join` peers on "
+        "loopback, trains the built-in GPT on the built-in corpus with DiLoCo for a few "
+        "minutes, SIGKILLs one peer and adds a new one midway, then prints a summary (loss "
+        "start -> end, whether the survivors hold identical states, bytes sent vs "
+        "data-parallel, peers joined/left). --transport-only runs the short transport demo.",
     )
     p.add_argument("--peers", type=_positive_int, default=3, help="peer processes (default: 3)")
+    p.add_argument("--duration", type=_positive_float, default=150.0, help="seconds (default: 150)")
+    p.add_argument("--inner-steps", type=_positive_int, default=25, help="DiLoCo H (default: 25)")
+    p.add_argument(
+        "--transport-only",
+        action="store_true",
+        help="instead: relay a tensor through peers, ping, forged request (seconds)",
+    )
     p.add_argument(
         "--tensor-mib",
         type=_positive_int,
         default=64,
-        help="size of the relayed tensor in MiB (default: 64)",
+        help="transport demo: size of the relayed tensor in MiB (default: 64)",
     )
     p.set_defaults(func=cmd_demo)
     return parser
@@ -445,14 +459,19 @@ def cmd_join(args: argparse.Namespace) -> int:
         duration_s=args.duration,
         log_format=args.log_format,
         progress_interval_s=args.progress_interval,
+        join_timeout_s=args.join_timeout,
     )
     return run_join(options)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.transport_only:
+        from swarmd.node.transport_demo import run_demo as transport_demo
+
+        return transport_demo(peers=args.peers, tensor_mib=args.tensor_mib)
     from swarmd.node.demo import run_demo
 
-    return run_demo(peers=args.peers, tensor_mib=args.tensor_mib)
+    return run_demo(peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps)
 
 
 if __name__ == "__main__":
