@@ -1,0 +1,132 @@
+"""`swarmd join` as real processes: a run trains and agrees, survives a crash, leaves cleanly."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import Proc, ProcessGroup, swarmd_cmd
+
+TINY_RUN = """\
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+batch_size = 4
+inner_steps = 5
+inner_lr = 0.003
+min_group_size = 2
+"""
+
+
+def events_until_exit(proc: Proc, timeout: float = 120.0) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            events.append(proc.receive(timeout=max(0.1, deadline - time.monotonic())))
+        except AssertionError:
+            break  # exited (or timed out: the exit code check below tells which)
+    proc.process.wait(timeout=10)
+    return events
+
+
+def wait_for(proc: Proc, kind: str, timeout: float = 90.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        event = proc.receive(timeout=max(0.1, deadline - time.monotonic()))
+        if event.get("event") == kind:
+            return event
+    raise AssertionError(f"no {kind!r} event within {timeout}s")
+
+
+def join_cmd(tmp: Path, name: str, boot: str, *extra: str) -> list[str]:
+    return swarmd_cmd(
+        "join", "--run", "t", "--peers", boot, "--log-format", "json",
+        "--state-dir", str(tmp / name), "--progress-interval", "60", *extra,
+    )  # fmt: skip
+
+
+def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
+    boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp / "boot")))
+    return boot.address
+
+
+def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text(TINY_RUN)
+    boot = start_bootstrap(processes, tmp_path)
+    creator = processes.start(
+        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"),
+                 "--max-steps", "20"),
+        stdin=False,
+    )  # fmt: skip
+    wait_for(creator, "run_created")
+    others = processes.start_many(
+        [join_cmd(tmp_path, f"p{i}", boot, "--max-steps", "20") for i in (1, 2)]
+    )
+    runs = [events_until_exit(p) for p in [creator, *others]]
+    assert all(p.process.returncode == 0 for p in [creator, *others])
+    finals = []
+    for events in runs:
+        outer = [e for e in events if e["event"] == "outer_step"]
+        assert len(outer) >= 3, events
+        assert any(e["status"] == "averaged" and e["group_size"] == 3 for e in outer)
+        finals.append((outer[-1]["round"], outer[-1]["state_hash"]))
+        start = next(e["val_loss"] for e in events if e["event"] == "validation")
+        assert outer[-1]["val_loss"] < start
+    by_round: dict[int, set[str]] = {}
+    for rnd, digest in finals:
+        by_round.setdefault(rnd, set()).add(digest)
+    assert all(len(d) == 1 for d in by_round.values()), finals
+
+
+def test_crashed_peer_resumes_from_its_saved_state(processes: ProcessGroup, tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 1"))
+    boot = start_bootstrap(processes, tmp_path)
+    cmd = join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"))
+    first = processes.start(cmd)
+    done = wait_for(first, "outer_step")
+    wait_for(first, "outer_step")  # two rounds saved
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=10)
+    assert (tmp_path / "p0" / "state.pt").exists()
+    again = processes.start(cmd)
+    resumed = wait_for(again, "resumed")
+    assert resumed["round"] >= done["round"]
+    after = wait_for(again, "outer_step")
+    assert after["round"] == resumed["round"] + 1
+
+
+def test_sigterm_leaves_cleanly_and_saves(processes: ProcessGroup, tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 1"))
+    boot = start_bootstrap(processes, tmp_path)
+    peer = processes.start(
+        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"))
+    )
+    wait_for(peer, "outer_step")
+    peer.process.send_signal(signal.SIGTERM)
+    events = events_until_exit(peer, timeout=30)
+    assert peer.process.returncode == 0
+    kinds = [e["event"] for e in events]
+    assert "leaving" in kinds and "stopped" in kinds
+    assert (tmp_path / "p0" / "state.pt").exists()
+    assert not list((tmp_path / "p0").glob(".state.pt.*"))  # no torn temp files
+
+
+def test_unknown_run_is_a_clear_error(processes: ProcessGroup, tmp_path: Path) -> None:
+    boot = start_bootstrap(processes, tmp_path)
+    peer = processes.start(join_cmd(tmp_path, "p0", boot, "--join-timeout", "2"))
+    peer.process.wait(timeout=60)
+    assert peer.process.returncode == 2
+    time.sleep(0.2)
+    assert "no run named 't'" in "".join(peer.stderr_tail)
+
+
+def test_no_bootstrap_answer_exits_3(processes: ProcessGroup, tmp_path: Path) -> None:
+    peer = processes.start(join_cmd(tmp_path, "p0", "127.0.0.1:9"))
+    peer.process.wait(timeout=60)
+    assert peer.process.returncode == 3
+    time.sleep(0.2)
+    assert "no bootstrap peer answered" in "".join(peer.stderr_tail)

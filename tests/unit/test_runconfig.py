@@ -1,0 +1,71 @@
+"""Run configuration parsing and the daemon's atomic state file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import swarmd
+from swarmd.node.daemon import load_saved, save_state
+from swarmd.node.runconfig import RunConfig, RunConfigError
+
+
+def test_round_trip_and_hash() -> None:
+    config = RunConfig(name="r", inner_steps=7)
+    again = RunConfig.from_json(config.to_json())
+    assert again == config and again.hash == config.hash
+    assert RunConfig(name="r", inner_steps=8).hash != config.hash
+
+
+def test_other_version_is_refused_with_a_clear_message() -> None:
+    raw = json.loads(RunConfig(name="r").to_json())
+    raw["version"] = "0.0.1"
+    with pytest.raises(
+        RunConfigError, match=f"created with swarmd 0.0.1, this is swarmd {swarmd.__version__}"
+    ):
+        RunConfig.from_json(json.dumps(raw).encode())
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("bogus = 1", "unknown run option"),
+        ("inner_steps = 0", "inner_steps must be a positive integer"),
+        ("n_embd = 30\nn_head = 4", "divisible"),
+        ('codec = "zip"', "codec"),
+        ("this is not toml", "not valid TOML"),
+    ],
+)
+def test_bad_run_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(RunConfigError, match=message):
+        RunConfig.from_toml(path, name="r")
+
+
+def test_malformed_json_is_refused() -> None:
+    for raw in (b"{", b"[]", b'{"name": "r", "extra": 1}'):
+        with pytest.raises(RunConfigError):
+            RunConfig.from_json(raw)
+
+
+def test_state_file_is_replaced_atomically_and_checked(tmp_path: Path) -> None:
+    path = tmp_path / "state.pt"
+    save_state(path, {"config_hash": "a", "global": {"x": torch.ones(3)}, "step": 1})
+    save_state(path, {"config_hash": "a", "global": {"x": torch.zeros(3)}, "step": 2})
+    loaded = load_saved(path, "a")
+    assert loaded is not None and loaded["step"] == 2
+    assert torch.equal(loaded["global"]["x"], torch.zeros(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+    assert load_saved(path, "other-config") is None
+    path.write_bytes(b"torn")
+    assert load_saved(path, "a") is None  # unreadable: start over, do not crash
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig(name="r").inner_steps = 3  # type: ignore[misc]
