@@ -233,7 +233,10 @@ class TokenSource:
         for tokens in (self.train_tokens, self.validation_tokens):
             h.update(struct.pack("<q", tokens.numel()))
             for i in range(0, tokens.numel(), _SCAN_CHUNK):
-                h.update(tokens[i : i + _SCAN_CHUNK].to(torch.int32).numpy().tobytes())
+                chunk = tokens[i : i + _SCAN_CHUNK]
+                buf = bytearray(4 * chunk.numel())  # torch-only (no numpy): copy into bytes
+                torch.frombuffer(buf, dtype=torch.int32).copy_(chunk)
+                h.update(buf)
         return h.hexdigest()
 
 

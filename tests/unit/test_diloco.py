@@ -4,6 +4,8 @@ is tested on its own): equivalences, sign, group consistency, state, failures, l
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
@@ -389,3 +391,14 @@ def test_loss_decreases_on_the_builtin_corpus() -> None:
     assert before == pytest.approx(math.log(256), abs=0.2)
     print(f"validation loss {before:.3f} -> {after:.3f} in 40 steps")
     assert after < before - 1.5, (before, after)
+
+
+def test_dependency_rule() -> None:
+    """optim and workloads never import the daemon or the wire (nor numpy at runtime)."""
+    code = (
+        "import sys, swarmd.optim, swarmd.workloads\n"
+        "bad = [m for m in sys.modules if m.startswith(('swarmd.node', 'swarmd.protocol', "
+        "'grpc', 'trio'))]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
