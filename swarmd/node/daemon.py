@@ -194,6 +194,8 @@ class Peer:
                 return
 
     stop_requested = False
+    #: Hash of the global state this peer last published (None before its first round).
+    last_hash: bytes | None = None
 
     async def _run_config(self) -> RunConfig:
         opts = self.opts
@@ -333,7 +335,9 @@ class Peer:
             target_group_size=config.target_group_size,
             min_group_size=config.min_group_size,
             gather_s=10.0,
-            commit_wait_s=10.0,
+            # A follower must outwait the leader's own gathering, or it gives up on a group
+            # record that is about to appear and trains alone.
+            commit_wait_s=15.0,
         )
         nursery.start_soon(self._heartbeat, config)
         nursery.start_soon(self._report_progress)
@@ -344,6 +348,7 @@ class Peer:
             params=diloco.numel,
             origin=origin,
         )
+        await self._publish(config, diloco, step)  # also sets last_hash, the matchmaking key
         start = time.monotonic()
         tokens = 0
         self.stats["started"] = start
@@ -389,13 +394,35 @@ class Peer:
         step: int,
     ) -> None:
         t0 = time.monotonic()
+        # A peer whose state is not the group's (it missed a round, or the group moved on while
+        # it trained) takes the group's state first: averaging pseudo-gradients cannot bring
+        # diverged global parameters back together. Its inner steps of this round are dropped.
+        if self.last_hash is not None and await self._catch_up(config, diloco, self.last_hash):
+            snap = await self._publish(config, diloco, step)
+            self.out.event(
+                "outer_step",
+                f"round {diloco.round}: took the group's state, {snap.state_hash.hex()[:12]}",
+                round=diloco.round,
+                status="synced",
+                group_size=0,
+                dropped=0,
+                val_loss=await trio.to_thread.run_sync(self._validate, diloco, source, config),
+                state_hash=snap.state_hash.hex(),
+                seconds=round(time.monotonic() - t0, 3),
+            )
+            return
         pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
         live = len(await self.dht.peers(peers_key(config.name)))
         target = max(config.min_group_size, min(config.target_group_size, live))
         mm = dataclasses.replace(mm, target_group_size=target)
-        group = await form_group(self.dht, round_key(config.name, diloco.round), me, mm)
+        # Only peers holding the very same global state average together: the key carries the
+        # state hash, so a peer that drifted (a missed round) can never blend its different
+        # parameters into the group's; it catches up by state sync instead.
+        assert self.last_hash is not None
+        key = f"{round_key(config.name, diloco.round)}/{self.last_hash.hex()[:16]}"
+        group = await form_group(self.dht, key, me, mm)
         result = None
         size, dropped = 1, 0
         if group is not None and len(group.members) > 1:
@@ -409,17 +436,32 @@ class Peer:
             )
             dropped = len(result.dropped)
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
+        snap = await self._publish(config, diloco, step)
+        val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
+        self.stats.update(round=diloco.round, peers=size, last_outer=report.status)
+        self.out.event(
+            "outer_step",
+            f"round {report.round}: {report.status} with {size} peer(s)"
+            f"{f', {dropped} dropped' if dropped else ''}, validation loss {val:.4f}, "
+            f"state {snap.state_hash.hex()[:12]}, {time.monotonic() - t0:.1f}s",
+            round=report.round,
+            status=report.status,
+            group_size=size,
+            live_peers=live,
+            dropped=dropped,
+            val_loss=val,
+            state_hash=snap.state_hash.hex(),
+            seconds=round(time.monotonic() - t0, 3),
+        )
 
-        def snapshot() -> StateSnapshot:
-            return StateSnapshot.build(
+    async def _publish(self, config: RunConfig, diloco: DiLoCo, step: int) -> StateSnapshot:
+        """Serves the new global state to joiners, advertises it, and saves it to disk."""
+        snap = await trio.to_thread.run_sync(
+            lambda: StateSnapshot.build(
                 diloco.state_dict(), round=diloco.round, meta={"config": config.hash}
             )
-
-        snap = await trio.to_thread.run_sync(snapshot)
-        if (report.status != "averaged" or dropped) and await self._catch_up(
-            config, diloco, snap.state_hash
-        ):
-            snap = await trio.to_thread.run_sync(snapshot)
+        )
+        self.last_hash = snap.state_hash
         self.donor.publish(snap)
         await self.dht.store(
             advert_key(config.name),
@@ -434,21 +476,7 @@ class Peer:
             "step": step,
         }
         await trio.to_thread.run_sync(save_state, self.opts.state_dir / STATE_FILE, state)
-        val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
-        self.stats.update(round=diloco.round, peers=size, last_outer=report.status)
-        self.out.event(
-            "outer_step",
-            f"round {report.round}: {report.status} with {size} peer(s)"
-            f"{f', {dropped} dropped' if dropped else ''}, validation loss {val:.4f}, "
-            f"state {snap.state_hash.hex()[:12]}, {time.monotonic() - t0:.1f}s",
-            round=report.round,
-            status=report.status,
-            group_size=size,
-            dropped=dropped,
-            val_loss=val,
-            state_hash=snap.state_hash.hex(),
-            seconds=round(time.monotonic() - t0, 3),
-        )
+        return snap
 
     async def _heartbeat(self, config: RunConfig) -> None:
         async with self.dht.announce(peers_key(config.name), self.address.encode(), ttl=30.0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,11 @@ def wait_for(proc: Proc, kind: str, timeout: float = 90.0) -> dict[str, Any]:
     raise AssertionError(f"no {kind!r} event within {timeout}s")
 
 
-def join_cmd(tmp: Path, name: str, boot: str, *extra: str) -> list[str]:
+def join_cmd(tmp: Path, name: str, boot: str, *extra: str, steps: int = 30) -> list[str]:
     return swarmd_cmd(
         "join", "--run", "t", "--peers", boot, "--log-format", "json",
-        "--state-dir", str(tmp / name), "--progress-interval", "60", *extra,
+        "--state-dir", str(tmp / name), "--progress-interval", "60",
+        "--max-steps", str(steps), *extra,
     )  # fmt: skip
 
 
@@ -57,16 +59,24 @@ def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
 def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(TINY_RUN)
     boot = start_bootstrap(processes, tmp_path)
-    creator = processes.start(
-        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"),
-                 "--max-steps", "20"),
-        stdin=False,
-    )  # fmt: skip
-    wait_for(creator, "run_created")
-    others = processes.start_many(
-        [join_cmd(tmp_path, f"p{i}", boot, "--max-steps", "20") for i in (1, 2)]
+    # All three start together (the others wait for the creator's config in the DHT), so no
+    # peer is left to train alone while the others are still importing torch.
+    creator, *others = processes.start_many(
+        [
+            join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml")),
+            join_cmd(tmp_path, "p1", boot),
+            join_cmd(tmp_path, "p2", boot),
+        ]
     )
     runs = [events_until_exit(p) for p in [creator, *others]]
+    for i, events in enumerate(runs):
+        print(
+            f"p{i}:",
+            [
+                (e["event"], e.get("round"), e.get("group_size"), e.get("live_peers"))
+                for e in events
+            ],
+        )
     assert all(p.process.returncode == 0 for p in [creator, *others])
     finals = []
     for events in runs:
@@ -80,12 +90,34 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
     for rnd, digest in finals:
         by_round.setdefault(rnd, set()).add(digest)
     assert all(len(d) == 1 for d in by_round.values()), finals
+    # After every outer step all three averaged, every peer holds the same global state.
+    full: dict[int, set[str]] = {}
+    for events in runs:
+        for e in events:
+            if e["event"] == "outer_step" and e["group_size"] == 3 and e["dropped"] == 0:
+                full.setdefault(e["round"], set()).add(e["state_hash"])
+    assert full and all(len(hashes) == 1 for hashes in full.values()), full
+
+
+def test_demo_kills_a_peer_adds_one_and_survivors_agree(tmp_path: Path) -> None:
+    """The README's first command, shortened: real processes, churn, and its own checks."""
+    done = subprocess.run(
+        swarmd_cmd("demo", "--duration", "45", "--inner-steps", "10"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "killed peer1" in done.stdout
+    assert "joined (group start" in done.stdout
+    assert "final states: identical" in done.stdout
+    assert "result: loss fell and the survivors agree" in done.stdout
 
 
 def test_crashed_peer_resumes_from_its_saved_state(processes: ProcessGroup, tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 1"))
     boot = start_bootstrap(processes, tmp_path)
-    cmd = join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"))
+    cmd = join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10**6)
     first = processes.start(cmd)
     done = wait_for(first, "outer_step")
     wait_for(first, "outer_step")  # two rounds saved
@@ -103,7 +135,7 @@ def test_sigterm_leaves_cleanly_and_saves(processes: ProcessGroup, tmp_path: Pat
     (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 1"))
     boot = start_bootstrap(processes, tmp_path)
     peer = processes.start(
-        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"))
+        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10**6)
     )
     wait_for(peer, "outer_step")
     peer.process.send_signal(signal.SIGTERM)
