@@ -181,8 +181,9 @@ def main() -> None:
         for p in procs:
             if p.stdin:
                 p.stdin.close()
-        for p in procs:
-            p.wait(timeout=60)
+        for i, p in enumerate(procs):
+            if p.wait(timeout=60) != 0:
+                print(f"worker {i} exited with code {p.returncode} after its rounds")
     bytes_per_value = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0}[args.codec]
     wire = 2 * args.peers * (args.peers - 1) / args.peers * numel * bytes_per_value
     gbps = socket_gbps(256 << 20)
