@@ -6,11 +6,12 @@ import collections
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from swarmd.node.children import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,18 +118,7 @@ class ProcessGroup:
         return proc
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.process.poll() is None:
-                proc.process.send_signal(signal.SIGCONT)  # a stopped child cannot exit
-                proc.process.terminate()
-        for proc in self.procs:
-            try:
-                proc.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.process.kill()
-                proc.process.wait()
-            if proc.process.stdin:
-                proc.process.stdin.close()
+        stop_all(proc.process for proc in self.procs)
 
 
 def swarmd_cmd(*args: str) -> list[str]:

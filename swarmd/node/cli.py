@@ -85,6 +85,24 @@ def _add_state_dir(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_listen(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--listen",
+        type=_listen_address,
+        default=Address("127.0.0.1", 0),
+        help="HOST:PORT to listen on; port 0 lets the OS choose (default: 127.0.0.1:0)",
+    )
+
+
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--metrics",
+        type=_listen_address,
+        default=None,
+        help="serve Prometheus metrics on HOST:PORT",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarmd",
@@ -141,18 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Runs a peer that answers Ping, PutTensor and GetTensor and the gRPC "
         "health service, until SIGINT or SIGTERM. Prints one JSON line with its address.",
     )
-    p.add_argument(
-        "--listen",
-        type=_listen_address,
-        default=Address("127.0.0.1", 0),
-        help="HOST:PORT to listen on; port 0 lets the OS choose (default: 127.0.0.1:0)",
-    )
-    p.add_argument(
-        "--metrics",
-        type=_listen_address,
-        default=None,
-        help="serve Prometheus metrics on HOST:PORT",
-    )
+    _add_listen(p)
+    _add_metrics(p)
     _add_state_dir(p)
     p.set_defaults(func=cmd_serve)
 
@@ -163,12 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "a new DHT without them), prints one JSON line with its address and peer id, then logs "
         "its routing table size periodically. Exit code 3 if no bootstrap peer answers.",
     )
-    p.add_argument(
-        "--listen",
-        type=_listen_address,
-        default=Address("127.0.0.1", 0),
-        help="HOST:PORT to listen on; port 0 lets the OS choose (default: 127.0.0.1:0)",
-    )
+    _add_listen(p)
     p.add_argument(
         "--peers",
         default="",
@@ -199,12 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         help="bootstrap peers, HOST:PORT[,HOST:PORT...] (omit only for the first peer)",
     )
-    p.add_argument(
-        "--listen",
-        type=_listen_address,
-        default=Address("127.0.0.1", 0),
-        help="HOST:PORT to serve other peers on (default: 127.0.0.1:0, an OS-chosen port)",
-    )
+    _add_listen(p)
     p.add_argument(
         "--create-run",
         type=Path,
@@ -230,12 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to wait for the run's config in the DHT (default: 60)",
     )
-    p.add_argument(
-        "--metrics",
-        type=_listen_address,
-        default=None,
-        help="serve Prometheus metrics on HOST:PORT",
-    )
+    _add_metrics(p)
     _add_state_dir(p)
     p.set_defaults(func=cmd_join)
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from swarmd.node.children import stop_all
+
 DEMO_RUN = """\
 n_layer = 2
 n_head = 4
@@ -127,15 +129,7 @@ def run_demo(peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25) -
             for p in survivors:
                 p.process.wait(timeout=duration_s + 180)
         finally:
-            for p in started:
-                if p.process.poll() is None:
-                    p.process.terminate()
-            for p in started:
-                try:
-                    p.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.process.kill()
-                    p.process.wait()
+            stop_all((p.process for p in started), timeout=15)
         return _summary(survivors, victim, newcomer, inner_steps)
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import trio
 
+from swarmd.node.children import stop_all
 from swarmd.node.peer import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -160,16 +161,7 @@ def run_demo(peers: int = 3, tensor_mib: int = 64) -> int:
                     f"  {peer.address:<21} received {rx / 2**20:.1f} MiB, sent {tx / 2**20:.1f} MiB"
                 )
         finally:
-            for peer in started:
-                peer.process.terminate()
-            for peer in started:
-                try:
-                    peer.process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    peer.process.kill()
-                    peer.process.wait()
-                if peer.process.stdout:
-                    peer.process.stdout.close()
+            stop_all(peer.process for peer in started)
     print(f"\nresult: {'all checks passed' if ok else 'SOME CHECKS FAILED'}; peers stopped.")
     return 0 if ok else 1
 
