@@ -233,6 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_join)
 
     p = sub.add_parser(
+        "status",
+        help="what the DHT knows of a run: config, live peers, their rounds",
+        description="Joins the DHT as a client only, prints the run's configuration, its live "
+        "peers (heartbeats) with the outer round and state hash each advertises, and the "
+        "current outer round. Exit code 1 if the run is unknown, 3 if no bootstrap answers.",
+    )
+    p.add_argument("--run", required=True, help="the run's name")
+    p.add_argument(
+        "--peers", type=_address_list, required=True, help="bootstrap peers, HOST:PORT[,...]"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
         "demo",
         help="run a real multi-peer training run on this machine",
         description="Starts a `swarmd dht` bootstrap and several `swarmd join` peers on "
@@ -455,6 +469,12 @@ def cmd_join(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
     )
     return run_join(options)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarmd.node.status import status
+
+    return status(args.run, args.peers, args.json)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
@@ -162,3 +163,38 @@ def test_no_bootstrap_answer_exits_3(processes: ProcessGroup, tmp_path: Path) ->
     assert peer.process.returncode == 3
     time.sleep(0.2)
     assert "no bootstrap peer answered" in "".join(peer.stderr_tail)
+
+
+def test_status_reports_config_peers_and_round(processes: ProcessGroup, tmp_path: Path) -> None:
+    (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 1"))
+    boot = start_bootstrap(processes, tmp_path)
+    peer = processes.start(
+        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10**6)
+    )
+    created = wait_for(peer, "run_created")
+    step = wait_for(peer, "outer_step")
+    done = subprocess.run(
+        swarmd_cmd("status", "--run", "t", "--peers", boot, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["config"]["hash"] == created["config_hash"]
+    assert [p["peer_id"] for p in report["peers"]] == [peer.info["peer_id"]]
+    assert report["round"] >= step["round"]
+    text = subprocess.run(
+        swarmd_cmd("status", "--run", "t", "--peers", boot),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "live peers: 1" in text.stdout and "current outer round:" in text.stdout
+    unknown = subprocess.run(
+        swarmd_cmd("status", "--run", "nope", "--peers", boot),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unknown.returncode == 1 and "no configuration" in unknown.stdout

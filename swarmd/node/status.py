@@ -1,0 +1,99 @@
+"""`swarmd status`: what the DHT knows of a run — its config, live peers, their states.
+
+It joins the DHT as a client-only node (port 0: nobody adds it to their routing table), reads
+three keys, prints, and leaves; it never trains and never serves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.runconfig import RunConfig, RunConfigError, config_key, peers_key
+from swarmd.node.statesync_donor import StateAdvert, advert_key
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity
+
+
+async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
+    identity = Identity.generate()
+    client = rpc.RpcClient(identity)
+    dht = DHTNode(identity, client)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(dht.run, 0, list(peers))
+            raw_config = await dht.get_value(config_key(run))
+            live = await dht.peers(peers_key(run), exhaustive=True)
+            adverts = await dht.get_map(advert_key(run), exhaustive=True)
+            nursery.cancel_scope.cancel()
+    finally:
+        client.close()
+    report: dict[str, Any] = {"run": run, "config": None, "peers": [], "round": None}
+    if raw_config is not None:
+        try:
+            config = RunConfig.from_json(raw_config.value)
+            report["config"] = {
+                "hash": config.hash,
+                "creator": str(raw_config.owner),
+                **json.loads(config.to_json()),
+            }
+        except RunConfigError as exc:
+            report["config"] = {"error": str(exc)}
+    states: dict[str, StateAdvert] = {}
+    for subkey, value in adverts.items():
+        try:
+            states[subkey] = StateAdvert.from_bytes(value.value)
+        except ValueError:
+            continue
+    now = time.time()
+    for peer_id, value in sorted(live.items()):
+        advert = states.get(str(peer_id))
+        report["peers"].append(
+            {
+                "peer_id": str(peer_id),
+                "address": value.value.decode("utf-8", "replace"),
+                "heartbeat_expires_in_s": round(value.expires - now, 1),
+                "round": advert.round if advert else None,
+                "state_hash": advert.state_hash.hex()[:16] if advert else None,
+            }
+        )
+    rounds = [a.round for a in states.values()]
+    report["round"] = max(rounds) if rounds else None
+    return report
+
+
+def status(run: str, peers: Sequence[str], as_json: bool) -> int:
+    try:
+        report = trio.run(collect, run, peers)
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if isinstance(leaf, BootstrapError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return 3
+        raise
+    if as_json:
+        print(json.dumps(report))
+        return 0 if report["config"] else 1
+    if report["config"] is None:
+        print(f"run {run!r}: no configuration in the DHT (is the name right? has it started?)")
+        return 1
+    cfg = report["config"]
+    print(f"run {run!r}: config {cfg.get('hash', '?')}, created by {cfg.get('creator', '?')[:10]}")
+    print(f"current outer round: {report['round'] if report['round'] is not None else '-'}")
+    print(f"live peers: {len(report['peers'])}")
+    for p in report["peers"]:
+        state = (
+            f"round {p['round']} state {p['state_hash']}"
+            if p["round"] is not None
+            else "no state yet"
+        )
+        print(f"  {p['peer_id'][:10]}  {p['address']:<21}  {state}")
+    return 0
