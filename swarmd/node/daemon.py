@@ -42,7 +42,16 @@ from swarmd.optim.diloco import DiLoCo, DiLoCoConfig
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
-from swarmd.workloads import GPT, GPTConfig, TokenSource, evaluate, load_source, shard_for_peer
+from swarmd.workloads import (
+    GPT,
+    GPTConfig,
+    ModelLoadError,
+    TokenSource,
+    evaluate,
+    load_model,
+    load_source,
+    shard_for_peer,
+)
 
 log = logging.getLogger("swarmd.daemon")
 
@@ -240,16 +249,23 @@ class Peer:
     # -- training ---------------------------------------------------------------------------
 
     def _build(self, config: RunConfig) -> tuple[DiLoCo, TokenSource]:
-        torch.manual_seed(config.seed)
-        model = GPT(
-            GPTConfig(
-                n_layer=config.n_layer,
-                n_head=config.n_head,
-                n_embd=config.n_embd,
-                block_size=config.block_size,
-            ),
-            seed=config.seed,
-        )
+        torch.manual_seed(config.seed)  # a user model's init is then the same on every peer
+        model: torch.nn.Module
+        if config.model == "builtin":
+            model = GPT(
+                GPTConfig(
+                    n_layer=config.n_layer,
+                    n_head=config.n_head,
+                    n_embd=config.n_embd,
+                    block_size=config.block_size,
+                ),
+                seed=config.seed,
+            )
+        else:
+            try:
+                model = load_model(config.model)
+            except ModelLoadError as exc:
+                raise JoinError(str(exc)) from None
         diloco = DiLoCo(
             model,
             DiLoCoConfig(

@@ -30,6 +30,9 @@ class RunConfigError(ValueError):
 @dataclass(frozen=True)
 class RunConfig:
     name: str
+    #: `builtin` (the GPT below), or `module:function` returning the run's own nn.Module whose
+    #: forward(idx, targets) gives (logits, loss); every peer must be able to import it.
+    model: str = "builtin"
     #: Model shape (the built-in GPT); see swarmd.workloads.GPTConfig.
     n_layer: int = 4
     n_head: int = 4
@@ -60,6 +63,10 @@ class RunConfig:
                 raise RunConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise RunConfigError("n_embd must be divisible by n_head")
+        if self.model != "builtin" and ":" not in self.model:
+            raise RunConfigError(
+                f"model must be 'builtin' or 'module:function', got {self.model!r}"
+            )
         if self.codec not in ("int8", "fp16", "fp32"):
             raise RunConfigError(f"codec must be int8, fp16 or fp32, got {self.codec!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:

@@ -95,6 +95,9 @@ class DiLoCoConfig:
     outer_momentum: float = 0.9
     nesterov: bool = True
     on_failure: FailurePolicy = "local"
+    #: The inner optimiser: AdamW as in the paper, or plain SGD (betas/eps unused), which makes
+    #: DiLoCo with H=1, outer lr 1 and no momentum exactly data-parallel SGD.
+    inner_optimizer: Literal["adamw", "sgd"] = "adamw"
 
     def __post_init__(self) -> None:
         h = self.inner_steps
@@ -120,6 +123,11 @@ class DiLoCoConfig:
             raise ValueError(f"DiLoCoConfig.outer_momentum must be < 1, got {self.outer_momentum}")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"DiLoCoConfig.nesterov must be a bool, got {self.nesterov!r}")
+        if self.inner_optimizer not in ("adamw", "sgd"):
+            raise ValueError(
+                f"DiLoCoConfig.inner_optimizer must be 'adamw' or 'sgd', got "
+                f"{self.inner_optimizer!r}"
+            )
         if self.on_failure not in ("local", "defer"):
             raise ValueError(
                 f"DiLoCoConfig.on_failure must be 'local' or 'defer', got {self.on_failure!r}"
@@ -171,13 +179,19 @@ class DiLoCo:
             momentum=momentum,
             nesterov=config.nesterov and momentum > 0,
         )
-        self.inner_optimizer = torch.optim.AdamW(
-            self._params,
-            lr=config.inner_lr,
-            betas=config.inner_betas,
-            eps=config.inner_eps,
-            weight_decay=config.inner_weight_decay,
-        )
+        self.inner_optimizer: torch.optim.Optimizer
+        if config.inner_optimizer == "sgd":
+            self.inner_optimizer = torch.optim.SGD(
+                self._params, lr=config.inner_lr, weight_decay=config.inner_weight_decay
+            )
+        else:
+            self.inner_optimizer = torch.optim.AdamW(
+                self._params,
+                lr=config.inner_lr,
+                betas=config.inner_betas,
+                eps=config.inner_eps,
+                weight_decay=config.inner_weight_decay,
+            )
         self.round = 0
         #: Inner steps and samples since the global parameters were last updated.
         self.steps_since_sync = 0

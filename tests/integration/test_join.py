@@ -198,3 +198,25 @@ def test_status_reports_config_peers_and_round(processes: ProcessGroup, tmp_path
         timeout=60,
     )
     assert unknown.returncode == 1 and "no configuration" in unknown.stdout
+
+
+def test_user_model_from_the_run_config(processes: ProcessGroup, tmp_path: Path) -> None:
+    run = TINY_RUN.replace("min_group_size = 2", "min_group_size = 1")
+    (tmp_path / "run.toml").write_text(run + 'model = "tests.integration.user_model:bigram"\n')
+    boot = start_bootstrap(processes, tmp_path)
+    peer = processes.start(
+        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10)
+    )
+    events = events_until_exit(peer)
+    assert peer.process.returncode == 0
+    training = next(e for e in events if e["event"] == "training")
+    assert training["params"] == 256 * 256  # the bigram table, not the built-in GPT
+    assert [e["round"] for e in events if e["event"] == "outer_step"] == [1, 2]
+    (tmp_path / "bad.toml").write_text(run + 'model = "no_such_module:f"\n')
+    bad = processes.start(
+        join_cmd(tmp_path, "p1", boot, "--create-run", str(tmp_path / "bad.toml"), "--run", "b")
+    )
+    bad.process.wait(timeout=60)
+    assert bad.process.returncode == 2
+    time.sleep(0.2)
+    assert "no_such_module" in "".join(bad.stderr_tail)
