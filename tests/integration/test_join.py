@@ -11,6 +11,8 @@ from typing import Any
 
 from tests.helpers import Proc, ProcessGroup, swarmd_cmd
 
+# Six rounds of H=5 are too few for the paper's outer momentum 0.9 to warm up: it overshoots
+# (seen: validation loss 5.5 -> 3.2 -> 6.9 under CI load). 0.5 still exercises Nesterov momentum.
 TINY_RUN = """\
 n_layer = 1
 n_head = 2
@@ -19,6 +21,7 @@ block_size = 32
 batch_size = 4
 inner_steps = 5
 inner_lr = 0.003
+outer_momentum = 0.5
 min_group_size = 2
 """
 
@@ -74,7 +77,7 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
         print(
             f"p{i}:",
             [
-                (e["event"], e.get("round"), e.get("group_size"), e.get("live_peers"))
+                (e["event"], e.get("round"), e.get("group_size"), round(e.get("val_loss") or 0, 2))
                 for e in events
             ],
         )
