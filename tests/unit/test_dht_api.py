@@ -68,5 +68,11 @@ def test_timeouts_follow_measured_round_trips_within_bounds() -> None:
     for _ in range(20):
         rtt.sample(5.0)
     assert rtt.timeout() == 2.0
+    # Erratic round trips widen the timeout beyond 4x the mean (the deviation term).
+    erratic = RttEstimator(TimeoutPolicy(min_s=0.01, max_s=10.0, multiplier=4, alpha=0.125))
+    for i in range(200):
+        erratic.sample(0.01 if i % 2 else 0.19)
+    assert erratic.timeout() > 4 * erratic.srtt
+    assert erratic.timeout() >= 0.19 * 2
     with pytest.raises(ValueError):
         TimeoutPolicy(min_s=3, max_s=2)
