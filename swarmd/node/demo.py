@@ -144,14 +144,17 @@ def _summary(
         e for p in survivors for e in p.events if e.get("event") in ("validation", "outer_step")
     ]
     start_loss = next((e["val_loss"] for e in vals if e.get("event") == "validation"), float("nan"))
-    end_loss = min(
-        (e["val_loss"] for e in vals if e.get("event") == "outer_step"), default=start_loss
-    )
-    final_hashes = {
-        p.name: (rounds[p.name][-1]["state_hash"], rounds[p.name][-1]["round"])
-        for p in survivors
-        if rounds[p.name]
-    }
+    outer_vals = [e for e in vals if e.get("event") == "outer_step"]
+    last = max(outer_vals, key=lambda e: e["time"], default=None)
+    end_loss = last["val_loss"] if last else start_loss
+    best_loss = min((e["val_loss"] for e in outer_vals), default=start_loss)
+    # Everyone who averaged in a round must hold the same state after it. (A straggler's
+    # last step taken alone after the others stopped is its own, and not compared.)
+    averaged: dict[int, set[str]] = {}
+    for evs in rounds.values():
+        for e in evs:
+            if e["status"] == "averaged" and e["group_size"] - e["dropped"] >= 2:
+                averaged.setdefault(e["round"], set()).add(e["state_hash"])
     steps = sum(max((e.get("step", 0) for e in p.events), default=0) for p in [*survivors, victim])
     sent = sum(
         max((e.get("sent_bytes", 0) for e in p.events), default=0) for p in [*survivors, victim]
@@ -159,7 +162,10 @@ def _summary(
     data_parallel = steps * params * 4 * 2  # ring all-reduce sends ~2x the gradient per step
     _say("\n== summary ==")
     _say(f"model: {params / 1e6:.2f}M parameters, DiLoCo H={inner_steps}, int8 pseudo-gradients")
-    _say(f"validation loss: {start_loss:.3f} at start -> {end_loss:.3f} at the end")
+    _say(
+        f"validation loss: {start_loss:.3f} at start -> {end_loss:.3f} at the end "
+        f"(best {best_loss:.3f})"
+    )
     for name, evs in rounds.items():
         if evs:
             _say(
@@ -167,11 +173,18 @@ def _summary(
                 f"(val {evs[-1]['val_loss']:.3f}, state {evs[-1]['state_hash'][:12]})"
             )
     _say(f"peers left: {victim.name} (killed); joined: {newcomer.name} (state sync)")
-    by_round: dict[int, set[str]] = {}
-    for h, r in final_hashes.values():
-        by_round.setdefault(r, set()).add(h)
-    agree = all(len(hs) == 1 for hs in by_round.values())
-    _say(f"final states: {'identical' if agree else 'DIFFERENT'} across peers at the same round")
+    agree = bool(averaged) and all(len(hs) == 1 for hs in averaged.values())
+    if not agree:
+        for name, evs in rounds.items():
+            for e in evs:
+                _say(
+                    f"  {name} round {e['round']}: {e['status']} group {e['group_size']} "
+                    f"dropped {e['dropped']} state {e['state_hash'][:12]}"
+                )
+    _say(
+        f"states after averaged rounds: {'identical' if agree else 'DIFFERENT'} across peers "
+        f"({len(averaged)} rounds compared)"
+    )
     if steps and params:
         _say(
             f"bytes sent by all peers: {sent / 2**20:.1f} MiB; data-parallel training would "

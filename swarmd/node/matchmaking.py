@@ -103,12 +103,21 @@ async def form_group(
             if len(visible) >= cfg.target_group_size:
                 break
             await trio.sleep(cfg.poll_s)
-    candidates = sorted(visible.values(), key=lambda m: m.peer_id)[: cfg.target_group_size]
+    group_key = key + "/group"
+    # Announcements outlive their round: a latecomer still sees the peers that already
+    # averaged this round together. They are committed to a group record that does not name
+    # us; forming a group with them would only wait for peers that will never answer.
+    committed: set[PeerId] = set()
+    for value in (await dht.get_map(group_key)).values():
+        members = _decode_group(value)
+        if members is not None and me.peer_id not in {m.peer_id for m in members}:
+            committed |= {m.peer_id for m in members}
+    available = [m for m in visible.values() if m.peer_id not in committed]
+    candidates = sorted(available, key=lambda m: m.peer_id)[: cfg.target_group_size]
     if me not in candidates or len(candidates) < cfg.min_group_size:
         log.info("round %s: %d peers visible, not enough for a group", key, len(visible))
         return None
 
-    group_key = key + "/group"
     if candidates[0].peer_id == me.peer_id:
         record = apb.GroupRecord(
             members=[

@@ -82,18 +82,12 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
             ],
         )
     assert all(p.process.returncode == 0 for p in [creator, *others])
-    finals = []
     for events in runs:
         outer = [e for e in events if e["event"] == "outer_step"]
         assert len(outer) >= 3, events
         assert any(e["status"] == "averaged" and e["group_size"] == 3 for e in outer)
-        finals.append((outer[-1]["round"], outer[-1]["state_hash"]))
         start = next(e["val_loss"] for e in events if e["event"] == "validation")
         assert outer[-1]["val_loss"] < start
-    by_round: dict[int, set[str]] = {}
-    for rnd, digest in finals:
-        by_round.setdefault(rnd, set()).add(digest)
-    assert all(len(d) == 1 for d in by_round.values()), finals
     # After every outer step all three averaged, every peer holds the same global state.
     full: dict[int, set[str]] = {}
     for events in runs:
@@ -114,7 +108,7 @@ def test_demo_kills_a_peer_adds_one_and_survivors_agree(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "killed peer1" in done.stdout
     assert "joined (group start" in done.stdout
-    assert "final states: identical" in done.stdout
+    assert "states after averaged rounds: identical" in done.stdout
     assert "result: loss fell and the survivors agree" in done.stdout
 
 

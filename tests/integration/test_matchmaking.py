@@ -157,3 +157,19 @@ def test_named_tensors_travel_with_a_codec_per_tensor() -> None:
             assert 'codec="fp32",direction="sent"' in text
 
     trio.run(main)
+
+
+def test_a_latecomer_does_not_group_with_peers_already_committed() -> None:
+    async def main() -> None:
+        async with swarm(4) as peers:
+            key = round_key("run", 6)
+            early = await _form_all(peers[:3], key, FAST)
+            assert all(g is not None and len(g.members) == 3 for g in early)
+            # Their announcements are still in the DHT, but they have averaged and moved on.
+            quick = MatchmakingConfig(
+                target_group_size=4, min_group_size=2, gather_s=1.0, commit_wait_s=1.0
+            )
+            late = await form_group(peers[3].dht, key, peers[3].member, quick)  # type: ignore[arg-type]
+            assert late is None
+
+    trio.run(main)
