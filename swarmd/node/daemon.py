@@ -31,6 +31,7 @@ import trio
 
 from swarmd.node.allreduce import AllReduceConfig, Averager, Member
 from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.errors import innermost
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.metrics import Metrics, MetricsServer
 from swarmd.node.peer import Scratch, announce, peer_service
@@ -521,19 +522,12 @@ class Peer:
             )
 
 
-def _leaf(exc: BaseException) -> BaseException:
-    """The single error inside nested nursery groups (or the group itself if there are many)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def run_join(options: JoinOptions) -> int:
     torch.set_num_threads(1)
     try:
         trio.run(Peer(options).run)
     except BaseExceptionGroup as group:
-        leaf = _leaf(group)
+        leaf = innermost(group)
         if isinstance(leaf, JoinError):
             print(f"swarmd: error: {leaf}", file=sys.stderr)
             return 2

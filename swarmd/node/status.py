@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.errors import innermost
 from swarmd.node.runconfig import RunConfig, RunConfigError, config_key, peers_key
 from swarmd.node.statesync_donor import StateAdvert, advert_key
 from swarmd.protocol import rpc
@@ -72,9 +73,7 @@ def status(run: str, peers: Sequence[str], as_json: bool) -> int:
     try:
         report = trio.run(collect, run, peers)
     except BaseExceptionGroup as group:
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
+        leaf = innermost(group)
         if isinstance(leaf, BootstrapError):
             print(f"swarmd: error: {leaf}", file=sys.stderr)
             return 3
