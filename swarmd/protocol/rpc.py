@@ -547,9 +547,13 @@ class RpcClient:
         return channel
 
     def _metadata(self, path: str, body: bytes) -> list[tuple[str, str | bytes]]:
-        if self._identity is None:
-            return []
-        return self._identity.sign_request(path, body).to_metadata()
+        """The signed request headers; their bytes (and the path's) count as sent, so byte
+        counters include what a call costs beyond its body, not only tensor payloads."""
+        metadata: list[tuple[str, str | bytes]] = []
+        if self._identity is not None:
+            metadata = self._identity.sign_request(path, body).to_metadata()
+        self._observer.on_bytes(len(path) + sum(len(k) + len(v) for k, v in metadata), 0)
+        return metadata
 
     def _timeout(self, timeout: float | None) -> float:
         """The call's deadline: the explicit one, bounded by the enclosing trio deadline."""
