@@ -384,7 +384,12 @@ class Peer:
             if diloco.should_sync():
                 await self._outer_step(config, diloco, source, me, mm, step)
         self.out.event(
-            "stopped", f"stopped after {step} inner steps", step=step, round=diloco.round
+            "stopped",
+            f"stopped after {step} inner steps, sent {self.metrics.sent_total / 2**20:.1f} MiB",
+            step=step,
+            round=diloco.round,
+            sent_bytes=self.metrics.sent_total,
+            received_bytes=self.metrics.received_total,
         )
 
     def _should_stop(self, step: int, start: float) -> bool:
