@@ -35,6 +35,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from swarmd.protocol import faults
 from swarmd.protocol.address import Address, parse_address
 from swarmd.protocol.errors import AuthError, ProtocolError
 from swarmd.protocol.framing import (
@@ -252,7 +253,12 @@ class RpcServer:
         self._services = services
         self._cfg = config
         self._observer: RpcObserver = observer or _NullObserver()
-        self._guard = guard or ReplayGuard(max_skew_s=config.max_clock_skew_s)
+        #: Injected faults (SWARMD_FAULTS, chaos tests); None in normal operation.
+        self._faults = faults.from_env()
+        self._guard = guard or ReplayGuard(
+            max_skew_s=config.max_clock_skew_s,
+            clock=self._faults.wall_clock if self._faults else time.time,
+        )
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._grpc: grpc.Server | None = None
@@ -302,6 +308,8 @@ class RpcServer:
     # -- request path ------------------------------------------------------------------------
 
     def _authenticate(self, path: str, context: grpc.ServicerContext, body: bytes) -> CallContext:
+        if self._faults is not None and (why := self._faults.incoming()):
+            raise RpcError(StatusCode.UNAVAILABLE, why)
         metadata = {k: v for k, v in context.invocation_metadata()}
         peer_id: PeerId | None = None
         if self._cfg.require_auth or "swarmd-sig-bin" in metadata:
@@ -453,6 +461,8 @@ class RpcServer:
                     method.handler, (_parse(request_type, request), ctx), context
                 )
                 for frame in iter_frames(meta, payload, self._cfg.chunk_bytes):
+                    if self._faults is not None:
+                        self._faults.pace(len(frame))
                     sent += len(frame)
                     yield frame
             except Exception as exc:
@@ -532,6 +542,14 @@ class RpcClient:
         self._observer: RpcObserver = observer or _NullObserver()
         self._limiter = trio.CapacityLimiter(self._cfg.max_inflight_calls)
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()
+        self._faults = faults.from_env()
+
+    async def _inject(self, address: str, nbytes: int) -> None:
+        """Applies injected faults (chaos tests) to an outgoing call: delay, or UNAVAILABLE."""
+        assert self._faults is not None
+        why = await self._faults.outgoing(address, nbytes)
+        if why:
+            raise RpcError(StatusCode.UNAVAILABLE, why)
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
@@ -551,7 +569,8 @@ class RpcClient:
         counters include what a call costs beyond its body, not only tensor payloads."""
         metadata: list[tuple[str, str | bytes]] = []
         if self._identity is not None:
-            metadata = self._identity.sign_request(path, body).to_metadata()
+            now = self._faults.wall_clock() if self._faults is not None else None
+            metadata = self._identity.sign_request(path, body, now=now).to_metadata()
         self._observer.on_bytes(len(path) + sum(len(k) + len(v) for k, v in metadata), 0)
         return metadata
 
@@ -575,6 +594,8 @@ class RpcClient:
         timeout: float | None = None,
     ) -> M:
         body = request.SerializeToString()
+        if self._faults is not None:
+            await self._inject(address, len(body))
         async with self._limiter:
             call = self._channel(address).unary_unary(path)
             fut = call.future(
@@ -600,8 +621,13 @@ class RpcClient:
 
         def all_frames() -> Iterator[bytes]:
             yield first
-            yield from frames
+            for frame in frames:
+                if self._faults is not None:
+                    self._faults.pace(len(frame))
+                yield frame
 
+        if self._faults is not None:
+            await self._inject(address, len(first))
         async with self._limiter:
             call = self._channel(address).stream_unary(path)
             fut = call.future(
@@ -623,6 +649,8 @@ class RpcClient:
         """Fetches a tensor stream; raises FramingError if the peer's stream is malformed."""
         body = request.SerializeToString()
         limit = self._cfg.max_tensor_bytes if max_bytes is None else max_bytes
+        if self._faults is not None:
+            await self._inject(address, len(body))
         async with self._limiter:
             call = self._channel(address).unary_stream(path)
             stream = call(body, timeout=self._timeout(timeout), metadata=self._metadata(path, body))
@@ -648,6 +676,8 @@ class RpcClient:
         self, address: str, *, service: str = "", timeout: float | None = None
     ) -> str:
         """The peer's grpc.health.v1 status name (e.g. "SERVING")."""
+        if self._faults is not None:
+            await self._inject(address, 0)
         async with self._limiter:
             stub = health_pb2_grpc.HealthStub(self._channel(address))
             fut = stub.Check.future(
