@@ -40,31 +40,31 @@ Choices, and why:
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import nn
 
 from swarmd.optim.flat import flatten, unflatten_into, views
+from swarmd.optim.outer import Averaged, AverageFn, FlatOuter, OuterStatus, read_average
+
+__all__ = [
+    "AverageFn",
+    "Averaged",
+    "DiLoCo",
+    "DiLoCoConfig",
+    "FailurePolicy",
+    "OuterStatus",
+    "OuterStepReport",
+]
 
 FailurePolicy = Literal["local", "defer"]
-OuterStatus = Literal["averaged", "partial", "local", "deferred"]
 
 GLOBAL_PREFIX = "global."
 MOMENTUM_PREFIX = "outer_momentum."
 ROUND_KEY = "round"
-
-
-class Averaged(Protocol):
-    """What an averaging function may return besides a bare tensor (e.g. AllReduceResult)."""
-
-    @property
-    def tensor(self) -> torch.Tensor: ...
-
-
-AverageFn = Callable[[torch.Tensor, float], Awaitable["torch.Tensor | Averaged | None"]]
 
 
 def _finite(name: str, value: object, *, low: float, high: float, low_open: bool) -> float:
@@ -149,6 +149,160 @@ class OuterStepReport:
     reason: str | None = None
 
 
+# -- pieces shared with streaming DiLoCo ----------------------------------------------------
+
+
+def trainable(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    """The names and parameters the optimisers train (and the global state covers), in order."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("model has no trainable parameters")
+    return [n for n, _ in named], [p for _, p in named]
+
+
+def build_inner_optimizer(
+    params: Sequence[nn.Parameter], config: DiLoCoConfig
+) -> torch.optim.Optimizer:
+    if config.inner_optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.inner_lr, weight_decay=config.inner_weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=config.inner_lr,
+        betas=config.inner_betas,
+        eps=config.inner_eps,
+        weight_decay=config.inner_weight_decay,
+    )
+
+
+def train_step(
+    model: nn.Module,
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float | None,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[float, int]:
+    """One inner step on the local parameters; returns (batch loss, samples in the batch)."""
+    x, y = batch
+    device = params[0].device
+    model.train()
+    _, loss = model(x.to(device), y.to(device))
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
+    optimizer.zero_grad(set_to_none=True)
+    torch.autograd.backward(loss)
+    if grad_clip is not None:
+        nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    return float(loss.detach()), int(x.shape[0])
+
+
+def check_global_state(
+    state: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+    counters: Iterable[str],
+) -> dict[str, int]:
+    """Validates a global state (`global.*`, `outer_momentum.*` and integer scalar `counters`)
+    before anything is loaded, so a bad download changes nothing; returns the counters."""
+    counters = list(counters)
+    expected = {GLOBAL_PREFIX + n for n in names} | {MOMENTUM_PREFIX + n for n in names}
+    expected |= set(counters)
+    missing, extra = expected - state.keys(), state.keys() - expected
+    if missing or extra:
+        raise ValueError(
+            f"global state does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(extra)[:5]}"
+        )
+    values: dict[str, int] = {}
+    for key in counters:
+        t = state[key]
+        if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.is_floating_point():
+            raise ValueError(f"global state: {key!r} must be an integer scalar tensor")
+        if int(t) < 0:
+            raise ValueError(f"global state: {key} must be >= 0, got {int(t)}")
+        values[key] = int(t)
+    shape_of = dict(zip(names, shapes, strict=True))
+    for key in expected - set(counters):
+        shape = shape_of[key.split(".", 1)[1]]
+        t = state[key]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"global state: {key!r} must be a floating-point tensor")
+        if t.shape != shape:
+            raise ValueError(
+                f"global state: {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"global state: {key!r} has NaN or infinite values")
+    return values
+
+
+def global_tensors(
+    names: Sequence[str], shapes: Sequence[torch.Size], values: torch.Tensor, momentum: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """`global.<name>` and `outer_momentum.<name>` copies from flat tensors laid out by `names`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, view in zip(names, views(values, shapes), strict=True):
+        out[GLOBAL_PREFIX + name] = view.clone()
+    for name, view in zip(names, views(momentum, shapes), strict=True):
+        out[MOMENTUM_PREFIX + name] = view.clone()
+    return out
+
+
+def flat_from_state(
+    state: Mapping[str, torch.Tensor],
+    prefix: str,
+    names: Sequence[str],
+    shapes: Sequence[torch.Size],
+) -> torch.Tensor:
+    """The flat fp32 tensor laid out by `names` from `<prefix><name>` entries."""
+    flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32)
+    with torch.no_grad():
+        for name, view in zip(names, views(flat, shapes), strict=True):
+            view.copy_(state[prefix + name])
+    return flat
+
+
+def inner_state_dict(
+    names: Sequence[str], params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor]:
+    """Local parameters and the inner optimiser's per-parameter tensors, by name (copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in zip(names, params, strict=True):
+        out[f"local.{name}"] = p.detach().clone()
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"inner.{key}.{name}"] = value.detach().clone()
+    return out
+
+
+def load_inner_state(
+    names: Sequence[str],
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    state: Mapping[str, torch.Tensor],
+) -> None:
+    """Restores `inner_state_dict` (validates the parameters first)."""
+    inner: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    for name, p in zip(names, params, strict=True):
+        value = state.get(f"local.{name}")
+        if value is None or value.shape != p.shape:
+            raise ValueError(f"local state: missing or mis-shaped 'local.{name}'")
+        prefix, suffix = "inner.", "." + name
+        entries = {
+            k[len(prefix) : -len(suffix)]: v
+            for k, v in state.items()
+            if k.startswith(prefix) and k.endswith(suffix) and "." not in k[6 : -len(suffix)]
+        }
+        if entries:
+            inner[p] = {k: v.detach().clone() for k, v in entries.items()}
+    with torch.no_grad():
+        for name, p in zip(names, params, strict=True):
+            p.copy_(state[f"local.{name}"])
+    optimizer.state.clear()
+    for p, entries in inner.items():
+        optimizer.state[p] = dict(entries)
+
+
 class DiLoCo:
     """One peer's DiLoCo state around `model` (whose parameters are the local copy).
 
@@ -161,37 +315,16 @@ class DiLoCo:
     def __init__(self, model: nn.Module, config: DiLoCoConfig | None = None) -> None:
         self.model = model
         self.config = config = config or DiLoCoConfig()
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("model has no trainable parameters")
-        self.names: list[str] = [n for n, _ in named]
-        self._params: list[nn.Parameter] = [p for _, p in named]
+        self.names, self._params = trainable(model)
         self._shapes = [p.shape for p in self._params]
         self.numel = sum(p.numel() for p in self._params)
         # The global copy is one flat fp32 tensor, so the outer step is one fused update and
         # the pseudo-gradient needs no gathering; per-parameter views give it names.
-        self._global = flatten(self._params)
-        self._global_views = views(self._global, self._shapes)
-        momentum = config.outer_momentum
-        self.outer_optimizer = torch.optim.SGD(
-            [self._global],
-            lr=config.outer_lr,
-            momentum=momentum,
-            nesterov=config.nesterov and momentum > 0,
+        self.outer = FlatOuter(
+            flatten(self._params), config.outer_lr, config.outer_momentum, config.nesterov
         )
-        self.inner_optimizer: torch.optim.Optimizer
-        if config.inner_optimizer == "sgd":
-            self.inner_optimizer = torch.optim.SGD(
-                self._params, lr=config.inner_lr, weight_decay=config.inner_weight_decay
-            )
-        else:
-            self.inner_optimizer = torch.optim.AdamW(
-                self._params,
-                lr=config.inner_lr,
-                betas=config.inner_betas,
-                eps=config.inner_eps,
-                weight_decay=config.inner_weight_decay,
-            )
+        self._global = self.outer.values
+        self.inner_optimizer = build_inner_optimizer(self._params, config)
         self.round = 0
         #: Inner steps and samples since the global parameters were last updated.
         self.steps_since_sync = 0
@@ -202,20 +335,12 @@ class DiLoCo:
 
     def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One AdamW step on the local parameters; returns the batch loss."""
-        x, y = batch
-        device = self._params[0].device
-        self.model.train()
-        _, loss = self.model(x.to(device), y.to(device))
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
-        self.inner_optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
-        if self.config.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self._params, self.config.grad_clip)
-        self.inner_optimizer.step()
+        loss, samples = train_step(
+            self.model, self._params, self.inner_optimizer, self.config.grad_clip, batch
+        )
         self.steps_since_sync += 1
-        self.samples_since_sync += int(x.shape[0])
-        return float(loss.detach())
+        self.samples_since_sync += samples
+        return loss
 
     def should_sync(self) -> bool:
         """True once H inner steps (2H, ... after deferred rounds) have run since the last
@@ -248,22 +373,7 @@ class DiLoCo:
             raise ValueError(
                 f"pseudo-gradient has shape {tuple(pseudo_grad.shape)}, expected ({self.numel},)"
             )
-        status: OuterStatus
-        reason: str | None = None
-        averaged: torch.Tensor | None
-        if result is None:
-            averaged, status, reason = None, "local", "averaging failed"
-        else:
-            averaged = result if isinstance(result, torch.Tensor) else result.tensor
-            ok = True if isinstance(result, torch.Tensor) else bool(getattr(result, "ok", True))
-            status = "averaged" if ok else "partial"
-            if averaged.shape != (self.numel,):
-                raise ValueError(
-                    f"averaged tensor has shape {tuple(averaged.shape)}, expected ({self.numel},)"
-                )
-            averaged = averaged.detach().to(device="cpu", dtype=torch.float32)
-            if not bool(torch.isfinite(averaged).all()):
-                averaged, status, reason = None, "local", "averaged tensor is not finite"
+        averaged, status, reason = read_average(result, self.numel)
         pg_norm = float(pseudo_grad.norm())
         weight, steps = self.weight(), self.steps_since_sync
         if averaged is None and self.config.on_failure == "defer":
@@ -271,9 +381,7 @@ class DiLoCo:
             return OuterStepReport(self.round, "deferred", weight, steps, pg_norm, 0.0, reason)
         if averaged is None:
             averaged = pseudo_grad.detach().to(torch.float32)
-        self._global.grad = averaged.clone()
-        self.outer_optimizer.step()
-        self._global.grad = None
+        self.outer.step(averaged)
         unflatten_into(self._global, self._params)
         self.round += 1
         self.steps_since_sync = 0
@@ -293,12 +401,6 @@ class DiLoCo:
         """A copy of the global parameters, flat fp32."""
         return self._global.clone()
 
-    def _momentum(self) -> torch.Tensor:
-        """The outer momentum buffer; zeros before the first outer step, which is exactly what
-        SGD behaves as when it creates the buffer lazily (0 * momentum + grad)."""
-        buf = self.outer_optimizer.state.get(self._global, {}).get("momentum_buffer")
-        return buf if isinstance(buf, torch.Tensor) else torch.zeros_like(self._global)
-
     # -- global state (what joiners download) -----------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -308,11 +410,7 @@ class DiLoCo:
         Taken between rounds it is all a peer needs to join: its local parameters become the
         global ones and its inner AdamW starts fresh.
         """
-        out: dict[str, torch.Tensor] = {}
-        for name, view in zip(self.names, self._global_views, strict=True):
-            out[GLOBAL_PREFIX + name] = view.clone()
-        for name, view in zip(self.names, views(self._momentum(), self._shapes), strict=True):
-            out[MOMENTUM_PREFIX + name] = view.clone()
+        out = global_tensors(self.names, self._shapes, self._global, self.outer.momentum())
         out[ROUND_KEY] = torch.tensor(self.round, dtype=torch.int64)
         return out
 
@@ -320,39 +418,12 @@ class DiLoCo:
         """Adopt a global state (e.g. downloaded from donors): validates every tensor first,
         then sets global parameters, outer momentum and round, and resets the local
         parameters to the global ones (local progress since the last sync is discarded)."""
-        expected = {GLOBAL_PREFIX + n for n in self.names}
-        expected |= {MOMENTUM_PREFIX + n for n in self.names}
-        expected.add(ROUND_KEY)
-        missing, extra = expected - state.keys(), state.keys() - expected
-        if missing or extra:
-            raise ValueError(
-                f"global state does not match the model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(extra)[:5]}"
-            )
-        rnd = state[ROUND_KEY]
-        if not isinstance(rnd, torch.Tensor) or rnd.numel() != 1 or rnd.is_floating_point():
-            raise ValueError("global state: 'round' must be an integer scalar tensor")
-        if int(rnd) < 0:
-            raise ValueError(f"global state: round must be >= 0, got {int(rnd)}")
-        for key in expected - {ROUND_KEY}:
-            shape = self._shapes[self.names.index(key.split(".", 1)[1])]
-            t = state[key]
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise ValueError(f"global state: {key!r} must be a floating-point tensor")
-            if t.shape != shape:
-                raise ValueError(
-                    f"global state: {key!r} has shape {tuple(t.shape)}, expected {tuple(shape)}"
-                )
-            if not bool(torch.isfinite(t).all()):
-                raise ValueError(f"global state: {key!r} has NaN or infinite values")
-        with torch.no_grad():
-            for name, view in zip(self.names, self._global_views, strict=True):
-                view.copy_(state[GLOBAL_PREFIX + name])
-            momentum = torch.empty_like(self._global)
-            for name, view in zip(self.names, views(momentum, self._shapes), strict=True):
-                view.copy_(state[MOMENTUM_PREFIX + name])
-        self.outer_optimizer.state[self._global] = {"momentum_buffer": momentum}
-        self.round = int(rnd)
+        counters = check_global_state(state, self.names, self._shapes, [ROUND_KEY])
+        self.outer.load(
+            flat_from_state(state, GLOBAL_PREFIX, self.names, self._shapes),
+            flat_from_state(state, MOMENTUM_PREFIX, self.names, self._shapes),
+        )
+        self.round = counters[ROUND_KEY]
         unflatten_into(self._global, self._params)
         self.steps_since_sync = 0
         self.samples_since_sync = 0
@@ -363,12 +434,7 @@ class DiLoCo:
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """Local parameters, inner AdamW state and counters as flat named tensors: with
         `state_dict` it resumes training bit-identically, even mid-round."""
-        out: dict[str, torch.Tensor] = {}
-        for name, p in zip(self.names, self._params, strict=True):
-            out[f"local.{name}"] = p.detach().clone()
-            for key, value in self.inner_optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"inner.{key}.{name}"] = value.detach().clone()
+        out = inner_state_dict(self.names, self._params, self.inner_optimizer)
         out["steps_since_sync"] = torch.tensor(self.steps_since_sync, dtype=torch.int64)
         out["samples_since_sync"] = torch.tensor(self.samples_since_sync, dtype=torch.int64)
         out["sync_due"] = torch.tensor(self._sync_due, dtype=torch.int64)
@@ -380,25 +446,7 @@ class DiLoCo:
         for key in counters:
             if key not in state:
                 raise ValueError(f"local state: missing {key!r}")
-        inner: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        for name, p in zip(self.names, self._params, strict=True):
-            value = state.get(f"local.{name}")
-            if value is None or value.shape != p.shape:
-                raise ValueError(f"local state: missing or mis-shaped 'local.{name}'")
-            prefix, suffix = "inner.", "." + name
-            entries = {
-                k[len(prefix) : -len(suffix)]: v
-                for k, v in state.items()
-                if k.startswith(prefix) and k.endswith(suffix) and "." not in k[6 : -len(suffix)]
-            }
-            if entries:
-                inner[p] = {k: v.detach().clone() for k, v in entries.items()}
-        with torch.no_grad():
-            for name, p in zip(self.names, self._params, strict=True):
-                p.copy_(state[f"local.{name}"])
-        self.inner_optimizer.state.clear()
-        for p, entries in inner.items():
-            self.inner_optimizer.state[p] = dict(entries)
+        load_inner_state(self.names, self._params, self.inner_optimizer, state)
         self.steps_since_sync = int(state["steps_since_sync"])
         self.samples_since_sync = int(state["samples_since_sync"])
         self._sync_due = int(state["sync_due"])
