@@ -20,8 +20,9 @@ What each one does (see rpc.py for where it is consulted):
   gRPC retries nothing for us, so this is what a lossy path looks like to the caller).
 - bandwidth: bytes this peer sends (request bodies, tensor-stream frames both ways) are paced
   to this many bytes per second, shared by all calls, like one uplink.
-- blocked: outgoing calls to these addresses fail with UNAVAILABLE; the harness blocks both
-  directions of a partition by writing each side's file.
+- blocked: outgoing calls to these addresses ("host:port", or a bare host: every port of it)
+  fail with UNAVAILABLE; a harness blocks both directions of a partition by writing each
+  side's file (peers on distinct 127.0.0.x hosts keep their block across restarts).
 - isolated: every outgoing call fails and every incoming call is refused: a host off the net.
 - clock_skew_s: this peer's wall clock is off by this much: its signed request timestamps and
   its replay guard's idea of "now" both move, so the receivers' skew bound is exercised.
@@ -76,7 +77,7 @@ class FaultPlan:
     #: Bytes per second this peer may send; None for unlimited.
     bandwidth_bytes_s: float | None = None
     isolated: bool = False
-    #: Addresses ("host:port") this peer cannot reach.
+    #: Addresses ("host:port", or a bare host for all its ports) this peer cannot reach.
     blocked: frozenset[str] = field(default_factory=frozenset)
     clock_skew_s: float = 0.0
 
@@ -217,7 +218,9 @@ class FaultInjector:
         plan = self.plan()
         if plan.isolated:
             return "fault injection: this peer is isolated from the network"
-        if address in plan.blocked:
+        if plan.blocked and (
+            address in plan.blocked or address.rpartition(":")[0] in plan.blocked
+        ):
             return f"fault injection: {address} is partitioned from this peer"
         if plan.loss and self._rng.random() < plan.loss:
             return "fault injection: connection lost"

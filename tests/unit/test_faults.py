@@ -103,6 +103,9 @@ def test_outgoing_refuses_isolated_blocked_and_lost_calls(tmp_path: Path) -> Non
         assert "partitioned" in (await inj.outgoing("127.0.0.1:9") or "")
         assert await inj.outgoing("127.0.0.1:10") is None
         assert inj.incoming() is None  # a blocked set cuts outgoing only
+        set_plan(FaultPlan(blocked=frozenset({"127.0.0.7"})))  # a whole host
+        assert "partitioned" in (await inj.outgoing("127.0.0.7:4321") or "")
+        assert await inj.outgoing("127.0.0.70:4321") is None
         set_plan(FaultPlan(isolated=True))
         assert "isolated" in (await inj.outgoing("127.0.0.1:10") or "")
         assert "isolated" in (inj.incoming() or "")
