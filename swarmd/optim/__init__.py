@@ -11,13 +11,23 @@ from swarmd.optim.diloco import (
     OuterStepReport,
 )
 from swarmd.optim.flat import flatten, unflatten_into, views
+from swarmd.optim.streaming import (
+    FragmentReport,
+    FragmentRound,
+    StreamingConfig,
+    StreamingDiLoCo,
+)
 
 __all__ = [
     "AverageFn",
     "Averaged",
     "DiLoCo",
     "DiLoCoConfig",
+    "FragmentReport",
+    "FragmentRound",
     "OuterStepReport",
+    "StreamingConfig",
+    "StreamingDiLoCo",
     "flatten",
     "unflatten_into",
     "views",
