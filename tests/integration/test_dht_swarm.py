@@ -378,3 +378,21 @@ def test_periodic_refresh_evicts_dead_contacts_without_any_lookup() -> None:
             assert len(s.nodes[0].table) == 4
 
     run(main)
+
+
+def test_a_node_that_lost_every_contact_rejoins_within_seconds() -> None:
+    """A partition evicts all of a node's contacts; lookups cannot refill an empty table, so
+    the node must re-bootstrap soon after the network heals, not at its next minute refresh."""
+    config = DHTConfig(refresh_interval_s=120, bootstrap_timeout_s=0.5)
+
+    async def main() -> None:
+        async with swarm(3, config=config) as s:
+            cut = s.nodes[2]
+            for contact in cut.table.contacts():
+                cut.table.failed(contact.peer_id)
+            assert len(cut.table) == 0
+            with trio.fail_after(10):  # back-off (2 s) + a few re-bootstrap attempts
+                while len(cut.table) == 0:
+                    await trio.sleep(0.1)
+
+    run(main)

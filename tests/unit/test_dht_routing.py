@@ -138,3 +138,19 @@ def test_config_is_validated() -> None:
         RoutingConfig(subnet_exempt=("nonsense",))
     with pytest.raises(ValueError, match="backoff"):
         RoutingConfig(backoff_base_s=10, backoff_max_s=1)
+
+
+def test_failures_during_one_back_off_count_once() -> None:
+    """Parallel calls failing together (a partition) must not escalate the back-off: after a
+    short outage the peer is barred for the base delay, not for minutes."""
+    clock = FakeClock()
+    own = Identity.generate().peer_id
+    table = RoutingTable(own, RoutingConfig(backoff_base_s=2, backoff_max_s=300), clock=clock)
+    p = peer_in_bucket(own, 100)
+    table.seen(p, "127.0.0.1:5000")
+    for _ in range(10):
+        table.failed(p)
+    clock.now += 2.01
+    assert not table.in_backoff(p)
+    assert table.seen(p, "127.0.0.1:5000")
+

@@ -200,7 +200,11 @@ class DHTNode:
     async def _refresh_loop(self) -> None:
         cfg = self.config
         while True:
-            await trio.sleep(cfg.refresh_interval_s * random.uniform(0.5, 1.0))
+            with trio.move_on_after(cfg.refresh_interval_s * random.uniform(0.5, 1.0)):
+                # A node that lost every contact (a partition evicts them all) cannot heal
+                # through lookups, which need contacts: it rejoins within seconds, not a minute.
+                while len(self.table) or not self._bootstrap:
+                    await trio.sleep(cfg.bootstrap_timeout_s)
             if len(self.table) == 0 and self._bootstrap:
                 try:
                     await self.bootstrap(self._bootstrap)

@@ -157,11 +157,18 @@ class RoutingTable:
         return False
 
     def failed(self, peer_id: PeerId) -> None:
-        """Evicts ``peer_id`` after a failed RPC and bars it for a growing back-off period."""
+        """Evicts ``peer_id`` after a failed RPC and bars it for a growing back-off period.
+
+        Failures while it is already barred (calls that were in flight together, or a
+        lookup's parallel probes) count as the same outage: counting each one would turn a
+        short partition into minutes of refusing a peer that answers again.
+        """
         previous = self._failures.get(peer_id)
-        count = previous.count + 1 if previous else 1
-        delay = min(self.config.backoff_base_s * 2 ** (count - 1), self.config.backoff_max_s)
-        self._failures[peer_id] = _Failure(count, self._clock() + delay)
+        now = self._clock()
+        if previous is None or previous.until <= now:
+            count = previous.count + 1 if previous else 1
+            delay = min(self.config.backoff_base_s * 2 ** (count - 1), self.config.backoff_max_s)
+            self._failures[peer_id] = _Failure(count, now + delay)
         if peer_id == self.own:
             return
         index = bucket_index(self.own_id, node_id(peer_id))
