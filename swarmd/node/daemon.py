@@ -316,6 +316,14 @@ class Peer:
         adverts = await self._adverts(config)
         saved = load_saved(self.opts.state_dir / STATE_FILE, config.hash)
         saved_round = int(saved["global"]["round"]) if saved else -1
+        if saved is None and adverts and max(a.round for a in adverts) == 0:
+            # Round 0 is the seeded init, which this peer builds itself bit for bit: a run's
+            # first peers would otherwise each download the whole state (parameters and
+            # momentum, 8 bytes a parameter) for nothing. The hash proves it is the same.
+            want, _ = choose_donors(adverts)
+            mine = await trio.to_thread.run_sync(self._snapshot, config, diloco)
+            if mine.state_hash == want:
+                return "fresh", 0
         if (
             adverts
             and max(a.round for a in adverts) > saved_round
@@ -476,13 +484,15 @@ class Peer:
             seconds=round(time.monotonic() - t0, 3),
         )
 
+    @staticmethod
+    def _snapshot(config: RunConfig, diloco: DiLoCo) -> StateSnapshot:
+        return StateSnapshot.build(
+            diloco.state_dict(), round=diloco.round, meta={"config": config.hash}
+        )
+
     async def _publish(self, config: RunConfig, diloco: DiLoCo, step: int) -> StateSnapshot:
         """Serves the new global state to joiners, advertises it, and saves it to disk."""
-        snap = await trio.to_thread.run_sync(
-            lambda: StateSnapshot.build(
-                diloco.state_dict(), round=diloco.round, meta={"config": config.hash}
-            )
-        )
+        snap = await trio.to_thread.run_sync(self._snapshot, config, diloco)
         self.last_hash = snap.state_hash
         self.donor.publish(snap)
         await self.dht.store(

@@ -83,6 +83,8 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
         )
     assert all(p.process.returncode == 0 for p in [creator, *others])
     for events in runs:
+        # Round 0 is the seeded init every peer builds itself: nobody downloads it.
+        assert not [e for e in events if e["event"] == "state_synced" and e["round"] == 0]
         outer = [e for e in events if e["event"] == "outer_step"]
         assert len(outer) >= 3, events
         assert any(e["status"] == "averaged" and e["group_size"] == 3 for e in outer)
