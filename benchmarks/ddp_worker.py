@@ -1,0 +1,183 @@
+"""One data-parallel worker for benchmarks/convergence.py: the baseline DiLoCo is measured against.
+
+Data-parallel training the way a swarm would have to do it without DiLoCo: every step each
+worker computes a gradient on its own shard's batch, the group all-reduces it in fp32 through
+swarmd's own transport (the same gRPC, the same butterfly all-reduce, the same signed
+requests as `swarmd join`), and every worker applies the same AdamW step. The group forms once
+through the DHT, like a torch process group, and then keeps its membership.
+
+It prints JSON lines on stdout: `listening`, `group`, `progress`, and `done` with the final
+validation loss, a hash of the parameters and the bytes this process put on the wire as its
+transport counted them (bodies, signed headers, DHT and matchmaking traffic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.node.daemon import NUM_SHARDS
+from swarmd.node.dht import DHTNode
+from swarmd.node.matchmaking import MatchmakingConfig, form_group
+from swarmd.node.metrics import Metrics
+from swarmd.optim import DiLoCoConfig
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity
+from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
+from swarmd.workloads.data import shard_for_peer
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--bootstrap", required=True, help="HOST:PORT of a `swarmd dht` node")
+    p.add_argument("--world", type=int, required=True, help="workers in the group")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--lr", type=float, required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--n-layer", type=int, required=True)
+    p.add_argument("--n-head", type=int, required=True)
+    p.add_argument("--n-embd", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-batches", type=int, default=32)
+    p.add_argument("--save", type=Path, help="write the final parameters here (torch.save)")
+    return p.parse_args()
+
+
+class Trainer:
+    """Model, optimiser and data of one worker; everything here runs in a worker thread."""
+
+    def __init__(self, args: argparse.Namespace, shard: int) -> None:
+        self.args = args
+        self.shard = shard
+        gpt = GPTConfig(
+            n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+            block_size=args.block_size,
+        )  # fmt: skip
+        self.model = GPT(gpt, seed=args.seed)  # the same initial weights on every worker
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        cfg = DiLoCoConfig()  # the very AdamW settings DiLoCo's inner optimiser uses
+        self.clip = cfg.grad_clip
+        self.opt = torch.optim.AdamW(
+            self.params, lr=args.lr, betas=cfg.inner_betas, eps=cfg.inner_eps,
+            weight_decay=cfg.inner_weight_decay,
+        )  # fmt: skip
+        self.source = load_source("builtin")
+
+    def gradient(self, step: int) -> tuple[torch.Tensor, float]:
+        a = self.args
+        x, y = self.source.train_batch(
+            self.shard, NUM_SHARDS, a.batch_size, a.block_size, a.seed, step
+        )
+        self.model.train()
+        _, loss = self.model(x, y)
+        assert loss is not None
+        self.opt.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
+        return flat, float(loss.detach())
+
+    def apply(self, mean: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            assert p.grad is not None
+            p.grad.copy_(mean[offset : offset + n].view_as(p))
+            offset += n
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+
+    def validate(self) -> float:
+        a = self.args
+        return evaluate(
+            self.model, self.source.validation_batches(a.batch_size, a.block_size, a.eval_batches)
+        )
+
+    def param_hash(self) -> str:
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(p.detach().numpy().tobytes())
+        return h.hexdigest()
+
+
+async def main(args: argparse.Namespace, state_dir: Path) -> None:
+    identity = Identity.load_or_create(state_dir)
+    metrics = Metrics()
+    transport = rpc.TransportConfig(max_concurrent_rpcs=32)
+    client = rpc.RpcClient(identity, transport, metrics)
+    dht = DHTNode(identity, client)
+    averager = Averager(client, identity.peer_id, AllReduceConfig(codec="fp32"), metrics)
+    trainer = await trio.to_thread.run_sync(
+        Trainer, args, shard_for_peer(identity.peer_id.raw, NUM_SHARDS)
+    )
+    try:
+        async with (
+            rpc.serve(
+                [dht.service(), averager.service()], "127.0.0.1", 0,
+                config=transport, observer=metrics,
+            ) as server,
+            trio.open_nursery() as nursery,
+        ):  # fmt: skip
+            emit("listening", address=str(server.address))
+            await nursery.start(dht.run, server.address.port, [args.bootstrap])
+            me = Member(identity.peer_id, str(server.address))
+            mm = MatchmakingConfig(
+                target_group_size=args.world, min_group_size=args.world,
+                gather_s=120.0, commit_wait_s=130.0,
+            )  # fmt: skip
+            group = await form_group(dht, "ddp-baseline/group", me, mm)
+            if group is None or len(group.members) != args.world:
+                raise SystemExit(f"ddp worker: no group of {args.world} formed")
+            emit("group", size=len(group.members))
+            start = time.monotonic()
+            for step in range(args.steps):
+                grad, loss = await trio.to_thread.run_sync(trainer.gradient, step)
+                # A fresh round id per step: the same members, and a late message from an
+                # earlier step is refused as stale.
+                rid = hashlib.sha256(group.round_id + step.to_bytes(8, "big")).digest()
+                result = await averager.allreduce(
+                    Group(rid, group.members), grad, float(args.batch_size), key="grad",
+                    codec="fp32",
+                )  # fmt: skip
+                if result.dropped or result.failed_parts:
+                    raise SystemExit(f"ddp worker: step {step} lost peers; the baseline is void")
+                await trio.to_thread.run_sync(trainer.apply, result.tensor)
+                if (step + 1) % 50 == 0:
+                    emit(
+                        "progress", step=step + 1, loss=loss, sent_bytes=metrics.sent_total,
+                        seconds=round(time.monotonic() - start, 1),
+                    )  # fmt: skip
+            val = await trio.to_thread.run_sync(trainer.validate)
+            if args.save is not None:
+                torch.save(trainer.model.state_dict(), args.save)
+            emit(
+                "done", val_loss=val, param_hash=trainer.param_hash(),
+                sent_bytes=metrics.sent_total, received_bytes=metrics.received_total,
+                seconds=round(time.monotonic() - start, 1),
+            )  # fmt: skip
+            # Linger so the others' last all-gather can still read from this worker.
+            await trio.sleep(3.0)
+            nursery.cancel_scope.cancel()
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    arguments = parse_args()
+    with tempfile.TemporaryDirectory(prefix="swarmd-ddp-") as tmp:
+        trio.run(main, arguments, Path(tmp))
