@@ -18,7 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
+from swarmd.optim.diloco import DiLoCoConfig
+from swarmd.optim.streaming import FragmentLayout, StreamingConfig
 
+#: The training algorithms a run may use.
+ALGORITHMS = ("diloco", "streaming-diloco")
 #: The DHT keeps records at most a day; the creator re-publishes it while it runs.
 CONFIG_TTL_S = 23 * 3600.0
 
@@ -52,6 +56,18 @@ class RunConfig:
     min_group_size: int = 2
     #: Seed of the initial weights (identical on every peer) and of the data order.
     seed: int = 0
+    #: `diloco`, or `streaming-diloco`: the model in `fragments` parts that sync one at a time
+    #: (H/P steps apart), each round starting `overlap_steps` inner steps before it is needed
+    #: while training goes on, the result mixed as (1 - mix_alpha)·outer + mix_alpha·local;
+    #: `fragment_layout` strided (layer i in fragment i mod P) or sequential; `eager`: apply
+    #: this peer's own pseudo-gradient when the average is late, replaced when it comes. The
+    #: streaming options are ignored by `diloco` (but still part of the config's hash).
+    algo: str = "diloco"
+    fragments: int = 2
+    overlap_steps: int = 1
+    mix_alpha: float = 0.5
+    fragment_layout: str = "strided"
+    eager: bool = False
     version: str = field(default=swarmd.__version__)
 
     def __post_init__(self) -> None:
@@ -73,6 +89,42 @@ class RunConfig:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
         if not (0 < self.inner_lr < 1 and 0 < self.outer_lr <= 10 and 0 <= self.outer_momentum < 1):
             raise RunConfigError("learning rates or momentum out of range")
+        if self.algo not in ALGORITHMS:
+            raise RunConfigError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
+        if self.algo == "streaming-diloco":
+            try:
+                self.streaming_config()
+            except ValueError as exc:
+                raise RunConfigError(f"streaming-diloco: {exc}") from None
+
+    def diloco_config(self) -> DiLoCoConfig:
+        """The optimiser settings every peer of the run uses."""
+        return DiLoCoConfig(
+            inner_steps=self.inner_steps,
+            inner_lr=self.inner_lr,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            # Streaming: a fragment round that failed leaves that fragment's global copy as it
+            # was (a round that failed for everyone keeps them all identical); plain DiLoCo
+            # applies the peer's own pseudo-gradient, as it always has.
+            on_failure="defer" if self.algo == "streaming-diloco" else "local",
+        )
+
+    def streaming_config(self) -> StreamingConfig:
+        """Streaming DiLoCo's settings (raises ValueError with the reason if inconsistent)."""
+        if self.fragment_layout not in ("strided", "sequential"):
+            raise ValueError(
+                f"fragment_layout must be 'strided' or 'sequential', got {self.fragment_layout!r}"
+            )
+        layout: FragmentLayout = "strided" if self.fragment_layout == "strided" else "sequential"
+        return StreamingConfig(
+            self.diloco_config(),
+            fragments=self.fragments,
+            overlap_steps=self.overlap_steps,
+            mix_alpha=self.mix_alpha,
+            layout=layout,
+            eager=self.eager,
+        )
 
     # -- serialisation ---------------------------------------------------------------------
 

@@ -38,6 +38,18 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("n_embd = 30\nn_head = 4", "divisible"),
         ('codec = "zip"', "codec"),
         ("this is not toml", "not valid TOML"),
+        ('algo = "demo"', "algo must be one of diloco, streaming-diloco"),
+        (
+            'algo = "streaming-diloco"\ninner_steps = 5\nfragments = 2',
+            "H=5 must be divisible by fragments P=2",
+        ),
+        (
+            'algo = "streaming-diloco"\ninner_steps = 8\nfragments = 4\noverlap_steps = 2',
+            "τ=2 must be < H/P=2",
+        ),
+        ('algo = "streaming-diloco"\nmix_alpha = 1.5', r"α=1.5 must be in \[0, 1\]"),
+        ('algo = "streaming-diloco"\nfragment_layout = "random"', "fragment_layout must be"),
+        ('algo = "streaming-diloco"\neager = 1', "eager must be a bool"),
     ],
 )
 def test_bad_run_files(tmp_path: Path, text: str, message: str) -> None:
@@ -69,3 +81,29 @@ def test_state_file_is_replaced_atomically_and_checked(tmp_path: Path) -> None:
 def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig(name="r").inner_steps = 3  # type: ignore[misc]
+
+
+def test_streaming_options_are_part_of_the_signed_config() -> None:
+    plain = RunConfig(name="r")
+    stream = RunConfig(
+        name="r", algo="streaming-diloco", inner_steps=48, fragments=4, overlap_steps=2
+    )
+    assert RunConfig.from_json(stream.to_json()) == stream
+    assert len({plain.hash, stream.hash, dataclasses.replace(stream, eager=True).hash}) == 3
+    settings = stream.streaming_config()
+    assert (settings.fragments, settings.overlap_steps, settings.mix_alpha) == (4, 2, 0.5)
+    assert settings.diloco.inner_steps == stream.inner_steps
+    assert settings.diloco.on_failure == "defer" and plain.diloco_config().on_failure == "local"
+    # DiLoCo ignores the streaming options, so a short H need not be divisible by them.
+    assert RunConfig(name="r", inner_steps=5).algo == "diloco"
+
+
+def test_streaming_run_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'algo = "streaming-diloco"\ninner_steps = 12\nfragments = 3\noverlap_steps = 2\n'
+        'mix_alpha = 0.25\nfragment_layout = "sequential"\neager = true\n'
+    )
+    config = RunConfig.from_toml(path, name="r")
+    settings = config.streaming_config()
+    assert settings.layout == "sequential" and settings.eager and settings.stride == 4
