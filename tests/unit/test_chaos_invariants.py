@@ -149,6 +149,9 @@ def test_tracebacks_fail() -> None:
     check = no_exceptions(log.records)
     assert not check.ok and "ValueError: boom" in check.detail
     assert no_exceptions(healthy(2).records).ok
+    group = "  + Exception Group Traceback\n    | AttributeError: 'X' has no 'y'\n    +-----\n"
+    check = no_exceptions(healthy(2).add(8, "exception", peer=0, text=group).records)
+    assert "AttributeError: 'X' has no 'y'" in check.detail
 
 
 def restart_log(resume_after: float, origin: str = "saved") -> Log:

@@ -85,7 +85,13 @@ def run_chaos(opts: ChaosOptions) -> int:
             min_group_size=opts.min_group_size,
         )
     )
-    started = trio.run(harness.run)
+    try:
+        started = trio.run(harness.run)
+    except (KeyboardInterrupt, BaseExceptionGroup) as exc:
+        if isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is None:
+            raise
+        _say(f"\ninterrupted; every process was stopped; records so far in {out}")
+        return 130
     records = harness.rec.records
     bounds = Bounds(
         min_group_size=opts.min_group_size,

@@ -61,7 +61,7 @@ class HarnessOptions:
     inner_steps: int = 10
     min_group_size: int = 2
     #: How long startup (imports, DHT bootstrap, first validation) may take before giving up.
-    startup_timeout_s: float = 240.0
+    startup_timeout_s: float = 300.0
     #: How long a peer may take to leave after SIGTERM before it is SIGKILLed (a failure).
     stop_timeout_s: float = 90.0
 
@@ -148,6 +148,12 @@ class Harness:
             CHAOS_RUN.format(inner_steps=options.inner_steps, min_group_size=options.min_group_size)
         )
         self.training = trio.Event()
+        self.boot_ready = trio.Event()
+        self.first_training = trio.Event()
+        #: Per peer: set once it printed its listening address (it has imported everything).
+        self.joined = [trio.Event() for _ in range(options.peers)]
+        self.startup_failed = ""
+        self._startup_scope: trio.CancelScope | None = None
         self._trained: set[int] = set()
         self.stopping = False
         self.faults_applied = 0
@@ -192,7 +198,12 @@ class Harness:
             self.rec.record("peer", peer=slot.index, event=kind, **event)
             if kind == "listening" and slot.index == BOOTSTRAP:
                 self.boot_address = str(event["address"])
+                self.boot_ready.set()
+            elif kind == "listening":
+                self.joined[slot.index].set()
             if kind == "training" and slot.index != BOOTSTRAP:
+                if slot.index == 0:
+                    self.first_training.set()
                 self._trained.add(slot.index)
                 if len(self._trained) == self.opts.peers:
                     self.training.set()
@@ -219,6 +230,9 @@ class Harness:
     async def _reap(self, slot: Slot, proc: trio.Process) -> None:
         code = await proc.wait()
         self.rec.record("exit", peer=slot.index, code=code, pid=proc.pid)
+        if not self.training.is_set() and not self.startup_failed and self._startup_scope:
+            self.startup_failed = f"{slot.name} exited with code {code} during startup"
+            self._startup_scope.cancel()
         if slot.process is proc:
             slot.process = None
 
@@ -353,15 +367,26 @@ class Harness:
     async def _main(self, nursery: trio.Nursery) -> bool:
         opts = self.opts
         with trio.move_on_after(opts.startup_timeout_s) as startup:
+            self._startup_scope = startup
             await self._spawn(nursery, self.boot, ["dht", "--listen", f"{self.boot.host}:0",
                               "--state-dir", str(self.boot.state_dir)])  # fmt: skip
-            while not self.boot_address:
-                await trio.sleep(0.05)
-            for slot in self.slots:
-                await self._spawn(nursery, slot, self._join_args(slot, create=slot.index == 0))
+            await self.boot_ready.wait()
+            # The run's creator first; the others one by one after it trains. Six processes
+            # importing torch at once on a small machine starve each other's event loops
+            # past the DHT's bootstrap deadline.
+            first = self.slots[0]
+            await self._spawn(nursery, first, self._join_args(first, create=True))
+            await self.first_training.wait()
+            for slot in self.slots[1:]:
+                await self._spawn(nursery, slot, self._join_args(slot, create=False))
+                with trio.move_on_after(3.0):
+                    await self.joined[slot.index].wait()
             await self.training.wait()
-        if startup.cancelled_caught:
-            self.rec.record("startup_failed", timeout_s=opts.startup_timeout_s)
+        if startup.cancelled_caught or self.startup_failed:
+            self.rec.record(
+                "startup_failed",
+                reason=self.startup_failed or f"not all peers trained in {opts.startup_timeout_s}s",
+            )
             return False
         t_ready = trio.current_time()
         self.rec.record("chaos_begins")

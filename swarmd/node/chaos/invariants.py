@@ -21,12 +21,15 @@ Peer -1 is the bootstrap DHT node.
 from __future__ import annotations
 
 import math
+import re
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 Record = dict[str, Any]
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Group)\b")
 
 #: Statuses of an outer step in which the peer averaged with others.
 AVERAGED = ("averaged", "partial")
@@ -172,7 +175,9 @@ def no_exceptions(records: list[Record]) -> Check:
     if not found:
         return Check("no unhandled exceptions", True, "no traceback in any log")
     first = found[0]
-    last_line = first["text"].strip().splitlines()[-1] if first["text"].strip() else "?"
+    # The exception's own line (`ValueError: ...`), also inside an exception group's frame.
+    lines = [ln.strip(" |+-") for ln in first["text"].splitlines()]
+    last_line = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), "?")
     return Check(
         "no unhandled exceptions",
         False,

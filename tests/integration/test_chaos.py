@@ -1,0 +1,69 @@
+"""`swarmd chaos` end to end: real processes, a kill + restart, a pause and a lossy link.
+
+The short run uses the committed CI schedule (deploy/chaos/ci.json) on three peers; the soak
+(`--duration 600`, six peers, seeded faults) is opt-in with ``-m slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, swarmd_cmd
+
+
+def run_chaos(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        swarmd_cmd("chaos", "--out", str(out), *args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_outputs(done: subprocess.CompletedProcess[str], out: Path) -> dict[str, str]:
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    figures = dict(item.split("=", 1) for item in last.split())
+    assert set(figures) == {
+        "faults", "survived", "invariants_ok", "loss_start", "loss_end", "max_resume_s",
+    }  # fmt: skip
+    assert figures["invariants_ok"] == "true"
+    assert (out / "report.txt").read_text().count("[ok]") == 6
+    png = (out / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    records = [json.loads(line) for line in (out / "chaos.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records if r["type"] == "fault"}
+    assert {r["type"] for r in records} >= {"start", "spawn", "peer", "fault", "heal", "exit"}
+    assert kinds, "no fault was applied"
+    return figures
+
+
+@pytest.mark.timeout(420)
+def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
+    out = tmp_path / "chaos"
+    schedule = ROOT / "deploy" / "chaos" / "ci.json"
+    done = run_chaos(
+        out, "--peers", "3", "--duration", "45", "--schedule", str(schedule), timeout=400
+    )
+    figures = check_outputs(done, out)
+    assert figures["faults"] == "3" and figures["survived"] == "3"
+    assert float(figures["max_resume_s"]) > 0  # the killed peer came back
+    records = [json.loads(line) for line in (out / "chaos.jsonl").read_text().splitlines()]
+    restarted = [r for r in records if r["type"] == "spawn" and r["incarnation"] == 1]
+    assert [r["peer"] for r in restarted] == [1]
+    resumed = [
+        r for r in records if r["type"] == "peer" and r["peer"] == 1 and r["event"] == "training"
+    ]
+    assert len(resumed) == 2 and resumed[1]["origin"] in ("saved", "group")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_soak(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    done = run_chaos(out, "--peers", "6", "--duration", "600", "--seed", "7", timeout=1150)
+    check_outputs(done, out)
