@@ -120,7 +120,10 @@ async def main(args: argparse.Namespace, state_dir: Path) -> None:
     transport = rpc.TransportConfig(max_concurrent_rpcs=32)
     client = rpc.RpcClient(identity, transport, metrics)
     dht = DHTNode(identity, client)
-    averager = Averager(client, identity.peer_id, AllReduceConfig(codec="fp32"), metrics)
+    # Data-parallel training is lockstep: a worker slowed by a busy CPU is waited for, not
+    # dropped (the daemon's DiLoCo rounds instead drop stragglers after 5 s).
+    lockstep = AllReduceConfig(codec="fp32", min_deadline_s=120.0, unknown_round_wait_s=120.0)
+    averager = Averager(client, identity.peer_id, lockstep, metrics)
     trainer = await trio.to_thread.run_sync(
         Trainer, args, shard_for_peer(identity.peer_id.raw, NUM_SHARDS)
     )
