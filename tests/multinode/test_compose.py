@@ -1,0 +1,167 @@
+"""The Docker deployment end to end, as a user runs it.
+
+deploy/Dockerfile's image and deploy/docker-compose.yml: a DHT bootstrap, the run's creator and
+two workers (three trainers) on an internal network, started only once the bootstrap's
+grpc.health.v1 check passes. A worker is SIGKILLed (`docker kill`): the others must go on
+training. Started again, it must come back as the same peer (identity and state on its volume),
+take up the run, and end up holding exactly the parameters the others hold after a round all
+three averaged.
+
+Needs docker: deploy/setup-docker.sh installs it, starts dockerd and builds the base image.
+Without it these tests fail and say what is missing (CI runs them; they are not optional).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.multinode import compose_helpers as ch
+
+IMAGE = os.environ.get("SWARMD_TEST_IMAGE", "swarmd:compose-test")
+RUN = "composetest"
+
+# Image build (a cache hit after setup-docker.sh, minutes without) plus about two minutes of
+# training on a loaded two-core machine.
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def docker() -> list[str]:
+    """The compose command; fails (does not skip) with what is missing."""
+    problem = ch.missing_docker()
+    if problem is not None:
+        pytest.fail(f"docker is not usable: {problem}", pytrace=False)
+    command = ch.compose_command()
+    assert command is not None
+    return command
+
+
+@pytest.fixture(scope="module")
+def image(docker: list[str]) -> str:
+    ch.build_image(IMAGE)
+    return IMAGE
+
+
+@pytest.fixture
+def swarm(docker: list[str], image: str) -> Iterator[ch.Compose]:
+    compose = ch.Compose(
+        docker, f"swarmdtest{os.getpid()}", {"SWARMD_IMAGE": image, "SWARMD_RUN": RUN}
+    )
+    try:
+        # Returns once the bootstrap is healthy and the others are started (depends_on).
+        compose("up", "-d", "--no-build", "--scale", "worker=2", timeout=300)
+        yield compose
+    finally:
+        # Shown by pytest only when the test failed.
+        print(compose("logs", "--no-color", "--tail", "60", check=False))
+        compose.down()
+
+
+def outer_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e.get("event") == "outer_step"]
+
+
+def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Compose) -> None:
+    (bootstrap,) = swarm.containers("bootstrap")
+    assert ch.inspect(bootstrap, "{{.State.Health.Status}}") == "healthy"
+    trainers = swarm.containers("creator") + swarm.containers("worker")
+    assert len(trainers) == 3
+    victim, survivors = trainers[-1], trainers[:-1]
+    names = {c: ch.inspect(c, "{{.Name}}").lstrip("/") for c in trainers}
+
+    def explain() -> str:
+        parts = []
+        for c in trainers:
+            events, stderr = ch.logs(c)
+            brief = [
+                (e["event"], e.get("round"), e.get("status"), e.get("group_size")) for e in events
+            ]
+            parts.append(f"== {names[c]}: {brief[-25:]}\nstderr tail:\n{stderr[-1500:]}")
+        return "\n".join(parts)
+
+    def averaged(c: str, after: int = 0) -> int:
+        events = ch.logs(c)[0][after:]
+        return sum(e["status"] == "averaged" for e in outer_steps(events))
+
+    # 1. The run trains: every trainer has averaged with others twice.
+    ch.wait_until(
+        "every trainer averages twice",
+        lambda: all(averaged(c) >= 2 for c in trainers),
+        240,
+        explain,
+    )
+
+    # 2. SIGKILL one worker; the two others go on averaging without it.
+    before_kill, _ = ch.logs(victim)
+    (listening,) = [e for e in before_kill if e["event"] == "listening"]
+    ch.run(["docker", "kill", victim])
+    ch.wait_until(
+        "the killed worker is down",
+        lambda: ch.inspect(victim, "{{.State.Running}}") == "false",
+        30,
+        explain,
+    )
+    seen = {c: len(ch.logs(c)[0]) for c in survivors}
+    ch.wait_until(
+        "the survivors average twice more without the killed worker",
+        lambda: all(averaged(c, after=seen[c]) >= 2 for c in survivors),
+        180,
+        explain,
+    )
+    # `docker kill` is a user's stop: restart: unless-stopped did not bring it back.
+    assert ch.inspect(victim, "{{.State.Running}}") == "false"
+    for c in survivors:
+        new = outer_steps(ch.logs(c)[0][seen[c] :])
+        assert all(e["group_size"] <= 2 for e in new if e["status"] == "averaged"), new
+
+    # 3. Started again, it is the same peer (its volume kept the key) and takes up the run
+    # from the saved state or, since the run went on, the group's newer one.
+    killed_at = len(ch.logs(victim)[0])
+    ch.run(["docker", "start", victim])
+
+    def after_restart() -> list[dict[str, Any]]:
+        return ch.logs(victim)[0][killed_at:]
+
+    ch.wait_until(
+        "the restarted worker starts training",
+        lambda: any(e["event"] == "training" for e in after_restart()),
+        180,
+        explain,
+    )
+    events = after_restart()
+    (relistening,) = [e for e in events if e["event"] == "listening"]
+    assert relistening["peer_id"] == listening["peer_id"]
+    (training,) = [e for e in events if e["event"] == "training"]
+    assert training["origin"] != "fresh", events
+    assert any(e["event"] in ("resumed", "state_synced") for e in events), events
+
+    # 4. It converges: a round that all three averaged together leaves all three with the
+    # same state (hash of parameters and optimizer state).
+    def common_round() -> int | None:
+        hashes: dict[int, dict[str, str]] = {}
+        for c in trainers:
+            events = after_restart() if c == victim else ch.logs(c)[0]
+            for e in outer_steps(events):
+                if e["status"] == "averaged" and e["group_size"] == 3 and e["dropped"] == 0:
+                    hashes.setdefault(e["round"], {})[c] = e["state_hash"]
+        full = [r for r, by in hashes.items() if len(by) == 3]
+        for r in full:
+            assert len(set(hashes[r].values())) == 1, (r, hashes[r])
+        return max(full, default=None)
+
+    ch.wait_until(
+        "the restarted worker averages with both others",
+        lambda: common_round() is not None,
+        180,
+        explain,
+    )
+
+    # Nothing crashed and was restarted behind the test's back; every peer is healthy
+    # (grpc.health.v1 through the image's HEALTHCHECK).
+    for c in [bootstrap, *survivors]:
+        assert ch.inspect(c, "{{.RestartCount}}") == "0", names.get(c, c)
+        assert ch.inspect(c, "{{.State.Health.Status}}") == "healthy", names.get(c, c)
