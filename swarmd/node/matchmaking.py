@@ -24,6 +24,8 @@ import trio
 from swarmd.node.allreduce import Group, Member
 from swarmd.node.dht import DHTNode, Value
 from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol import rpc
+from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.matchmaking")
@@ -41,11 +43,13 @@ class MatchmakingConfig:
     poll_s: float = 0.1
     #: Lifetime of announcements and group records.
     ttl_s: float = 120.0
+    #: How long an announced peer has to answer a ping before it is left out of the group.
+    probe_s: float = 3.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise ValueError("need 1 <= min_group_size <= target_group_size")
-        for name in ("gather_s", "commit_wait_s", "poll_s", "ttl_s"):
+        for name in ("gather_s", "commit_wait_s", "poll_s", "ttl_s", "probe_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MatchmakingConfig.{name} must be positive")
 
@@ -76,6 +80,25 @@ def _decode_group(value: Value) -> tuple[Member, ...] | None:
     if members[0].peer_id != value.owner:
         return None  # only the leader itself (the lowest id in it) may publish a group
     return members
+
+
+async def _answering(dht: DHTNode, members: list[Member], timeout: float) -> set[PeerId]:
+    """The members that answer a DHT ping (proving their peer id) within ``timeout``."""
+    alive: set[PeerId] = set()
+
+    async def probe(member: Member) -> None:
+        with trio.move_on_after(timeout):
+            try:
+                await dht.caller.ping(member.address, member.peer_id)
+            except (rpc.RpcError, ProtocolError) as exc:
+                log.info("leaving %s out of the group: %s", member.peer_id.short(), exc)
+                return
+            alive.add(member.peer_id)
+
+    async with trio.open_nursery() as nursery:
+        for member in members:
+            nursery.start_soon(probe, member)
+    return alive
 
 
 def round_id_of(key: str, record: bytes) -> bytes:
@@ -113,6 +136,12 @@ async def form_group(
         if members is not None and me.peer_id not in {m.peer_id for m in members}:
             committed |= {m.peer_id for m in members}
     available = [m for m in visible.values() if m.peer_id not in committed]
+    # An announcement outlives its author: a peer killed or frozen after announcing must not
+    # lead the group (its followers would wait for a record that never comes, then train
+    # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for
+    # in the all-reduce. Everyone who sees it probes it, so they agree on leaving it out.
+    alive = await _answering(dht, [m for m in available if m.peer_id != me.peer_id], cfg.probe_s)
+    available = [m for m in available if m.peer_id == me.peer_id or m.peer_id in alive]
     candidates = sorted(available, key=lambda m: m.peer_id)[: cfg.target_group_size]
     if me not in candidates or len(candidates) < cfg.min_group_size:
         log.info("round %s: %d peers visible, not enough for a group", key, len(visible))

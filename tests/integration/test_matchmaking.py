@@ -13,6 +13,7 @@ from swarmd.node.dht import DHTConfig
 from swarmd.node.dht.node import open_dht
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.metrics import Metrics
+from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
 
@@ -171,5 +172,23 @@ def test_a_latecomer_does_not_group_with_peers_already_committed() -> None:
             )
             late = await form_group(peers[3].dht, key, peers[3].member, quick)  # type: ignore[arg-type]
             assert late is None
+
+    trio.run(main)
+
+
+def test_a_peer_that_announced_and_died_does_not_block_the_round() -> None:
+    """The lowest id leads. If that peer died after announcing (its address no longer answers),
+    the others must leave it out and form their group, not wait for its record and skip."""
+
+    async def main() -> None:
+        async with swarm(4) as peers:
+            key = round_key("run", 9)
+            ghost, *live = sorted(peers, key=lambda p: p.identity.peer_id)
+            dead = apb.MemberInfo(address="127.0.0.1:1", bandwidth=1e8).SerializeToString()
+            await ghost.dht.store(key, dead, ghost.dht.now() + 60, subkey=str(ghost.member.peer_id))  # type: ignore[attr-defined]
+            groups = await _form_all(live, key, FAST)
+            assert all(g is not None for g in groups), groups
+            members = {tuple(m.peer_id for m in g.members) for g in groups if g is not None}
+            assert members == {tuple(p.identity.peer_id for p in live)}
 
     trio.run(main)
