@@ -175,6 +175,16 @@ def test_restarted_peer_must_resume_in_time_and_from_its_state() -> None:
     assert not fresh.ok and "from scratch" in fresh.detail
     never = Log().add(10, "spawn", peer=1, pid=1, incarnation=1).stop(20)
     assert not restarts_resumed(never.records, bounds).ok
+    crashed = Log().add(10, "spawn", peer=1, pid=1, incarnation=1).add(12, "exit", peer=1, code=1)
+    assert "exited before it resumed" in restarts_resumed(crashed.stop(20).records, bounds).detail
+    # Killed again by the schedule while starting up: not a failure to resume.
+    rekilled = Log().add(10, "spawn", peer=1, pid=1, incarnation=1)
+    rekilled.add(12, "fault", kind="kill", peers=[1], duration_s=3).add(
+        12.1, "exit", peer=1, code=-9
+    )
+    rekilled.add(15, "spawn", peer=1, pid=2, incarnation=2).event(25, 1, "training", origin="saved")
+    check = restarts_resumed(rekilled.stop(30).records, bounds)
+    assert check.ok and dict(check.figures)["max_resume_s"] == 10
 
 
 def test_liveness_counts_only_time_when_a_group_could_form() -> None:

@@ -204,6 +204,9 @@ def restarts_resumed(records: list[Record], bounds: Bounds) -> Check:
                 bad.append(f"peer{peer} restarted from scratch, not from its state")
             if took > bounds.resume_s:
                 bad.append(f"peer{peer} took {took:.0f}s to resume (bound {bounds.resume_s:.0f}s)")
+        elif r["type"] == "fault" and r["kind"] == "kill":
+            for p in r["peers"]:
+                waiting.pop(p, None)  # killed again while starting: judged on its next restart
         elif r["type"] == "exit" and peer in waiting:
             bad.append(f"peer{peer} exited before it resumed")
             waiting.pop(peer)
