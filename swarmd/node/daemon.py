@@ -30,6 +30,7 @@ import torch
 import trio
 
 from swarmd.node.allreduce import AllReduceConfig, Averager, Member
+from swarmd.node.catchup import state_to_take
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.errors import innermost
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
@@ -206,6 +207,9 @@ class Peer:
     stop_requested = False
     #: Hash of the global state this peer last published (None before its first round).
     last_hash: bytes | None = None
+    #: The last round at which this peer's state was also others' (averaged in a group, or
+    #: downloaded); rounds after it were made alone and do not compare with the group's.
+    shared_round = 0
 
     async def _run_config(self) -> RunConfig:
         opts = self.opts
@@ -303,6 +307,7 @@ class Peer:
             log.warning("donors' state belongs to another config; ignoring it")
             return False
         await trio.to_thread.run_sync(diloco.load_state_dict, snap.to_state_dict())
+        self.shared_round = diloco.round
         self.out.event(
             "state_synced",
             f"downloaded the group's state (round {snap.round}) from {len(donors)} donor(s)",
@@ -342,18 +347,18 @@ class Peer:
     async def _catch_up(self, config: RunConfig, diloco: DiLoCo, my_hash: bytes) -> bool:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
         it takes the group's instead of drifting apart forever."""
-        adverts = [a for a in await self._adverts(config) if a.round >= diloco.round]
-        if not adverts:
+        adverts = await self._adverts(config)
+        want = state_to_take(adverts, diloco.round, my_hash, self.shared_round)
+        if want is None:
             return False
-        want, _ = choose_donors(adverts)
-        newest = max(a.round for a in adverts)
-        if newest > diloco.round or want != my_hash:
-            return await self._sync_from_group(config, diloco, adverts)
-        return False
+        return await self._sync_from_group(
+            config, diloco, [a for a in adverts if a.state_hash == want]
+        )
 
     async def _train(self, config: RunConfig, nursery: trio.Nursery) -> None:
         diloco, source = await trio.to_thread.run_sync(self._build, config)
         origin, step = await self._initial_state(config, diloco)
+        self.shared_round = diloco.round
         shard = shard_for_peer(self.identity.peer_id.raw, NUM_SHARDS)
         me = Member(self.identity.peer_id, self.address, self.opts.bandwidth)
         mm = MatchmakingConfig(
@@ -466,6 +471,8 @@ class Peer:
             )
             dropped = len(result.dropped)
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
+        if report.status == "averaged" and size > 1:
+            self.shared_round = diloco.round
         snap = await self._publish(config, diloco, step)
         val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
         self.stats.update(round=diloco.round, peers=size, last_outer=report.status)

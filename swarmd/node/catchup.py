@@ -1,0 +1,62 @@
+"""Which state a peer should take from the group instead of going on with its own.
+
+Peers average only with peers holding the very same global state (the matchmaking key carries
+the state hash), so a peer whose state is not the group's must download the group's, or it
+trains alone forever. The question is which advertised state is "the group's". Round numbers
+alone cannot say: a peer that found no group (cut off from the network, or the only one ready)
+still makes an outer step of its own and counts a round, so after an outage it may be *ahead*
+of the group in rounds with a state nobody else has. Seen on four network-namespace hosts: a
+host cut off for three rounds came back one round ahead of the other three, ignored their
+states because they were "older", and averaged alone for minutes; had it been one round further
+ahead, the other three would have thrown their averaged state away for its lone one.
+
+So each peer remembers the last round at which its state was shared with others (an outer step
+averaged in a group, or a state downloaded from donors), and:
+
+- a peer that has made rounds alone since then compares states by how many peers hold them
+  (its own counts once), then by round: the group's state wins over its own lone one however
+  many lone rounds it made; rounds at or before its last shared round are the past it already
+  had (stale adverts it still sees while cut off), not a group to follow;
+- a peer whose state is shared keeps the rule that a newer round wins (a late peer follows the
+  group), except a newer state that only one peer holds while others still hold this peer's
+  state: that is a lone peer ahead of the group, not the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from swarmd.node.statesync_donor import StateAdvert
+
+
+def state_to_take(
+    others: Sequence[StateAdvert], my_round: int, my_hash: bytes, shared_round: int
+) -> bytes | None:
+    """The hash of the state to download from ``others`` (other peers' adverts), or None to
+    keep this peer's state (``my_round``, ``my_hash``; shared with others at ``shared_round``)."""
+    if my_round > shared_round:
+        fresh = [a for a in others if a.round > shared_round]
+        votes: dict[bytes, tuple[int, int]] = {my_hash: (1, my_round)}
+        for a in fresh:
+            count, round_no = votes.get(a.state_hash, (0, a.round))
+            votes[a.state_hash] = (count + 1, max(round_no, a.round))
+        best = max(votes, key=lambda h: (*votes[h], h))
+        return None if best == my_hash else best
+    current = [a for a in others if a.round >= my_round]
+    if not current:
+        return None
+    holders: dict[bytes, int] = {}
+    for a in current:
+        holders[a.state_hash] = holders.get(a.state_hash, 0) + 1
+    newest = max(a.round for a in current)
+    mine = holders.get(my_hash, 0)
+    if newest > my_round:
+        ahead = {a.state_hash for a in current if a.round == newest}
+        want = max(ahead, key=lambda h: (holders[h], h))
+        if holders[want] < 2 and mine > 0:
+            return None
+        return want
+    # Same round, different states (two groups formed): the one more peers hold wins, this
+    # peer's own vote included, so that the two sides of a tie pick the same state.
+    want = max(holders.keys() | {my_hash}, key=lambda h: (holders.get(h, 0) + (h == my_hash), h))
+    return None if want == my_hash else want

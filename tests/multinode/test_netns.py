@@ -1,0 +1,213 @@
+"""Four hosts with their own addresses on a shaped bridge: a run survives one host's outage.
+
+Each host is a network namespace (deploy/netns.py) on a private /24, every link limited to
+20 mbit/s each way by `tc tbf`. Host 0 runs the DHT bootstrap and the run's creator; hosts 1-3
+join. Once all four average together, host 3's switch port goes down: the other three must keep
+completing outer steps without it, and after the port comes back host 3 must take the group's
+state (a `synced` outer step or `state_synced`) and then hold the same state hash as the others
+at the same round. Needs root and iproute2; it fails (never skips) where namespaces cannot be
+made, because CI runs as root and a skipped multi-host test would pass by saying nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deploy.netns import NetnsConfig, NetnsError, Network, Shaping, check_usable
+from tests.helpers import Proc, ProcessGroup, swarmd_cmd
+
+RATE = "20mbit"
+HOSTS = 4
+CUT = 3
+
+# Tiny model and H=5 so outer steps come every few seconds; matchmaking dominates a round.
+RUN = """\
+n_layer = 1
+n_head = 2
+n_embd = 32
+block_size = 32
+batch_size = 4
+inner_steps = 5
+inner_lr = 0.003
+outer_momentum = 0.5
+min_group_size = 2
+"""
+
+Event = dict[str, Any]
+
+
+@pytest.fixture
+def net() -> Iterator[Network]:
+    try:
+        check_usable()
+    except NetnsError as exc:
+        pytest.fail(f"multi-host test cannot run here: {exc}")
+    # A fresh tag per run: parallel runs (or a leftover from a killed one) never clash.
+    network = Network(NetnsConfig(secrets.token_hex(4), HOSTS, shaping=Shaping(rate=RATE)))
+    network.up()
+    try:
+        yield network
+    finally:
+        network.down()
+
+
+@pytest.fixture
+def peers() -> Iterator[ProcessGroup]:
+    """Like the `processes` fixture, but SIGKILLs first: a peer honours SIGTERM at its next step
+    boundary, which mid-matchmaking is up to 25 s away (graceful leave is test_join's)."""
+    group = ProcessGroup()
+    try:
+        yield group
+    finally:
+        for proc in group.procs:
+            if proc.process.poll() is None:
+                proc.process.kill()
+        group.close()
+
+
+class Hosts:
+    """Collects each host's JSON events as they arrive, without blocking on any one host."""
+
+    def __init__(self, procs: list[Proc]) -> None:
+        self.procs = procs
+        self.events: list[list[Event]] = [[] for _ in procs]
+
+    def drain(self) -> None:
+        for proc, events in zip(self.procs, self.events, strict=True):
+            while not proc._lines.empty():
+                events.append(proc.receive(timeout=1))
+            if proc.process.poll() is not None and proc._lines.empty():
+                raise AssertionError(
+                    f"{proc.process.args[-1]} exited ({proc.process.returncode}):\n"
+                    + "".join(proc.stderr_tail)
+                )
+
+    def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.drain()
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout}s: {what}\n{self.timeline()}")
+            time.sleep(0.2)
+
+    def outer(self, i: int, since: float = 0.0) -> list[Event]:
+        return [e for e in self.events[i] if e["event"] == "outer_step" and e["time"] >= since]
+
+    def timeline(self) -> str:
+        lines = []
+        for i, events in enumerate(self.events):
+            lines.append(
+                f"host {i}: "
+                + ", ".join(
+                    f"{e['event']}(r{e.get('round')},{e.get('status', '')},"
+                    f"g{e.get('group_size', '')},{str(e.get('state_hash', ''))[:6]},"
+                    f"t{e['time'] % 1000:.1f})"
+                    for e in events
+                    if e["event"] in ("outer_step", "state_synced", "run_joined", "training")
+                )
+            )
+            lines.extend("    " + line.rstrip() for line in list(self.procs[i].stderr_tail)[-5:])
+        return "\n".join(lines)
+
+
+def test_four_hosts_one_cut_off_and_healed(
+    net: Network, peers: ProcessGroup, tmp_path: Path
+) -> None:
+    assert f"rate {RATE.removesuffix('mbit')}Mbit" in net.qdisc(0)
+    (tmp_path / "run.toml").write_text(RUN)
+    boot = peers.start(
+        net.exec_prefix(0)
+        + swarmd_cmd("dht", "--listen", f"{net.ip(0)}:0", "--state-dir", str(tmp_path / "boot"))
+    )
+    assert boot.address.startswith(net.ip(0) + ":"), boot.info
+
+    def join(i: int, *extra: str) -> list[str]:
+        return net.exec_prefix(i) + swarmd_cmd(
+            "join", "--run", "netns", "--peers", boot.address, "--listen", f"{net.ip(i)}:0",
+            "--log-format", "json", "--state-dir", str(tmp_path / f"h{i}"),
+            "--progress-interval", "600", *extra,
+        )  # fmt: skip
+
+    procs = peers.start_many(
+        [join(0, "--create-run", str(tmp_path / "run.toml"))] + [join(i) for i in range(1, HOSTS)]
+    )
+    for i, proc in enumerate(procs):
+        # Each host advertises its own address on the bridge, not loopback.
+        assert proc.info["address"].startswith(net.ip(i) + ":"), proc.info
+    hosts = Hosts(procs)
+
+    # 1. All four average together.
+    hosts.wait(
+        "an outer step averaged by all four hosts",
+        lambda: all(
+            any(e["status"] == "averaged" and e["group_size"] == HOSTS for e in hosts.outer(i))
+            for i in range(HOSTS)
+        ),
+        timeout=90,
+    )
+
+    # 2. Host 3 is cut off; the others go on without it, and it goes on alone.
+    net.cut(CUT)
+    cut_at = time.time()
+    rest = [i for i in range(HOSTS) if i != CUT]
+    hosts.wait(
+        "two outer steps averaged without the cut-off host on every other host, and one "
+        "outer step of its own on the cut-off host",
+        lambda: (
+            all(
+                sum(
+                    e["status"] == "averaged" and 2 <= e["group_size"] < HOSTS
+                    for e in hosts.outer(i, cut_at)
+                )
+                >= 2
+                for i in rest
+            )
+            and any(e["status"] == "local" for e in hosts.outer(CUT, cut_at))
+        ),
+        timeout=90,
+    )
+
+    # 3. Healed, host 3 takes the group's state, then averages with all four again.
+    net.heal(CUT)
+    healed_at = time.time()
+
+    def synced_at() -> float | None:
+        return next(
+            (
+                e["time"]
+                for e in hosts.events[CUT]
+                if e["time"] >= healed_at
+                and (e["event"] == "state_synced" or e.get("status") == "synced")
+            ),
+            None,
+        )
+
+    def rejoined() -> list[Event]:
+        """Host 3's outer steps after its sync, averaged by all four, with the state hash
+        another host logged for the same round."""
+        after = synced_at()
+        if after is None:
+            return []
+        theirs = {(e["round"], e["state_hash"]) for i in rest for e in hosts.outer(i)}
+        return [
+            e
+            for e in hosts.outer(CUT, after)
+            if e["status"] == "averaged"
+            and e["group_size"] == HOSTS
+            and (e["round"], e["state_hash"]) in theirs
+        ]
+
+    hosts.wait("the healed host catches up and averages with all", lambda: bool(rejoined()), 120)
+    print(hosts.timeline())
+    # The group never took up a state host 3 made alone (it follows the group, not the reverse).
+    lone = {e["state_hash"] for e in hosts.outer(CUT, cut_at) if e["status"] == "local"}
+    held = {e["state_hash"] for i in rest for e in hosts.outer(i)}
+    assert lone and not lone & held, hosts.timeline()

@@ -1,0 +1,71 @@
+"""Which advertised state a peer takes instead of its own (swarmd.node.catchup)."""
+
+from __future__ import annotations
+
+from swarmd.node.catchup import state_to_take
+from swarmd.node.statesync_donor import StateAdvert
+from swarmd.node.statesync_snapshot import HASH_BYTES
+
+
+def h(name: str) -> bytes:
+    return name.encode().ljust(HASH_BYTES, b"\0")
+
+
+def ad(round_no: int, name: str, port: int = 1) -> StateAdvert:
+    return StateAdvert(round_no, h(name), f"10.77.0.{port}:7000", 1000)
+
+
+GROUP = "group"
+
+
+def test_lone_peer_ahead_in_rounds_takes_the_groups_state() -> None:
+    # Cut off after round 4, it made rounds 5..8 alone; the other three averaged up to 7.
+    others = [ad(7, GROUP, 1), ad(7, GROUP, 2), ad(7, GROUP, 3)]
+    assert state_to_take(others, my_round=8, my_hash=h("lone"), shared_round=4) == h(GROUP)
+
+
+def test_lone_peer_ignores_adverts_from_before_it_was_cut_off() -> None:
+    # While cut off it still sees what it last heard: states it already had or passed.
+    stale = [ad(3, "r3", 1), ad(3, "r3", 2), ad(4, "r4", 3)]
+    assert state_to_take(stale, my_round=6, my_hash=h("lone"), shared_round=4) is None
+
+
+def test_shared_peer_ignores_a_lone_peer_one_round_ahead() -> None:
+    others = [ad(7, GROUP, 1), ad(7, GROUP, 2), ad(8, "lone", 3)]
+    assert state_to_take(others, my_round=7, my_hash=h(GROUP), shared_round=7) is None
+
+
+def test_late_peer_follows_the_group_to_a_newer_round() -> None:
+    others = [ad(8, "new", 1), ad(8, "new", 2), ad(8, "new", 3)]
+    assert state_to_take(others, my_round=7, my_hash=h(GROUP), shared_round=7) == h("new")
+
+
+def test_newer_state_of_one_peer_is_taken_when_nobody_else_holds_ours() -> None:
+    # A two-peer run: the partner went on alone while this peer was slow.
+    others = [ad(8, "partner", 1)]
+    assert state_to_take(others, my_round=7, my_hash=h(GROUP), shared_round=7) == h("partner")
+
+
+def test_two_groups_of_a_split_pick_the_same_state() -> None:
+    left = [ad(5, "a", 1), ad(5, "b", 3), ad(5, "b", 4)]  # seen by a peer holding "a"
+    right = [ad(5, "a", 1), ad(5, "a", 2), ad(5, "b", 4)]  # seen by a peer holding "b"
+    take_left = state_to_take(left, my_round=5, my_hash=h("a"), shared_round=5)
+    take_right = state_to_take(right, my_round=5, my_hash=h("b"), shared_round=5)
+    # Exactly one side moves, to the other side's state.
+    assert {take_left, take_right} in ({None, h("a")}, {None, h("b")})
+    assert (take_left or h("a")) == (take_right or h("b"))
+
+
+def test_two_lone_peers_agree_on_one_of_their_states() -> None:
+    a = state_to_take([ad(9, "b", 2)], my_round=8, my_hash=h("a"), shared_round=4)
+    b = state_to_take([ad(8, "a", 1)], my_round=9, my_hash=h("b"), shared_round=4)
+    assert a == h("b") and b is None  # the newer one wins on both sides
+
+
+def test_same_state_or_nothing_advertised_keeps_ours() -> None:
+    assert state_to_take([], my_round=3, my_hash=h(GROUP), shared_round=3) is None
+    assert state_to_take([], my_round=5, my_hash=h("lone"), shared_round=3) is None
+    same = [ad(3, GROUP, 1), ad(3, GROUP, 2)]
+    assert state_to_take(same, my_round=3, my_hash=h(GROUP), shared_round=3) is None
+    older = [ad(2, "old", 1)]
+    assert state_to_take(older, my_round=3, my_hash=h(GROUP), shared_round=3) is None
