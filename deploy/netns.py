@@ -147,6 +147,10 @@ class Network:
     def up(self) -> None:
         """Creates the bridge and the hosts; on any failure removes what it made and raises."""
         check_usable()
+        taken = set(self.namespaces()) & set(list_namespaces())
+        if taken:
+            # Someone else's (or a leftover of a killed run: `netns.py down --tag` removes it).
+            raise NetnsError(f"namespaces {sorted(taken)} already exist; use another tag")
         try:
             self._up()
         except BaseException:

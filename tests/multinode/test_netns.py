@@ -50,7 +50,10 @@ def net() -> Iterator[Network]:
         pytest.fail(f"multi-host test cannot run here: {exc}")
     # A fresh tag per run: parallel runs (or a leftover from a killed one) never clash.
     network = Network(NetnsConfig(secrets.token_hex(4), HOSTS, shaping=Shaping(rate=RATE)))
-    network.up()
+    try:
+        network.up()  # removes what it made if it fails
+    except NetnsError as exc:
+        pytest.fail(f"multi-host test cannot run here: {exc}")
     try:
         yield network
     finally:
@@ -118,6 +121,8 @@ class Hosts:
         return "\n".join(lines)
 
 
+# About 70 s on an idle 2-core machine; twice that under load, over the default 120 s limit.
+@pytest.mark.timeout(400)
 def test_four_hosts_one_cut_off_and_healed(
     net: Network, peers: ProcessGroup, tmp_path: Path
 ) -> None:
@@ -151,7 +156,7 @@ def test_four_hosts_one_cut_off_and_healed(
             any(e["status"] == "averaged" and e["group_size"] == HOSTS for e in hosts.outer(i))
             for i in range(HOSTS)
         ),
-        timeout=90,
+        timeout=150,
     )
 
     # 2. Host 3 is cut off; the others go on without it, and it goes on alone.
@@ -207,7 +212,11 @@ def test_four_hosts_one_cut_off_and_healed(
 
     hosts.wait("the healed host catches up and averages with all", lambda: bool(rejoined()), 120)
     print(hosts.timeline())
-    # The group never took up a state host 3 made alone (it follows the group, not the reverse).
+    # The group never took up a state host 3 made alone: it follows the group, not the reverse.
+    # (Only while the others stayed a group: had they all gone alone too, say a failed
+    # all-reduce under load, any one lone state is as good as another.)
     lone = {e["state_hash"] for e in hosts.outer(CUT, cut_at) if e["status"] == "local"}
     held = {e["state_hash"] for i in rest for e in hosts.outer(i)}
-    assert lone and not lone & held, hosts.timeline()
+    assert lone, hosts.timeline()
+    if all(e["status"] in ("averaged", "synced") for i in rest for e in hosts.outer(i, cut_at)):
+        assert not lone & held, hosts.timeline()
