@@ -109,3 +109,40 @@ def test_a_dht_only_node_does_not_import_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "swarmd.node.dht.main" in json.loads(done.stdout)
+
+
+def _connected_to(port: int) -> bool:
+    """Whether some socket on this machine has an established TCP connection to ``port``."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def test_a_bootstrap_peer_slow_to_answer_is_waited_for(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """The first call to a bootstrap peer opens the connection, and the peer may be far away
+    or busy: it gets the bootstrap's whole budget (5 s), not the 250 ms floor of a round-trip
+    estimate that has measured nothing yet."""
+    boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp_path / "boot")))
+    port = int(boot.address.rsplit(":", 1)[1])
+    boot.process.send_signal(signal.SIGSTOP)  # the kernel still accepts its connections
+    try:
+        joiner = processes._spawn(
+            swarmd_cmd("dht", "--state-dir", str(tmp_path / "j"), "--peers", boot.address),
+            None,
+            False,
+        )
+        deadline = time.monotonic() + 60
+        while not _connected_to(port):  # the joiner's ping is now waiting for an answer
+            assert time.monotonic() < deadline and joiner.process.poll() is None
+            time.sleep(0.02)
+        time.sleep(1.0)
+    finally:
+        boot.process.send_signal(signal.SIGCONT)
+    joined = joiner.receive(timeout=30)
+    assert joined["routing_table"] == 1

@@ -183,7 +183,12 @@ class DHTNode:
 
         async def ping(address: str) -> None:
             try:
-                await self.caller.ping(address)
+                # The whole budget, not the round-trip estimate: nothing is measured yet, so
+                # that would be its 250 ms floor, a loopback figure. A first call also opens
+                # the connection, and a bootstrap peer may be far away or busy; seen failing
+                # between network-namespace hosts on a loaded machine, and against a peer
+                # paused for a second.
+                await self.caller.ping(address, timeout=self.config.bootstrap_timeout_s)
             except (rpc.RpcError, ProtocolError) as exc:
                 errors[address] = str(exc)
 
