@@ -11,6 +11,7 @@ Exit codes: 0 success, 1 runtime failure, 2 bad usage or input, 3 peer unreachab
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="publish a new run from this TOML file (keys: see swarmd/node/runconfig.py; "
         "'-' for the built-in defaults)",
+    )
+    p.add_argument(
+        "--algo",
+        choices=["diloco", "streaming-diloco"],
+        default=None,
+        help="with --create-run: the run's algorithm (overrides the file's `algo`); without "
+        "it: refuse to join a run that uses another one",
     )
     p.add_argument("--max-steps", type=_positive_int, default=None, help="stop after N steps")
     p.add_argument("--duration", type=_positive_float, default=None, help="stop after S seconds")
@@ -511,6 +519,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                 if str(args.create_run) == "-"
                 else RunConfig.from_toml(args.create_run, name=args.run)
             )
+            if args.algo is not None:
+                create = dataclasses.replace(create, algo=args.algo)
         except RunConfigError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
     options = JoinOptions(
@@ -525,6 +535,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         progress_interval_s=args.progress_interval,
         join_timeout_s=args.join_timeout,
+        algo=args.algo,
     )
     return run_join(options)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Member
+from swarmd.node.allreduce import AllReduceConfig, AllReduceResult, Averager, Member
 from swarmd.node.catchup import state_to_take
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.errors import innermost
@@ -40,7 +40,8 @@ from swarmd.node.runconfig import CONFIG_TTL_S, RunConfig, RunConfigError, confi
 from swarmd.node.statesync import StateSyncError, download_state
 from swarmd.node.statesync_donor import StateAdvert, StateDonor, advert_key, choose_donors
 from swarmd.node.statesync_snapshot import StateSnapshot
-from swarmd.optim.diloco import DiLoCo, DiLoCoConfig
+from swarmd.optim.diloco import DiLoCo
+from swarmd.optim.streaming import FragmentRound, StreamingDiLoCo
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
@@ -56,6 +57,9 @@ from swarmd.workloads import (
 )
 
 log = logging.getLogger("swarmd.daemon")
+
+#: The run's optimiser (RunConfig.algo): both keep the global state joiners download.
+Optimizer = DiLoCo | StreamingDiLoCo
 
 STATE_FILE = "state.pt"
 NUM_SHARDS = 64
@@ -82,6 +86,8 @@ class JoinOptions:
     join_timeout_s: float = 60.0
     #: Advertised bandwidth (bytes/s) for part sizing; the all-reduce measures the real one.
     bandwidth: float = 1e8
+    #: Refuse to join a run whose config names another algorithm (None: any).
+    algo: str | None = None
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -138,6 +144,23 @@ def load_saved(path: Path, config_hash: str) -> dict[str, Any] | None:
     return state
 
 
+@dataclass
+class _Flight:
+    """One streaming fragment round on the wire: matchmaking + all-reduce in the background."""
+
+    round: FragmentRound
+    #: Wall-clock times (for logs that compare peers) and the trainer's step count.
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+    result: torch.Tensor | AllReduceResult | None = None
+    group_size: int = 1
+    dropped: int = 0
+    live: int = 0
+    #: Inner steps the trainer took while the round was on the wire.
+    steps_in_flight: int = 0
+
+
 class Peer:
     """The training peer; `run()` is the whole lifecycle."""
 
@@ -155,6 +178,8 @@ class Peer:
         self.donor = StateDonor()
         self.address = ""
         self.stats: dict[str, Any] = {"step": 0, "round": 0, "loss": math.nan, "peers": 1}
+        #: Set with stop_requested: a trainer waiting for a streaming round stops waiting.
+        self.stopping = trio.Event()
 
     async def run(self) -> None:
         opts = self.opts
@@ -202,6 +227,7 @@ class Peer:
             async for signum in signals:
                 self.out.event("leaving", f"{signal.Signals(signum).name}: leaving the run")
                 self.stop_requested = True
+                self.stopping.set()
                 return
 
     stop_requested = False
@@ -210,6 +236,11 @@ class Peer:
     #: The last round at which this peer's state was also others' (averaged in a group, or
     #: downloaded); rounds after it were made alone and do not compare with the group's.
     shared_round = 0
+    #: Seconds the trainer waited for the network (matchmaking, all-reduce, state sync): with
+    #: the run's wall time it gives compute utilisation, 1 - wait / wall.
+    wait_s = 0.0
+    #: Seconds the trainer spent outside inner steps for outer steps (waiting included).
+    held_s = 0.0
 
     async def _run_config(self) -> RunConfig:
         opts = self.opts
@@ -237,6 +268,11 @@ class Peer:
                         raise JoinError(
                             f"the DHT holds a config for {config.name!r}, not {opts.run!r}"
                         )
+                    if opts.algo is not None and config.algo != opts.algo:
+                        raise JoinError(
+                            f"run {config.name!r} trains with {config.algo}, not {opts.algo}; "
+                            "--algo only chooses the algorithm of a run made with --create-run"
+                        )
                     self.out.event(
                         "run_joined",
                         f"joined run {config.name!r} (config {config.hash}, created by "
@@ -253,7 +289,7 @@ class Peer:
 
     # -- training ---------------------------------------------------------------------------
 
-    def _build(self, config: RunConfig) -> tuple[DiLoCo, TokenSource]:
+    def _build(self, config: RunConfig) -> tuple[Optimizer, TokenSource]:
         torch.manual_seed(config.seed)  # a user model's init is then the same on every peer
         model: torch.nn.Module
         if config.model == "builtin":
@@ -271,16 +307,15 @@ class Peer:
                 model = load_model(config.model)
             except ModelLoadError as exc:
                 raise JoinError(str(exc)) from None
-        diloco = DiLoCo(
-            model,
-            DiLoCoConfig(
-                inner_steps=config.inner_steps,
-                inner_lr=config.inner_lr,
-                outer_lr=config.outer_lr,
-                outer_momentum=config.outer_momentum,
-            ),
-        )
-        return diloco, load_source(config.data)
+        opt: Optimizer
+        if config.algo == "streaming-diloco":
+            try:
+                opt = StreamingDiLoCo(model, config.streaming_config())
+            except ValueError as exc:  # e.g. fewer layers than fragments
+                raise JoinError(f"streaming-diloco: {exc}") from None
+        else:
+            opt = DiLoCo(model, config.diloco_config())
+        return opt, load_source(config.data)
 
     async def _adverts(self, config: RunConfig) -> list[StateAdvert]:
         adverts: list[StateAdvert] = []
@@ -294,7 +329,7 @@ class Peer:
         return adverts
 
     async def _sync_from_group(
-        self, config: RunConfig, diloco: DiLoCo, adverts: list[StateAdvert]
+        self, config: RunConfig, diloco: Optimizer, adverts: list[StateAdvert]
     ) -> bool:
         """Downloads the state most donors advertise and loads it; False if that failed."""
         want, donors = choose_donors(adverts)
@@ -315,7 +350,7 @@ class Peer:
         )
         return True
 
-    async def _initial_state(self, config: RunConfig, diloco: DiLoCo) -> tuple[str, int]:
+    async def _initial_state(self, config: RunConfig, diloco: Optimizer) -> tuple[str, int]:
         """Loads the newest state: the group's, else ours, else the seeded init. Returns where
         it came from and the inner step to resume the data order at."""
         adverts = await self._adverts(config)
@@ -344,7 +379,7 @@ class Peer:
             return "saved", int(saved.get("step", 0))
         return "fresh", 0
 
-    async def _catch_up(self, config: RunConfig, diloco: DiLoCo, my_hash: bytes) -> bool:
+    async def _catch_up(self, config: RunConfig, diloco: Optimizer, my_hash: bytes) -> bool:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
         it takes the group's instead of drifting apart forever."""
         adverts = await self._adverts(config)
@@ -371,38 +406,269 @@ class Peer:
         )
         nursery.start_soon(self._heartbeat, config)
         nursery.start_soon(self._report_progress)
+        streaming = (
+            f", {config.fragments} fragments ({config.fragment_layout}), overlap "
+            f"{config.overlap_steps}, alpha {config.mix_alpha}{', eager' if config.eager else ''}"
+            if isinstance(diloco, StreamingDiLoCo)
+            else ""
+        )
         self.out.event(
             "training",
-            f"training {diloco.numel / 1e6:.2f}M parameters, H={config.inner_steps}, "
-            f"codec {config.codec}, data shard {shard}/{NUM_SHARDS} ({origin} start)",
+            f"training {diloco.numel / 1e6:.2f}M parameters with {config.algo}, "
+            f"H={config.inner_steps}{streaming}, codec {config.codec}, data shard "
+            f"{shard}/{NUM_SHARDS} ({origin} start)",
             params=diloco.numel,
             origin=origin,
+            algo=config.algo,
         )
         await self._publish(config, diloco, step)  # also sets last_hash, the matchmaking key
         start = time.monotonic()
-        tokens = 0
         self.stats["started"] = start
         first_val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
         self.out.event(
             "validation", f"validation loss {first_val:.4f}", round=diloco.round, val_loss=first_val
         )
-        while not self._should_stop(step, start):
-            batch = source.train_batch(
-                shard, NUM_SHARDS, config.batch_size, config.block_size, config.seed, step
+        if isinstance(diloco, StreamingDiLoCo):
+            step = await self._train_streaming(
+                config, diloco, source, shard, me, mm, step, start, nursery
             )
-            loss = await trio.to_thread.run_sync(diloco.inner_step, batch)
-            step += 1
-            tokens += config.batch_size * config.block_size
-            self.stats.update(step=step, loss=loss, tokens=tokens)
-            if diloco.should_sync():
-                await self._outer_step(config, diloco, source, me, mm, step)
+        else:
+            while not self._should_stop(step, start):
+                await self._inner_step(config, diloco, source, shard, step)
+                step += 1
+                if diloco.should_sync():
+                    await self._outer_step(config, diloco, source, me, mm, step)
+        wall = time.monotonic() - start
         self.out.event(
             "stopped",
-            f"stopped after {step} inner steps, sent {self.metrics.sent_total / 2**20:.1f} MiB",
+            f"stopped after {step} inner steps, sent {self.metrics.sent_total / 2**20:.1f} MiB, "
+            f"waited {self.wait_s:.1f}s of {wall:.1f}s for the network",
             step=step,
             round=diloco.round,
             sent_bytes=self.metrics.sent_total,
             received_bytes=self.metrics.received_total,
+            wall_s=round(wall, 3),
+            wait_s=round(self.wait_s, 3),
+            held_s=round(self.held_s, 3),
+            utilisation=round(1.0 - self.wait_s / wall, 4) if wall > 0 else None,
+        )
+
+    async def _inner_step(
+        self, config: RunConfig, opt: Optimizer, source: TokenSource, shard: int, step: int
+    ) -> None:
+        batch = source.train_batch(
+            shard, NUM_SHARDS, config.batch_size, config.block_size, config.seed, step
+        )
+        loss = await trio.to_thread.run_sync(opt.inner_step, batch)
+        tokens = int(self.stats.get("tokens", 0)) + config.batch_size * config.block_size
+        self.stats.update(step=step + 1, loss=loss, tokens=tokens)
+
+    # -- streaming DiLoCo ------------------------------------------------------------------
+
+    async def _train_streaming(
+        self,
+        config: RunConfig,
+        opt: StreamingDiLoCo,
+        source: TokenSource,
+        shard: int,
+        me: Member,
+        mm: MatchmakingConfig,
+        step: int,
+        start: float,
+        nursery: trio.Nursery,
+    ) -> int:
+        """The trainer loop of streaming DiLoCo; returns the step count it stopped at.
+
+        A fragment's round (matchmaking + all-reduce) runs as a task in the daemon's nursery
+        from `begin_round` on, τ inner steps before its outer step, while this loop keeps
+        training; at the outer step it waits only if the round is late (eager: it applies a
+        stand-in and goes on). The next round cannot begin before the previous one is applied
+        (its result is part of the state hash that keys the next round's matchmaking), so one
+        fragment at most is on the wire.
+        """
+        flight: _Flight | None = None
+        while not self._should_stop(step, start):
+            await self._inner_step(config, opt, source, shard, step)
+            step += 1
+            if flight is not None and flight.done.is_set() and flight.round.stand_in_applied:
+                await self._finish_fragment(config, opt, source, flight, step, 0.0)
+                flight = None
+            if opt.round_due():
+                t0 = time.monotonic()
+                waited = 0.0
+                if flight is not None:  # an eager stand-in still waits for its average
+                    waited = await self._wait_for(flight)
+                    if not flight.done.is_set():
+                        break  # stopping
+                    await self._finish_fragment(config, opt, source, flight, step, waited)
+                    flight = None
+                    t0 = time.monotonic()
+                # A peer whose state is not the group's takes the group's first (see
+                # _outer_step); the matchmaking key covers the whole state, all fragments.
+                assert self.last_hash is not None
+                if await self._catch_up(config, opt, self.last_hash):
+                    self.wait_s += time.monotonic() - t0
+                    await self._synced_event(config, opt, source, step, t0)
+                    continue
+                self.wait_s += time.monotonic() - t0
+                rnd = await trio.to_thread.run_sync(opt.begin_round)
+                flight = _Flight(rnd)
+                nursery.start_soon(
+                    self._fragment_round, config, opt, flight, self.last_hash, me, mm
+                )
+                self.out.event(
+                    "round_started",
+                    f"fragment {rnd.fragment} round {rnd.round + 1} (turn {rnd.turn}) started",
+                    fragment=rnd.fragment,
+                    turn=rnd.turn,
+                    step=step,
+                )
+                self._held(t0)
+            if opt.outer_due():
+                assert flight is not None
+                if opt.config.eager and not flight.done.is_set():
+                    report = await trio.to_thread.run_sync(opt.apply_stand_in)
+                    self.out.event(
+                        "eager_step",
+                        f"fragment {report.fragment}: average not here yet, applied this "
+                        "peer's own pseudo-gradient as a stand-in",
+                        fragment=report.fragment,
+                        turn=report.turn,
+                    )
+                    continue
+                waited = await self._wait_for(flight)
+                if not flight.done.is_set():
+                    break  # stopping: the round is abandoned, the last saved state stands
+                await self._finish_fragment(config, opt, source, flight, step, waited)
+                flight = None
+        return step
+
+    async def _wait_for(self, flight: _Flight) -> float:
+        """The trainer waits for a late round (or for a stop signal: the caller checks
+        `flight.done`); returns (and accounts) the seconds."""
+        t0 = time.monotonic()
+        async with trio.open_nursery() as nursery:
+
+            async def on_stop() -> None:
+                await self.stopping.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_stop)
+            await flight.done.wait()
+            nursery.cancel_scope.cancel()
+        waited = time.monotonic() - t0
+        self.wait_s += waited
+        self.held_s += waited
+        return waited
+
+    async def _fragment_round(
+        self,
+        config: RunConfig,
+        opt: StreamingDiLoCo,
+        flight: _Flight,
+        state_hash: bytes,
+        me: Member,
+        mm: MatchmakingConfig,
+    ) -> None:
+        """Matchmaking and all-reduce of one fragment's pseudo-gradient; never raises (a
+        failed round is `result` None, which the optimiser's failure policy handles)."""
+        rnd = flight.round
+        try:
+            flight.live = len(await self.dht.peers(peers_key(config.name)))
+            target = max(config.min_group_size, min(config.target_group_size, flight.live))
+            # Per fragment and turn, and only among peers holding the very same global state
+            # (all fragments), as in _outer_step.
+            key = f"{round_key(config.name, rnd.turn, rnd.fragment)}/{state_hash.hex()[:16]}"
+            group = await form_group(
+                self.dht, key, me, dataclasses.replace(mm, target_group_size=target)
+            )
+            if group is not None and len(group.members) > 1:
+                flight.group_size = len(group.members)
+                result = await self.averager.allreduce(
+                    group,
+                    rnd.pseudo_grad,
+                    rnd.weight,
+                    key=f"fragment/{rnd.fragment}",  # error feedback per fragment
+                    codec=config.codec,  # type: ignore[arg-type]
+                )
+                flight.dropped = len(result.dropped)
+                flight.result = result
+            elif group is not None:
+                # A group of one (min_group_size 1, nobody else here): its average is its own.
+                flight.result = rnd.pseudo_grad
+        except Exception:  # a round that breaks must not take the trainer down with it
+            log.exception("fragment %d round (turn %d) failed", rnd.fragment, rnd.turn)
+            flight.result = None
+        finally:
+            flight.steps_in_flight = opt.steps - rnd.began_at_step
+            flight.finished = time.time()
+            flight.done.set()
+
+    async def _finish_fragment(
+        self,
+        config: RunConfig,
+        opt: StreamingDiLoCo,
+        source: TokenSource,
+        flight: _Flight,
+        step: int,
+        waited: float,
+    ) -> None:
+        t0 = time.monotonic()
+        report = await trio.to_thread.run_sync(opt.finish_round, flight.result)
+        if report.status == "averaged" and flight.group_size > 1:
+            self.shared_round = opt.round
+        snap = await self._publish(config, opt, step)
+        # Validate once per H steps (after the last fragment's turn), as plain DiLoCo does.
+        val = (
+            await trio.to_thread.run_sync(self._validate, opt, source, config)
+            if report.turn % opt.fragments == 0
+            else None
+        )
+        self.stats.update(round=opt.round, peers=flight.group_size, last_outer=report.status)
+        size, dropped = flight.group_size, flight.dropped
+        self.out.event(
+            "outer_step",
+            f"fragment {report.fragment} round {report.round}: {report.status} with {size} "
+            f"peer(s){f', {dropped} dropped' if dropped else ''}"
+            f"{' (replaced the stand-in)' if report.replaced_stand_in else ''}, "
+            f"{flight.steps_in_flight} step(s) during the round, waited {waited:.2f}s"
+            f"{f', validation loss {val:.4f}' if val is not None else ''}, "
+            f"state {snap.state_hash.hex()[:12]}",
+            round=opt.round,
+            fragment=report.fragment,
+            fragment_round=report.round,
+            turn=report.turn,
+            status=report.status,
+            group_size=size,
+            live_peers=flight.live,
+            dropped=dropped,
+            val_loss=val,
+            state_hash=snap.state_hash.hex(),
+            steps_in_flight=flight.steps_in_flight,
+            replaced_stand_in=report.replaced_stand_in,
+            started=round(flight.started, 3),
+            finished=round(flight.finished or time.time(), 3),
+            wait_s=round(waited, 3),
+            seconds=round(self._held(t0) + waited, 3),
+        )
+
+    async def _synced_event(
+        self, config: RunConfig, opt: StreamingDiLoCo, source: TokenSource, step: int, t0: float
+    ) -> None:
+        snap = await self._publish(config, opt, step)
+        self.out.event(
+            "outer_step",
+            f"round {opt.round}: took the group's state, {snap.state_hash.hex()[:12]}",
+            round=opt.round,
+            fragment=None,
+            turn=opt.turn,
+            status="synced",
+            group_size=0,
+            dropped=0,
+            val_loss=await trio.to_thread.run_sync(self._validate, opt, source, config),
+            state_hash=snap.state_hash.hex(),
+            wait_s=round(time.monotonic() - t0, 3),
+            seconds=round(self._held(t0), 3),
         )
 
     def _should_stop(self, step: int, start: float) -> bool:
@@ -413,7 +679,7 @@ class Peer:
             return True
         return opts.duration_s is not None and time.monotonic() - start >= opts.duration_s
 
-    def _validate(self, diloco: DiLoCo, source: TokenSource, config: RunConfig) -> float:
+    def _validate(self, diloco: Optimizer, source: TokenSource, config: RunConfig) -> float:
         batches = source.validation_batches(
             config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
         )
@@ -433,6 +699,8 @@ class Peer:
         # it trained) takes the group's state first: averaging pseudo-gradients cannot bring
         # diverged global parameters back together. Its inner steps of this round are dropped.
         if self.last_hash is not None and await self._catch_up(config, diloco, self.last_hash):
+            waited = time.monotonic() - t0
+            self.wait_s += waited
             snap = await self._publish(config, diloco, step)
             self.out.event(
                 "outer_step",
@@ -443,7 +711,8 @@ class Peer:
                 dropped=0,
                 val_loss=await trio.to_thread.run_sync(self._validate, diloco, source, config),
                 state_hash=snap.state_hash.hex(),
-                seconds=round(time.monotonic() - t0, 3),
+                wait_s=round(waited, 3),
+                seconds=round(self._held(t0), 3),
             )
             return
         pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
@@ -470,6 +739,9 @@ class Peer:
                 codec=config.codec,  # type: ignore[arg-type]
             )
             dropped = len(result.dropped)
+        # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
+        waited = time.monotonic() - t0
+        self.wait_s += waited
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
         if report.status == "averaged" and size > 1:
             self.shared_round = diloco.round
@@ -488,16 +760,23 @@ class Peer:
             dropped=dropped,
             val_loss=val,
             state_hash=snap.state_hash.hex(),
-            seconds=round(time.monotonic() - t0, 3),
+            wait_s=round(waited, 3),
+            seconds=round(self._held(t0), 3),
         )
 
+    def _held(self, t0: float) -> float:
+        """Adds the time since `t0` to the trainer's time outside inner steps; returns it."""
+        held = time.monotonic() - t0
+        self.held_s += held
+        return held
+
     @staticmethod
-    def _snapshot(config: RunConfig, diloco: DiLoCo) -> StateSnapshot:
+    def _snapshot(config: RunConfig, diloco: Optimizer) -> StateSnapshot:
         return StateSnapshot.build(
             diloco.state_dict(), round=diloco.round, meta={"config": config.hash}
         )
 
-    async def _publish(self, config: RunConfig, diloco: DiLoCo, step: int) -> StateSnapshot:
+    async def _publish(self, config: RunConfig, diloco: Optimizer, step: int) -> StateSnapshot:
         """Serves the new global state to joiners, advertises it, and saves it to disk."""
         snap = await trio.to_thread.run_sync(self._snapshot, config, diloco)
         self.last_hash = snap.state_hash
