@@ -388,11 +388,22 @@ def test_a_node_that_lost_every_contact_rejoins_within_seconds() -> None:
     async def main() -> None:
         async with swarm(3, config=config) as s:
             cut = s.nodes[2]
+            attempts = 0
+            rejoin = cut.bootstrap
+
+            async def counted(peers: list[str]) -> None:
+                nonlocal attempts
+                attempts += 1
+                await rejoin(peers)
+
+            cut.bootstrap = counted  # type: ignore[method-assign]
             for contact in cut.table.contacts():
                 cut.table.failed(contact.peer_id)
             assert len(cut.table) == 0
             with trio.fail_after(10):  # back-off (2 s) + a few re-bootstrap attempts
                 while len(cut.table) == 0:
                     await trio.sleep(0.1)
+            # While the bootstrap peer is still in back-off, attempts are paced, not a spin.
+            assert 1 <= attempts <= 8, attempts
 
     run(main)

@@ -215,6 +215,9 @@ class DHTNode:
                     await self.bootstrap(self._bootstrap)
                 except BootstrapError as exc:
                     log.warning("routing table is empty and rejoining failed: %s", exc)
+                    # A bootstrap peer still in back-off answers at once yet is not taken:
+                    # without this pause that is a tight loop of pings and warnings.
+                    await trio.sleep(cfg.bootstrap_timeout_s)
                 continue
             now = time.monotonic()
             async with trio.open_nursery() as nursery:
