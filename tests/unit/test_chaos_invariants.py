@@ -93,7 +93,7 @@ def test_different_final_states_fail() -> None:
     assert not check.ok and "differ" in check.detail
 
 
-def test_final_round_is_the_last_one_everybody_finished() -> None:
+def test_final_round_is_the_last_one_everybody_finished_before_the_stop() -> None:
     # peer0 finished one more round alone while the others were leaving: not compared.
     log = healthy(3)
     log.records = [r for r in log.records if r["type"] not in ("stop", "exit")]
@@ -102,6 +102,11 @@ def test_final_round_is_the_last_one_everybody_finished() -> None:
         log.add(32, "exit", peer=p, code=0)
     check = final_agreement(log.records)
     assert check.ok and "round 3" in check.detail
+    # Even when all of them finish a round in flight at the stop, the judged round is 3.
+    late = healthy(3)
+    late.records = [r for r in late.records if r["type"] not in ("stop", "exit")]
+    late.add(30, "stop").round(31, 4, [0, 1], state="d" * 16).round(31, 4, [2], state="e" * 16)
+    assert "round 3" in final_agreement(late.records).detail
 
 
 def test_a_peer_that_skipped_the_final_round_fails() -> None:

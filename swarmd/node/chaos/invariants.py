@@ -82,14 +82,19 @@ def live_at_end(records: list[Record]) -> list[int]:
 
 
 def _final_round(records: list[Record]) -> tuple[int | None, dict[int, dict[int, Record]], str]:
-    """The last round every live peer finished, each peer's outer steps by round, and why
-    there is none."""
+    """The last round every live peer finished before the final stop, each peer's outer
+    steps by round, and why there is none.
+
+    Rounds still in flight when everyone is told to leave are not judged: peers leave one by
+    one, so who is left to average with in them is a race of the shutdown, not of the run.
+    """
     live = live_at_end(records)
     if not live:
         return None, {}, "no peer was alive at the end"
+    stop = _stop_time(records)
     steps: dict[int, dict[int, Record]] = {p: {} for p in live}
     for r in _peer_events(records, "outer_step"):
-        if r["peer"] in steps:
+        if r["peer"] in steps and r["t"] < stop:
             steps[r["peer"]][int(r["round"])] = r
     idle = [p for p in live if not steps[p]]
     if idle:
