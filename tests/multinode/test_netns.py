@@ -1,17 +1,21 @@
 """Four hosts with their own addresses on a shaped bridge: a run survives one host's outage.
 
-Each host is a network namespace (deploy/netns.py) on a private /24, every link limited to
-20 mbit/s each way by `tc tbf`. Host 0 runs the DHT bootstrap and the run's creator; hosts 1-3
-join. Once all four average together, host 3's switch port goes down: the other three must keep
-completing outer steps without it, and after the port comes back host 3 must take the group's
-state (a `synced` outer step or `state_synced`) and then hold the same state hash as the others
-at the same round. Needs root and iproute2; it fails (never skips) where namespaces cannot be
-made, because CI runs as root and a skipped multi-host test would pass by saying nothing.
+The first test checks the harness itself (deploy/netns.py): addresses, the tbf rate, cut and
+heal, teardown. In the second, each host is a network namespace on a private /24, every link
+limited to 20 mbit/s each way by `tc tbf`. Host 0 runs the DHT bootstrap and the run's creator;
+hosts 1-3 join. Once all four average together, host 3's switch port goes down: the other three
+must keep completing outer steps without it, and after the port comes back host 3 must take the
+group's state (a `synced` outer step or `state_synced`) and then average with all four again,
+holding the same state hash as the others at that round. Needs root and iproute2; it fails
+(never skips) where namespaces cannot be made, because CI runs as root and a skipped
+multi-host test would pass by saying nothing.
 """
 
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,22 +46,66 @@ min_group_size = 2
 Event = dict[str, Any]
 
 
-@pytest.fixture
-def net() -> Iterator[Network]:
+def make_network(hosts: int) -> Network:
     try:
         check_usable()
     except NetnsError as exc:
         pytest.fail(f"multi-host test cannot run here: {exc}")
     # A fresh tag per run: parallel runs (or a leftover from a killed one) never clash.
-    network = Network(NetnsConfig(secrets.token_hex(4), HOSTS, shaping=Shaping(rate=RATE)))
+    network = Network(NetnsConfig(secrets.token_hex(4), hosts, shaping=Shaping(rate=RATE)))
     try:
         network.up()  # removes what it made if it fails
     except NetnsError as exc:
         pytest.fail(f"multi-host test cannot run here: {exc}")
+    return network
+
+
+@pytest.fixture
+def net() -> Iterator[Network]:
+    network = make_network(HOSTS)
     try:
         yield network
     finally:
         network.down()
+
+
+PROBE = [sys.executable, str(Path(__file__).with_name("netns_probe.py"))]
+
+
+def test_hosts_have_addresses_a_shaped_link_and_can_be_cut_and_healed(
+    processes: ProcessGroup,
+) -> None:
+    net = make_network(2)
+    try:
+        assert f"rate {RATE.removesuffix('mbit')}Mbit" in net.qdisc(0)
+
+        def transfer(nbytes: int) -> tuple[int, dict[str, Any]]:
+            server = processes.start([*net.exec_prefix(1), *PROBE, "serve", net.ip(1), "5001"])
+            send = [*PROBE, "send", net.ip(1), "5001", str(nbytes)]
+            done = subprocess.run(net.exec_prefix(0) + send, capture_output=True, timeout=60)
+            if done.returncode != 0:
+                server.process.kill()
+                return done.returncode, {}
+            return 0, server.receive(timeout=30)
+
+        # 2.5 MB over 20 mbit/s: about a second (tbf measured 19.2 mbit/s here).
+        nbytes = 2_500_000
+        code, got = transfer(nbytes)
+        assert code == 0 and got["bytes"] == nbytes
+        mbit_s = nbytes * 8 / got["seconds"] / 1e6
+        print(f"host 0 -> host 1 through tbf {RATE}: {mbit_s:.1f} mbit/s")
+        assert 0.3 * 20 < mbit_s < 1.1 * 20
+        net.cut(1)
+        code, _ = transfer(1000)
+        assert code == 3  # no connection within 2 s: the packets vanish
+        net.heal(1)
+        code, got = transfer(1000)
+        assert code == 0 and got["bytes"] == 1000
+    finally:
+        net.down()
+        net.down()  # idempotent
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in left for ns in net.namespaces())
 
 
 @pytest.fixture
