@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import trio
 
+from swarmd.node.advertise import advertised_address
 from swarmd.node.allreduce import AllReduceConfig, AllReduceResult, Averager, Member
 from swarmd.node.catchup import state_to_take
 from swarmd.node.dht import BootstrapError, DHTNode
@@ -205,7 +206,10 @@ class Peer:
                 ) as server,
                 trio.open_nursery() as nursery,
             ):
-                self.address = str(server.address)
+                address = await trio.to_thread.run_sync(
+                    advertised_address, server.address, opts.peers
+                )
+                self.address = str(address)
                 announce(
                     "listening",
                     address=self.address,
@@ -516,11 +520,12 @@ class Peer:
                 nursery.start_soon(
                     self._fragment_round, config, opt, flight, self.last_hash, me, mm
                 )
+                # `turn` numbers outer steps from 1 as outer_step events do: this round's.
                 self.out.event(
                     "round_started",
-                    f"fragment {rnd.fragment} round {rnd.round + 1} (turn {rnd.turn}) started",
+                    f"fragment {rnd.fragment} round {rnd.round + 1} (turn {rnd.turn + 1}) started",
                     fragment=rnd.fragment,
-                    turn=rnd.turn,
+                    turn=rnd.turn + 1,
                     step=step,
                 )
                 self._held(t0)
