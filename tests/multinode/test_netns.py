@@ -183,8 +183,10 @@ def test_four_hosts_one_cut_off_and_healed(
     assert boot.address.startswith(net.ip(0) + ":"), boot.info
 
     def join(i: int, *extra: str) -> list[str]:
+        # Hosts 1 and 2 listen on every interface, as a server usually would.
+        listen = "0.0.0.0:0" if i in (1, 2) else f"{net.ip(i)}:0"
         return net.exec_prefix(i) + swarmd_cmd(
-            "join", "--run", "netns", "--peers", boot.address, "--listen", f"{net.ip(i)}:0",
+            "join", "--run", "netns", "--peers", boot.address, "--listen", listen,
             "--log-format", "json", "--state-dir", str(tmp_path / f"h{i}"),
             "--progress-interval", "600", *extra,
         )  # fmt: skip
@@ -193,7 +195,7 @@ def test_four_hosts_one_cut_off_and_healed(
         [join(0, "--create-run", str(tmp_path / "run.toml"))] + [join(i) for i in range(1, HOSTS)]
     )
     for i, proc in enumerate(procs):
-        # Each host advertises its own address on the bridge, not loopback.
+        # Each host advertises its own address on the bridge, not loopback nor 0.0.0.0.
         assert proc.info["address"].startswith(net.ip(i) + ":"), proc.info
     hosts = Hosts(procs)
 
