@@ -26,7 +26,8 @@ import pytest
 from deploy.netns import NetnsConfig, NetnsError, Network, Shaping, check_usable
 from tests.helpers import Proc, ProcessGroup, swarmd_cmd
 
-RATE = "20mbit"
+RATE_MBIT = 20
+RATE = f"{RATE_MBIT}mbit"
 HOSTS = 4
 CUT = 3
 
@@ -88,13 +89,13 @@ def test_hosts_have_addresses_a_shaped_link_and_can_be_cut_and_healed(
                 return done.returncode, {}
             return 0, server.receive(timeout=30)
 
-        # 2.5 MB over 20 mbit/s: about a second (tbf measured 19.2 mbit/s here).
+        # 2.5 MB over 20 mbit/s: about a second (measured 19.4 mbit/s).
         nbytes = 2_500_000
         code, got = transfer(nbytes)
         assert code == 0 and got["bytes"] == nbytes
         mbit_s = nbytes * 8 / got["seconds"] / 1e6
         print(f"host 0 -> host 1 through tbf {RATE}: {mbit_s:.1f} mbit/s")
-        assert 0.3 * 20 < mbit_s < 1.1 * 20
+        assert 0.3 * RATE_MBIT < mbit_s < 1.1 * RATE_MBIT
         net.cut(1)
         code, _ = transfer(1000)
         assert code == 3  # no connection within 2 s: the packets vanish
@@ -169,7 +170,9 @@ class Hosts:
         return "\n".join(lines)
 
 
-# About 70 s on an idle 2-core machine; twice that under load, over the default 120 s limit.
+# 90-120 s measured on 2 cores shared with other work (load average ~15): over the default
+# 120 s limit. Most of it is five processes starting (torch) and DiLoCo's 10 s gather deadline
+# for the rounds that wait on a cut-off or lone peer.
 @pytest.mark.timeout(400)
 def test_four_hosts_one_cut_off_and_healed(
     net: Network, peers: ProcessGroup, tmp_path: Path
