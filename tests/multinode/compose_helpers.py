@@ -129,6 +129,27 @@ class Compose:
         self("down", "-v", "--remove-orphans", "-t", "5", timeout=180)
 
 
+PROJECT_PREFIX = "swarmdtest"
+
+
+def project_name() -> str:
+    """This test process's compose project: the pid tells leftovers of dead runs apart."""
+    return f"{PROJECT_PREFIX}{os.getpid()}"
+
+
+def remove_leftovers(command: list[str]) -> None:
+    """Takes down projects of earlier test processes that died before their teardown (a
+    killed pytest), so their containers do not train on, eating the CPU, forever."""
+    out = run(
+        ["docker", "ps", "-a", "--format", '{{.Label "com.docker.compose.project"}}'], timeout=30
+    ).stdout
+    for project in set(out.split()):
+        pid = project.removeprefix(PROJECT_PREFIX)
+        if project == pid or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        Compose(command, project).down()
+
+
 def wait_until(
     what: str, check: Callable[[], bool], timeout: float, explain: Callable[[], str]
 ) -> None:

@@ -51,9 +51,8 @@ def image(docker: list[str]) -> str:
 
 @pytest.fixture
 def swarm(docker: list[str], image: str) -> Iterator[ch.Compose]:
-    compose = ch.Compose(
-        docker, f"swarmdtest{os.getpid()}", {"SWARMD_IMAGE": image, "SWARMD_RUN": RUN}
-    )
+    ch.remove_leftovers(docker)
+    compose = ch.Compose(docker, ch.project_name(), {"SWARMD_IMAGE": image, "SWARMD_RUN": RUN})
     try:
         # Returns once the bootstrap is healthy and the others are started (depends_on).
         start = time.monotonic()
