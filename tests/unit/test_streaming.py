@@ -352,7 +352,11 @@ def test_eager_swarm_with_late_rounds_ends_identical() -> None:
         statuses = [r.status for r in trace.reports]
         assert statuses == ["eager", "averaged"] * 2 + ["eager", "deferred", "eager", "averaged"]
         assert [r.replaced_stand_in for r in trace.reports] == [False, True] * 4
-        assert trace.steps_in_flight == [tau + 2] * 4
+        # It stepped past the outer step (τ + 2 at least: the rendezvous may complete later
+        # when another peer was scheduled late) and waited at the next round's start at most.
+        stride = h // p
+        assert all(tau + 2 <= s <= stride for s in trace.steps_in_flight), trace.steps_in_flight
+        assert len(trace.steps_in_flight) == 4
     reference = peers[0].state_dict()
     for peer in peers[1:]:
         _assert_same_state(peer.state_dict(), reference)
