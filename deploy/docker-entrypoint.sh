@@ -17,7 +17,7 @@ fi
 if [ "${1:-}" = "health" ]; then
     # The standard grpc.health.v1 check on the peer port (served by join, dht and serve
     # alike); a throw-away identity, so the check never touches the state directory.
-    exec swarmd ping --count 0 --timeout 5 "$SWARMD_LISTEN"
+    exec swarmd ping --count 0 --timeout 10 "$SWARMD_LISTEN"
 fi
 
 exec swarmd "$@"

@@ -77,7 +77,7 @@ def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Co
     trainers = swarm.containers("creator") + swarm.containers("worker")
     assert len(trainers) == 3
     victim, survivors = trainers[-1], trainers[:-1]
-    names = {c: ch.inspect(c, "{{.Name}}").lstrip("/") for c in trainers}
+    names = {c: ch.inspect(c, "{{.Name}}").lstrip("/") for c in [bootstrap, *trainers]}
 
     def explain() -> str:
         parts = []
@@ -171,9 +171,20 @@ def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Co
     print("first round all three averaged after the restart, with one state:", common_round())
 
     # The others did not crash (and get restarted behind the test's back) while a peer of
-    # theirs died and came back; every peer is healthy (grpc.health.v1, the HEALTHCHECK).
+    # theirs died and came back.
     for c in [bootstrap, *survivors]:
-        assert ch.inspect(c, "{{.RestartCount}}") == restarts[c], names.get(c, c)
-        assert ch.inspect(c, "{{.State.Health.Status}}") == "healthy", names.get(c, c)
+        assert ch.inspect(c, "{{.RestartCount}}") == restarts[c], names[c]
+    # Every peer passes its HEALTHCHECK (grpc.health.v1); a trainer's first probe comes 15 s
+    # after its start, so the restarted one is given time.
+    ch.wait_until(
+        "every peer is healthy",
+        lambda: all(
+            ch.inspect(c, "{{.State.Health.Status}}") == "healthy" for c in [bootstrap, *trainers]
+        ),
+        90,
+        lambda: "\n".join(
+            f"{names[c]}: {ch.inspect(c, '{{json .State.Health}}')}" for c in [bootstrap, *trainers]
+        ),
+    )
     for c in trainers:
         assert "Traceback" not in ch.logs(c)[1], explain()
