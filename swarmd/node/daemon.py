@@ -748,7 +748,7 @@ class Peer:
         waited = time.monotonic() - t0
         self.wait_s += waited
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
-        if report.status == "averaged" and size > 1:
+        if report.status == "averaged" and size - dropped > 1:  # not if it dropped everyone
             self.shared_round = diloco.round
         snap = await self._publish(config, diloco, step)
         val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
