@@ -19,6 +19,9 @@ STREAMING_RUN = (
     + 'algo = "streaming-diloco"\nfragments = 2\noverlap_steps = 1\nmix_alpha = 0.5\n'
 )
 
+#: Seconds for the processes to import torch and listen (several start at once on 2 cores).
+START_S = 120.0
+
 
 def _outer(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "outer_step"]
@@ -49,9 +52,17 @@ def test_streaming_peers_overlap_and_agree(processes: ProcessGroup, tmp_path: Pa
             join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=24),
             join_cmd(tmp_path, "p1", boot, "--algo", "streaming-diloco", steps=24),
             join_cmd(tmp_path, "p2", boot, steps=24),
-        ]
+        ],
+        timeout=START_S,
+    )
+    # Asks for plain DiLoCo: refused once it reads the run's config.
+    wrong = processes.start(
+        join_cmd(tmp_path, "p3", boot, "--algo", "diloco", steps=24), timeout=START_S
     )
     runs = [events_until_exit(p) for p in peers]
+    assert wrong.process.wait(timeout=60) == 2
+    time.sleep(0.2)  # the stderr pump
+    assert "trains with streaming-diloco, not diloco" in "".join(wrong.stderr_tail)
     for i, events in enumerate(runs):
         print(f"p{i}:", _summary(events))
         print(f"p{i}:", [e for e in events if e["event"] == "stopped"])
@@ -99,7 +110,8 @@ def test_eager_peers_do_not_wait_and_still_agree(processes: ProcessGroup, tmp_pa
             join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=16),
             join_cmd(tmp_path, "p1", boot, steps=16),
             join_cmd(tmp_path, "p2", boot, steps=16),
-        ]
+        ],
+        timeout=START_S,
     )
     runs = [events_until_exit(p) for p in peers]
     for i, events in enumerate(runs):
@@ -133,7 +145,8 @@ def test_peer_killed_during_a_fragment_round(processes: ProcessGroup, tmp_path: 
             join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10**6),
             join_cmd(tmp_path, "p1", boot, steps=10**6),
             join_cmd(tmp_path, "p2", boot, steps=10**6),
-        ]
+        ],
+        timeout=START_S,
     )
     t0 = time.monotonic()
     victim_log: list[dict[str, Any]] = []
