@@ -10,6 +10,9 @@ this peer's own saved state, else from the run's seeded initial weights (identic
 peer); then train: H inner steps, matchmaking, all-reduce of the pseudo-gradient, outer step,
 publish and save the new state. SIGINT/SIGTERM stop at the next step boundary, save, and leave
 (the heartbeat lapses; groups drop us by their deadlines).
+
+With `algo = "streaming-diloco"` the outer step is per fragment, every H/P steps, and its
+matchmaking + all-reduce run in the background from τ steps before it (`_train_streaming`).
 """
 
 from __future__ import annotations
@@ -508,7 +511,12 @@ class Peer:
                     flight = None
                     t0 = time.monotonic()
                 # A peer whose state is not the group's takes the group's first (see
-                # _outer_step); the matchmaking key covers the whole state, all fragments.
+                # _outer_step). The matchmaking key carries the hash of the whole state, not
+                # only this fragment's: it is the hash state adverts already carry, so "same
+                # key" and "same advertised state" are one notion, and a peer that differs in
+                # any fragment is caught up by one state sync, which replaces every fragment
+                # anyway. Per-fragment keys would let it average the fragments it still
+                # agrees on, for more bookkeeping (per-fragment adverts and sync).
                 assert self.last_hash is not None
                 if await self._catch_up(config, opt, self.last_hash):
                     self.wait_s += time.monotonic() - t0
