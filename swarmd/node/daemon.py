@@ -628,8 +628,8 @@ class Peer:
     ) -> None:
         t0 = time.monotonic()
         report = await trio.to_thread.run_sync(opt.finish_round, flight.result)
-        if report.status == "averaged" and flight.group_size > 1:
-            self.shared_round = opt.round
+        if report.status == "averaged" and flight.group_size - flight.dropped > 1:
+            self.shared_round = opt.round  # not if the all-reduce dropped everyone else
         snap = await self._publish(config, opt, step)
         # Validate once per H steps (after the last fragment's turn), as plain DiLoCo does.
         val = (
