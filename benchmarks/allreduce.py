@@ -76,11 +76,12 @@ async def worker(index: int, numel: int, codec: str, chunk: int, bootstrap: str)
             group = await form_group(dht, round_key("bench", cmd["round"]), me, config)
             matchmaking = time.monotonic() - t0
             assert group is not None and len(group.members) == cmd["peers"]
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             result = await averager.allreduce(group, local, 1.0)
-            elapsed = time.monotonic() - t0
+            elapsed, cpu = time.monotonic() - t0, time.process_time() - cpu0
             out = {
                 "round_s": elapsed,
+                "cpu_s": cpu,
                 "matchmaking_s": matchmaking,
                 "ok": result.ok,
                 "dropped": len(result.dropped),
@@ -158,7 +159,7 @@ def main() -> None:
     try:
         for p in procs[1:]:
             json.loads(p.stdout.readline())  # type: ignore[union-attr]
-        round_times, mm_times, errs = [], [], []
+        round_times, mm_times, cpu_times, errs = [], [], [], []
         for r in range(args.rounds):
             check = r == args.rounds - 1
             cmd = json.dumps({"round": r, "check": check, "peers": args.peers})
@@ -170,9 +171,10 @@ def main() -> None:
                 print(f"round {r} degraded: {outs}")
             round_times.append(max(o["round_s"] for o in outs))
             mm_times.append(max(o["matchmaking_s"] for o in outs))
+            cpu_times.append(sum(o["cpu_s"] for o in outs))
             print(
                 f"round {r}: all-reduce {round_times[-1]:.2f} s, matchmaking {mm_times[-1]:.2f} s "
-                "(slowest peer)",
+                f"(slowest peer); {cpu_times[-1]:.2f} CPU-s in all peers' processes",
                 flush=True,
             )
             if check:
@@ -189,6 +191,7 @@ def main() -> None:
     gbps = socket_gbps(256 << 20)
     bound = wire / (gbps * 1e9)
     print(f"raw socket {gbps:.2f} GB/s; {wire / 1e9:.2f} GB cross loopback per round")
+    print(f"median CPU seconds per round, all peers together: {statistics.median(cpu_times):.2f}")
     print(
         f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} "
         f"round_s={statistics.median(round_times):.3f} "

@@ -5,7 +5,7 @@ needs nothing but the bytes and the caller's size limits. Every malformed input 
 `CompressionError`.
 """
 
-from swarmd.compression.codec import Codec
+from swarmd.compression.codec import Codec, SegmentedCodec, encode_segments
 from swarmd.compression.dct_topk import (
     DctComponents,
     DctTopKCodec,
@@ -21,7 +21,7 @@ from swarmd.compression.halfcast import HalfCodec, HalfConfig
 from swarmd.compression.int8 import Int8Codec, Int8Config, dequantize_int8, quantize_int8
 from swarmd.compression.lowrank import LowRankCodec, PowerSGD, PowerSGDConfig, PowerSGDRound
 from swarmd.compression.raw import RawCodec
-from swarmd.compression.registry import decode, peek_header
+from swarmd.compression.registry import decode, decode_into, peek_header
 from swarmd.compression.wire import CodecId, DecodeLimits, Header
 from swarmd.compression.zstd_frame import (
     FRAME_OVERHEAD,
@@ -52,13 +52,16 @@ __all__ = [
     "PowerSGDRound",
     "RawCodec",
     "ResidualStore",
+    "SegmentedCodec",
     "ZstdConfig",
     "ZstdFramed",
     "average_components",
     "components_to_bytes",
     "decode",
     "decode_components",
+    "decode_into",
     "dequantize_int8",
+    "encode_segments",
     "peek_header",
     "quantize_int8",
     "to_dense",

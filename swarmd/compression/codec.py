@@ -19,3 +19,18 @@ class Codec(Protocol):
     def decode(
         self, data: bytes | bytearray | memoryview, limits: DecodeLimits
     ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SegmentedCodec(Codec, Protocol):
+    """A codec that can hand its payload over in pieces (header, then views of tensors'
+    memory), so a sender streams them without first joining them into one buffer."""
+
+    def encode_segments(self, tensor: torch.Tensor) -> list[bytes | memoryview]: ...
+
+
+def encode_segments(codec: Codec, tensor: torch.Tensor) -> list[bytes | memoryview]:
+    """`codec.encode(tensor)` in pieces; the concatenation is the same bytes."""
+    if isinstance(codec, SegmentedCodec):
+        return codec.encode_segments(tensor)
+    return [codec.encode(tensor)]

@@ -50,6 +50,18 @@ class ResidualStore:
     def residual(self, key: str) -> torch.Tensor | None:
         return self._residuals.get(key)
 
+    def take(self, key: str) -> torch.Tensor | None:
+        """Removes and returns the residual: a caller that adds it in and will `store` the
+        next one reuses its memory, and a round that never finishes cannot add it twice."""
+        return self._residuals.pop(key, None)
+
+    def store(self, key: str, residual: torch.Tensor) -> None:
+        """Keeps `residual` itself (no copy) as the residual for `key`."""
+        check_float_input(residual)
+        if residual.dtype != torch.float32:
+            raise CompressionError(f"residuals are float32, got {residual.dtype}")
+        self._residuals[key] = residual.detach()
+
     def reset(self, key: str | None = None) -> None:
         if key is None:
             self._residuals.clear()

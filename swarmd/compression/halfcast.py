@@ -65,6 +65,10 @@ class HalfCodec:
         self.config = config or HalfConfig()
 
     def encode(self, tensor: torch.Tensor) -> bytes:
+        return b"".join(self.encode_segments(tensor))
+
+    def encode_segments(self, tensor: torch.Tensor) -> list[bytes | memoryview]:
+        """Header, then the half-precision values (a view, no copy to join them)."""
         check_float_input(tensor)
         tensor = tensor.detach().cpu()
         require_finite(tensor, "HALF input")
@@ -72,7 +76,7 @@ class HalfCodec:
         half = clamp_cast(tensor, target)
         params = _PARAMS.pack(dtype_code(target))
         header = pack_header(CodecId.HALF, VERSION, tensor.dtype, tuple(tensor.shape), params)
-        return b"".join((header, byte_view(half)))
+        return [header, byte_view(half)]
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_half(parse_header(data, limits), data)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swarmd.compression.buffers import check_float_input, flat_float32, from_bytes
+from swarmd.compression.buffers import byte_view, check_float_input, flat_float32, from_bytes
 from swarmd.compression.errors import CompressionError
 from swarmd.compression.wire import (
     CodecId,
@@ -76,6 +76,7 @@ def _quantize_rows(
     absmax_out: torch.Tensor,
     scales_out: torch.Tensor,
     buf: torch.Tensor,
+    residual_out: torch.Tensor | None = None,
 ) -> None:
     torch.abs(blocks, out=buf)
     torch.amax(buf, dim=1, out=absmax_out)
@@ -84,21 +85,32 @@ def _quantize_rows(
     torch.div(blocks, scales_out.unsqueeze(1), out=buf)
     buf.round_()
     q_out.copy_(buf)
+    if residual_out is not None:
+        # What the receiver decodes is code * scale in float32 (see _dequantize_rows); the codes
+        # are the rounded values in `buf` exactly (|code| <= 127), so this is bit-identical.
+        buf.mul_(scales_out.unsqueeze(1))
+        torch.sub(blocks, buf, out=residual_out)
 
 
 def quantize_int8_chunks(
     flat: torch.Tensor,
     block_size: int,
     scales: torch.Tensor,
-    emit: Callable[[torch.Tensor], None],
+    emit: Callable[[torch.Tensor], None] | None = None,
+    *,
+    codes: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> None:
     """Quantise `flat` (1-D float32, contiguous) chunk by chunk.
 
-    Fills `scales` (one per block) and hands each chunk's int8 codes, in order, to `emit`.
-    The codes tensor is a reused scratch buffer: `emit` must copy it. Streaming the codes
-    lets the encoder write them straight into its output instead of materialising (and
-    page-faulting) a second full-size array.
+    Fills `scales` (one per block) and either writes the int8 codes into `codes` (1-D, same
+    length as `flat`) or hands each chunk's codes, in order, to `emit` (a reused scratch
+    buffer: `emit` must copy it). With `residual` (1-D float32, same length), also writes
+    `flat - decode(codes)` there while each chunk is still in cache: error feedback gets what
+    the receivers will lose without decoding the payload again.
     """
+    if (codes is None) == (emit is None):
+        raise ValueError("give exactly one of codes and emit")
     n = flat.numel()
     nfull = n // block_size
     rows = max(1, _CHUNK_ELEMENTS // block_size)
@@ -106,19 +118,30 @@ def quantize_int8_chunks(
     if nfull:
         main = flat[: nfull * block_size].view(nfull, block_size)
         buf = torch.empty(min(rows, nfull), block_size, dtype=torch.float32)
-        codes = torch.empty(min(rows, nfull), block_size, dtype=torch.int8)
+        scratch = torch.empty(0 if codes is not None else min(rows, nfull), block_size).to(
+            torch.int8
+        )
         for r0 in range(0, nfull, rows):
             r1 = min(nfull, r0 + rows)
-            q = codes[: r1 - r0]
-            _quantize_rows(main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0])
-            emit(q.view(-1))
+            span = slice(r0 * block_size, r1 * block_size)
+            q = codes[span].view(r1 - r0, block_size) if codes is not None else scratch[: r1 - r0]
+            res = residual[span].view(r1 - r0, block_size) if residual is not None else None
+            _quantize_rows(main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0], res)
+            if emit is not None:
+                emit(q.view(-1))
     rem = n - nfull * block_size
     if rem:
         tail = torch.zeros(1, block_size, dtype=torch.float32)
         tail[0, :rem] = flat[nfull * block_size :]
         qtail = torch.empty(1, block_size, dtype=torch.int8)
-        _quantize_rows(tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail))
-        emit(qtail[0, :rem])
+        rtail = torch.empty(1, block_size, dtype=torch.float32) if residual is not None else None
+        _quantize_rows(tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail), rtail)
+        if codes is not None:
+            codes[nfull * block_size :] = qtail[0, :rem]
+        if emit is not None:
+            emit(qtail[0, :rem])
+        if residual is not None and rtail is not None:
+            residual[nfull * block_size :] = rtail[0, :rem]
     # amax propagates NaN and inf, so one check on the per-block maxima covers every element.
     if absmax.numel() and not bool(torch.isfinite(absmax).all()):
         raise CompressionError("INT8 input contains NaN or infinity (or exceeds float32 range)")
@@ -129,14 +152,7 @@ def quantize_int8(flat: torch.Tensor, block_size: int) -> tuple[torch.Tensor, to
     flat = flat.to(torch.float32).reshape(-1).contiguous()
     q = torch.empty(flat.numel(), dtype=torch.int8)
     scales = torch.empty(-(-flat.numel() // block_size), dtype=torch.float32)
-    pos = 0
-
-    def emit(chunk: torch.Tensor) -> None:
-        nonlocal pos
-        q[pos : pos + chunk.numel()] = chunk
-        pos += chunk.numel()
-
-    quantize_int8_chunks(flat, block_size, scales, emit)
+    quantize_int8_chunks(flat, block_size, scales, codes=q)
     return q, scales
 
 
@@ -169,23 +185,39 @@ class Int8Codec:
         self.config = config or Int8Config()
 
     def encode(self, tensor: torch.Tensor) -> bytes:
+        return b"".join(self.encode_segments(tensor))
+
+    def encode_segments(
+        self, tensor: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> list[bytes | memoryview]:
+        """The payload in pieces (header, scales, codes), with no copy to join them; with
+        `residual` (float32, tensor's element count), also writes `tensor - decoded` there."""
         check_float_input(tensor)
         flat = flat_float32(tensor)
         block = self.config.block_size
         n = flat.numel()
         scales = torch.empty(-(-n // block), dtype=torch.float32)
-        parts: list[bytes] = []
-        quantize_int8_chunks(flat, block, scales, lambda q: parts.append(q.numpy().tobytes()))
+        codes = torch.empty(n, dtype=torch.int8)
+        if residual is not None and not (
+            residual.numel() == n and residual.dtype == torch.float32 and residual.is_contiguous()
+        ):
+            raise CompressionError("residual must be contiguous float32 of the input's size")
+        res = None if residual is None else residual.view(-1)
+        quantize_int8_chunks(flat, block, scales, codes=codes, residual=res)
         header = pack_header(
             CodecId.INT8, VERSION, tensor.dtype, tuple(tensor.shape), _PARAMS.pack(block)
         )
-        return b"".join([header, scales.numpy().tobytes(), *parts])
+        return [header, byte_view(scales), byte_view(codes)]
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_int8(parse_header(data, limits), data)
 
 
-def decode_int8(header: Header, data: bytes | bytearray | memoryview) -> torch.Tensor:
+def decode_int8(
+    header: Header, data: bytes | bytearray | memoryview, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Decodes into `out` (float32, the header's element count) when given: a receiver that
+    decodes straight into its result saves a full-size temporary and a copy."""
     expect(header, CodecId.INT8, VERSION, _PARAMS.size)
     expect_float(header)
     (block,) = _PARAMS.unpack(header.params)
@@ -201,7 +233,11 @@ def decode_int8(header: Header, data: bytes | bytearray | memoryview) -> torch.T
             "INT8 payload has a negative, NaN or overflowing block scale "
             f"(valid range [0, {SCALE_MAX:.6g}])"
         )
-    out = torch.empty(n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise CompressionError(f"INT8 decode target must be contiguous float32 with {n} elements")
+    flat_out = out.view(-1)
     # Copy codes through a cache-sized scratch buffer rather than wrapping the (read-only)
     # input: no full-size temporary, and no tensor aliasing the caller's bytes.
     step = max(1, _CHUNK_ELEMENTS // block) * block
@@ -211,5 +247,9 @@ def decode_int8(header: Header, data: bytes | bytearray | memoryview) -> torch.T
     for start in range(0, n, step):
         stop = min(n, start + step)
         scratch[: stop - start] = body[base + start : base + stop]
-        _dequantize_rows(codes[: stop - start], scales[start // block :], block, out[start:stop])
-    return out.to(header.dtype).reshape(header.shape)
+        _dequantize_rows(
+            codes[: stop - start], scales[start // block :], block, flat_out[start:stop]
+        )
+    if out.dtype == header.dtype and out.shape == torch.Size(header.shape):
+        return out
+    return flat_out.to(header.dtype).reshape(header.shape)

@@ -29,11 +29,16 @@ class RawCodec:
     codec_id = CodecId.RAW
 
     def encode(self, tensor: torch.Tensor) -> bytes:
+        return b"".join(self.encode_segments(tensor))
+
+    def encode_segments(self, tensor: torch.Tensor) -> list[bytes | memoryview]:
+        """Header, then a view of the tensor's own memory (no copy for a contiguous CPU
+        tensor): it must stay unmodified until the bytes have been sent."""
         check_float_input(tensor)
         tensor = tensor.detach().cpu()
         require_finite(tensor, "RAW input")
         header = pack_header(CodecId.RAW, VERSION, tensor.dtype, tuple(tensor.shape), b"")
-        return b"".join((header, byte_view(tensor)))
+        return [header, byte_view(tensor)]
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_raw(parse_header(data, limits), data)

@@ -45,3 +45,27 @@ def decode(data: Buffer, limits: DecodeLimits) -> torch.Tensor:
 def peek_header(data: Buffer, limits: DecodeLimits) -> Header:
     """The outer header alone, for routing or logging before decoding."""
     return parse_header(data, limits)
+
+
+def decode_into(data: Buffer, limits: DecodeLimits, out: torch.Tensor) -> None:
+    """Decodes a payload that must describe a float32 tensor of `out`'s shape into `out`.
+
+    INT8 payloads are dequantised straight into `out`; other codecs decode, then copy. On
+    failure `out` may hold part of the payload: the caller overwrites it with its fallback.
+    """
+    header = parse_header(data, limits)
+    if header.codec != CodecId.ZSTD and (
+        header.dtype != torch.float32 or header.shape != tuple(out.shape)
+    ):
+        raise CompressionError(
+            f"payload is {header.dtype} {header.shape}, expected float32 {tuple(out.shape)}"
+        )
+    if header.codec == CodecId.INT8 and out.dtype == torch.float32 and out.is_contiguous():
+        decode_int8(header, data, out)
+        return
+    value = decode(data, limits)
+    if value.dtype != torch.float32 or value.shape != out.shape:
+        raise CompressionError(
+            f"payload is {value.dtype} {tuple(value.shape)}, expected float32 {tuple(out.shape)}"
+        )
+    out.copy_(value)

@@ -38,6 +38,7 @@ import torch
 import trio
 
 from swarmd.compression import (
+    CodecId,
     CompressionError,
     DecodeLimits,
     HalfCodec,
@@ -46,6 +47,9 @@ from swarmd.compression import (
     RawCodec,
     ResidualStore,
     decode,
+    decode_into,
+    encode_segments,
+    peek_header,
 )
 from swarmd.compression.codec import Codec
 from swarmd.node.metrics import Metrics
@@ -58,7 +62,7 @@ from swarmd.node.reduction import (
 )
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
-from swarmd.protocol.framing import TensorMeta
+from swarmd.protocol.framing import RECEIVE_BUFFERS, TensorMeta, payload_nbytes
 from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.allreduce")
@@ -71,6 +75,27 @@ CodecName = Literal["fp32", "fp16", "int8"]
 #: fetch(member, part, attempt, relay, timeout) -> the encoded part, or None on failure
 _Fetch = Callable[[int, int, int, bool, float], Awaitable[bytes | bytearray | None]]
 _BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02}
+#: An encoded payload in pieces (codec header, then views of tensors' memory): sent and
+#: served without joining the pieces into one buffer first.
+Encoded = list[bytes | memoryview]
+
+
+def _decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.Tensor, bytearray]:
+    """A received part's values and the buffer behind them (recycled after the reduction).
+
+    INT8 parts are dequantised into a recycled float32 buffer, and the payload goes back to
+    the pool at once; raw fp32 values are the payload itself, seen as floats."""
+    header = peek_header(data, limits)
+    if header.codec == CodecId.INT8 and len(header.shape) == 1 and header.numel > 0:
+        backing = RECEIVE_BUFFERS.take(4 * header.numel)
+        try:
+            decode_into(data, limits, torch.frombuffer(backing, dtype=torch.float32))
+        except CompressionError:
+            RECEIVE_BUFFERS.give(backing)
+            raise
+        RECEIVE_BUFFERS.give(data)
+        return torch.frombuffer(backing, dtype=torch.float32), backing
+    return decode(data, limits), data
 
 
 def make_codec(name: CodecName) -> Codec:
@@ -197,11 +222,14 @@ class _Reduction:
         self.numel = numel
         self.expected = expected
         self.values: dict[int, torch.Tensor] = {}
+        #: The received payloads behind `values` (raw fp32 values are views of them): handed
+        #: back to the receive pool once the part is reduced.
+        self.buffers: list[bytearray] = []
         self.weights: dict[int, float] = {}
         self.rejected: dict[int, str] = {}
         self.all_arrived = trio.Event()
         self.done = trio.Event()
-        self.encoded: bytes | None = None
+        self.encoded: Encoded | None = None
         self.decoded: torch.Tensor | None = None
         self.contributors: set[int] = set()
 
@@ -220,7 +248,9 @@ class _Outcome:
 
     def __init__(self) -> None:
         self.ready = trio.Event()
-        self.encoded: bytes | bytearray | None = None
+        #: The bytes as received; relays serve them until the round is retired.
+        self.received: bytearray | None = None
+        self.encoded: Encoded | None = None
 
 
 class _Round:
@@ -277,6 +307,9 @@ class Averager:
         self._client = client
         self._me = me
         self._residuals = ResidualStore()
+        #: Per error-feedback key, last round's compensated vector: its memory is reused for
+        #: the next one (fresh pages cost more than the arithmetic on them).
+        self._spare: dict[str, torch.Tensor] = {}
         self.throughput = Throughput(self.config.initial_throughput)
         self._rounds: OrderedDict[bytes, _Round] = OrderedDict()
         self._registered: dict[bytes, trio.Event] = {}
@@ -345,30 +378,35 @@ class Averager:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "weight must be finite and > 0")
         limits = DecodeLimits(max_elements=red.numel, max_bytes=4 * red.numel + 4096)
         try:
-            value = await trio.to_thread.run_sync(decode, data, limits)
+            value, backing = await trio.to_thread.run_sync(_decode_contribution, data, limits)
         except CompressionError as exc:
             red.add(sender, None, 0.0, f"undecodable: {exc}")
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {exc}") from None
+        if red.done.is_set():  # the deadline passed while we decoded
+            raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "part already reduced (late)")
         why = check_contribution(value, red.numel)
         if why is not None:
             red.add(sender, None, 0.0, why)
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {why}")
         red.add(sender, value, info.weight)
+        red.buffers.append(backing)
         self._count_bytes("received", rnd.codec_name, len(data))
         return apb.PartAck(received_bytes=len(data))
 
     async def _get_part(
         self, req: apb.GetPartRequest, ctx: rpc.CallContext
-    ) -> tuple[TensorMeta, memoryview]:
+    ) -> tuple[TensorMeta, Encoded]:
         rnd = await self._find_round(req.round_id)
         self._sender_index(rnd, ctx)
         n = len(rnd.group.members)
         if req.part >= n or req.attempt >= n:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "no such part")
+        encoded: Encoded | None
         if req.relay:
             outcome = rnd.direct[req.part]
             await outcome.ready.wait()
-            encoded = outcome.encoded
+            received = outcome.received
+            encoded = outcome.encoded if received is None else [memoryview(received)]
         else:
             if rnd.reducer_of(req.part, req.attempt) != rnd.me:
                 raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "not this peer's part")
@@ -377,8 +415,9 @@ class Averager:
             encoded = red.encoded
         if encoded is None:
             raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "this peer has no copy of that part")
-        self._count_bytes("sent", rnd.codec_name, len(encoded))
-        return TensorMeta("uint8", (len(encoded),)), memoryview(encoded)
+        nbytes = payload_nbytes(encoded)
+        self._count_bytes("sent", rnd.codec_name, nbytes)
+        return TensorMeta("uint8", (nbytes,)), encoded
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -398,6 +437,10 @@ class Averager:
             if old.finished_at is not None and now - old.finished_at > self.config.linger_s:
                 del self._rounds[rid]
                 self._stale[rid] = None
+                for outcome in old.direct.values():
+                    if outcome.received is not None:  # nothing but relays ever read it
+                        RECEIVE_BUFFERS.give(outcome.received)
+                        outcome.received = None
         while len(self._stale) > 4096:
             self._stale.popitem(last=False)
         rnd = self._rounds[group.round_id] = _Round(group, me, numel, self.config, codec)
@@ -438,45 +481,63 @@ class Averager:
             raise ValueError("allreduce input contains NaN or infinity")
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
         use_ef = self.config.error_feedback and codec_name != "fp32"
-        to_send = self._residuals.compensate(key, local) if use_ef else local
-        sent_values = torch.empty_like(to_send) if use_ef else to_send
-        encoded_parts: dict[int, bytes] = {}
+        if use_ef:
+            to_send, residual = self._compensate(key, local)
+        else:
+            to_send, residual = local, None
+        encoded_parts: dict[int, Encoded] = {}
         encoded_ready = {j: trio.Event() for j in range(n)}
         largest = max(rnd.part_numel(j) for j in range(n))
         bytes_per_part = largest * _BYTES_PER_VALUE[codec_name] + 256
-        encode = self._outgoing_encoder or rnd.codec.encode
         phase_deadline = self._deadline(bytes_per_part * max(n - 1, 1))
+        liar = self._outgoing_encoder
+        # int8 hands back what the receivers will lose while it quantises, chunk by chunk.
+        fused_ef = residual is not None and liar is None and isinstance(rnd.codec, Int8Codec)
+
+        def encode_part(j: int) -> Encoded:
+            """Part j as the bytes its reducer receives; for error feedback, also what it
+            loses, in `residual`."""
+            s, e = rnd.bounds[j]
+            if fused_ef:
+                assert isinstance(rnd.codec, Int8Codec) and residual is not None
+                return rnd.codec.encode_segments(to_send[s:e], residual[s:e])
+            segments: Encoded = (
+                [liar(to_send[s:e])] if liar else encode_segments(rnd.codec, to_send[s:e])
+            )
+            if residual is not None:
+                blob = b"".join(segments)
+                limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
+                try:
+                    torch.sub(to_send[s:e], decode(blob, limits), out=residual[s:e])
+                except (CompressionError, RuntimeError):
+                    residual[s:e].zero_()  # a deliberately broken payload: nothing to carry
+            return segments
 
         async def prepare(j: int) -> None:
-            """Encodes part j (and, for error feedback, what the receiver will decode)."""
-            s, e = rnd.bounds[j]
-            blob = await trio.to_thread.run_sync(encode, to_send[s:e])
-            encoded_parts[j] = blob
+            encoded_parts[j] = await trio.to_thread.run_sync(encode_part, j)
             encoded_ready[j].set()
-            if use_ef:
-                limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
-                sent_values[s:e] = await trio.to_thread.run_sync(decode, blob, limits)
 
         async def send_part(j: int, attempt: int, target: int) -> bool:
             await encoded_ready[j].wait()
             info = apb.PartInfo(round_id=group.round_id, part=j, weight=weight, attempt=attempt)
-            blob = encoded_parts[j]
-            meta = TensorMeta("uint8", (len(blob),), info=info.SerializeToString())
+            segments = encoded_parts[j]
+            nbytes = payload_nbytes(segments)
+            meta = TensorMeta("uint8", (nbytes,), info=info.SerializeToString())
             t0 = time.monotonic()
             try:
                 await self._client.put_tensor(
                     group.members[target].address,
                     PUT_PART,
                     meta,
-                    memoryview(blob),
+                    segments,
                     apb.PartAck,
                     timeout=phase_deadline,
                 )
             except (rpc.RpcError, OSError) as exc:
                 log.info("part %d to member %d failed: %s", j, target, exc)
                 return False
-            self.throughput.observe(len(blob), time.monotonic() - t0)
-            self._count_bytes("sent", codec_name, len(blob))
+            self.throughput.observe(nbytes, time.monotonic() - t0)
+            self._count_bytes("sent", codec_name, nbytes)
             return True
 
         async def fetch(
@@ -514,19 +575,24 @@ class Averager:
             await self._finish_reduction(red, rnd)
             dropped.update(red.expected - red.contributors)
 
-        def decode_part(j: int, blob: bytes | bytearray) -> torch.Tensor | None:
-            numel = rnd.part_numel(j)
+        def decode_part(j: int, blob: bytes | bytearray) -> bool:
+            """Decodes part j straight into the result; False if it is unusable."""
+            s, e = rnd.bounds[j]
+            numel = e - s
             try:
-                value = decode(blob, DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096))
+                decode_into(
+                    blob, DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096), result[s:e]
+                )
             except CompressionError:
-                return None
-            return value if check_contribution(value, numel) is None else None
+                return False
+            return True
 
         async def obtain(j: int) -> None:
             s, e = rnd.bounds[j]
             fetch_timeout = 2 * phase_deadline + self._deadline(bytes_per_part)
-            blob: bytes | bytearray | None = await fetch(j, j, 0, False, fetch_timeout)
-            rnd.direct[j].encoded = blob
+            direct = await fetch(j, j, 0, False, fetch_timeout)
+            rnd.direct[j].received = direct
+            blob: bytes | bytearray | None = direct
             rnd.direct[j].ready.set()
             if blob is None:
                 recovered.append(j)
@@ -537,16 +603,16 @@ class Averager:
                 if target == me:
                     # The part's own value at the fallback reducer is its uncompressed local one.
                     await reduce(j, attempt, to_send[s:e])
-                    blob = rnd.reduction(j, attempt).encoded
+                    decoded = rnd.reduction(j, attempt).decoded
+                    if decoded is not None:
+                        result[s:e] = decoded
+                        return
                 elif await send_part(j, attempt, target):
                     blob = await fetch(target, j, attempt, False, fetch_timeout)
                 attempt += 1
-            value = decode_part(j, blob) if blob is not None else None
-            if value is None:
+            if blob is None or not await trio.to_thread.run_sync(decode_part, j, blob):
                 failed.append(j)
                 result[s:e] = local[s:e]
-                return
-            result[s:e] = value
 
         async with trio.open_nursery() as nursery:
             for j in range(n):
@@ -557,10 +623,12 @@ class Averager:
             s, e = rnd.bounds[me]
             nursery.start_soon(reduce, me, 0, to_send[s:e])
 
-        if use_ef:
+        if residual is not None:
             s, e = rnd.bounds[me]
-            sent_values[s:e] = to_send[s:e]  # our own part never crossed the wire
-            self._residuals.record(key, to_send, sent_values)
+            residual[s:e].zero_()  # our own part never crossed the wire
+            self._residuals.store(key, residual)
+            if to_send is not local:
+                self._spare[key] = to_send  # nothing refers to it any more: next round's buffer
         own = rnd.reduction(me, 0)
         rnd.direct[me].encoded = own.encoded
         rnd.direct[me].ready.set()
@@ -590,6 +658,26 @@ class Averager:
                 outcome.failed_parts,
             )
         return outcome
+
+    def _compensate(self, key: str, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local + residual, a buffer for the next residual), reusing last round's memory.
+
+        The residual is taken out of the store for the round and stored again at its end, so
+        a round cancelled midway forgets it (one round's correction lost) rather than adding
+        it twice."""
+        old = self._residuals.take(key)
+        if old is not None and old.shape != local.shape:
+            raise CompressionError(
+                f"residual for {key!r} has shape {tuple(old.shape)}, input has {tuple(local.shape)}"
+            )
+        spare = self._spare.pop(key, None)
+        if spare is None or spare.shape != local.shape:
+            spare = torch.empty_like(local)
+        if old is None:
+            spare.copy_(local)
+            return spare, torch.empty_like(local)
+        torch.add(local, old, out=spare)
+        return spare, old
 
     def _count_bytes(self, direction: str, codec: str, nbytes: int) -> None:
         if self._metrics is not None:
@@ -633,14 +721,20 @@ class Averager:
                 [red.weights[i] for i in order],
                 self.config.reduction,
             )
-            encoded = await trio.to_thread.run_sync(rnd.codec.encode, reduced)
+            encoded = await trio.to_thread.run_sync(encode_segments, rnd.codec, reduced)
             red.encoded = encoded
             if rnd.codec_name == "fp32":
                 red.decoded = reduced  # lossless: what members decode is exactly this
             else:
-                limits = DecodeLimits(max_elements=red.numel, max_bytes=len(encoded) * 8 + 4096)
-                red.decoded = await trio.to_thread.run_sync(decode, encoded, limits)
+                blob = b"".join(encoded)
+                limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
+                red.decoded = await trio.to_thread.run_sync(decode, blob, limits)
         red.contributors = set(order)
+        # The contributions are never read again (relays serve the encoded result): free them.
+        red.values.clear()
+        for buf in red.buffers:
+            RECEIVE_BUFFERS.give(buf)
+        red.buffers.clear()
         red.done.set()
 
 

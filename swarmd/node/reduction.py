@@ -71,6 +71,11 @@ def weighted_mean(values: list[torch.Tensor], weights: list[float]) -> torch.Ten
     rounded mean, whatever the order (so a test can check it exactly). Chunked so that the
     float64 temporaries stay in cache: 3.5x faster than whole-tensor float64 arithmetic."""
     total = sum(weights)
+    if len(values) != len(weights):
+        raise ValueError("one weight per value")
+    # Dividing by a power of two is multiplying by its exact inverse, and float64 division
+    # costs several times a multiplication.
+    inverse = 1.0 / total if math.frexp(total)[0] == 0.5 else None
     n = values[0].numel()
     out = torch.empty(n, dtype=torch.float32)
     acc = torch.empty(min(n, _CHUNK), dtype=torch.float64)
@@ -78,11 +83,17 @@ def weighted_mean(values: list[torch.Tensor], weights: list[float]) -> torch.Ten
     for start in range(0, n, _CHUNK):
         end = min(n, start + _CHUNK)
         a, t = acc[: end - start], tmp[: end - start]
-        a.zero_()
-        for v, w in zip(values, weights, strict=True):
+        a.copy_(values[0][start:end])
+        if weights[0] != 1.0:
+            a.mul_(weights[0])  # the same single rounding as 0 + w * x
+        for v, w in zip(values[1:], weights[1:], strict=True):
             t.copy_(v[start:end])
             a.add_(t, alpha=w)
-        out[start:end].copy_(a.div_(total))
+        if inverse is not None:
+            a.mul_(inverse)
+        else:
+            a.div_(total)
+        out[start:end].copy_(a)
     return out
 
 

@@ -40,6 +40,7 @@ from swarmd.protocol.address import Address, parse_address
 from swarmd.protocol.errors import AuthError, ProtocolError
 from swarmd.protocol.framing import (
     DEFAULT_CHUNK_BYTES,
+    Payload,
     StreamAssembler,
     TensorMeta,
     assemble,
@@ -166,7 +167,8 @@ class _NullObserver:
 
 UnaryHandler = Callable[[Any, CallContext], Awaitable[Message]]
 TensorInHandler = Callable[[TensorMeta, bytearray, CallContext], Awaitable[Message]]
-TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, memoryview]]]
+#: A tensor_out handler may return its payload in pieces (see framing.Payload).
+TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, Payload]]]
 
 
 @dataclass(frozen=True)
@@ -610,7 +612,7 @@ class RpcClient:
         address: str,
         path: str,
         meta: TensorMeta,
-        payload: memoryview,
+        payload: Payload,
         response_type: type[M],
         *,
         timeout: float | None = None,

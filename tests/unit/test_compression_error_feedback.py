@@ -19,6 +19,7 @@ from swarmd.compression import (
     HalfConfig,
     Int8Codec,
     Int8Config,
+    ResidualStore,
     ZstdFramed,
     decode,
 )
@@ -106,3 +107,19 @@ def test_input_is_not_modified() -> None:
     ef.encode("k", x)
     ef.encode("k", x)
     assert torch.equal(x, before)
+
+
+def test_residual_store_take_and_store_hand_over_the_tensor_itself() -> None:
+    """take() empties the slot (a cancelled round cannot apply a residual twice); store()
+    keeps the given float32 tensor without copying it."""
+    store = ResidualStore()
+    assert store.take("k") is None
+    r = torch.randn(5)
+    store.store("k", r)
+    kept = store.residual("k")
+    assert kept is not None and kept.data_ptr() == r.data_ptr()  # the same memory
+    taken = store.take("k")
+    assert taken is not None and taken.data_ptr() == r.data_ptr()
+    assert store.residual("k") is None
+    with pytest.raises(CompressionError):
+        store.store("k", torch.randn(5, dtype=torch.float64))

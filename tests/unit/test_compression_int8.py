@@ -12,9 +12,12 @@ from hypothesis import strategies as st
 from swarmd.compression import (
     CompressionError,
     DecodeLimits,
+    HalfCodec,
     Int8Codec,
     Int8Config,
+    RawCodec,
     decode,
+    decode_into,
     dequantize_int8,
     quantize_int8,
 )
@@ -162,3 +165,39 @@ def test_declared_size_over_limit_is_refused_before_decoding() -> None:
     data = Int8Codec().encode(torch.randn(1000))
     with pytest.raises(CompressionError, match="over the limit"):
         decode(data, DecodeLimits(max_elements=999, max_bytes=1 << 20))
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 70_001])
+@pytest.mark.parametrize("block", [1, 64, 256])
+def test_segments_and_fused_residual_match_a_decode(n: int, block: int) -> None:
+    """encode_segments is encode in pieces, and the residual it writes is exactly what error
+    feedback would get by decoding the payload: input - decode(encode(input))."""
+    codec = Int8Codec(Int8Config(block_size=block))
+    x = torch.randn(n) * torch.linspace(1e-3, 50.0, n)
+    residual = torch.full((n,), float("nan"))
+    segments = codec.encode_segments(x, residual)
+    blob = b"".join(segments)
+    assert blob == codec.encode(x)
+    decoded = codec.decode(blob, DecodeLimits.for_tensor(x))
+    assert torch.equal(residual, x - decoded)
+    with pytest.raises(CompressionError):
+        codec.encode_segments(x, torch.empty(n + 1))
+
+
+def test_decode_into_writes_the_decoded_values_in_place() -> None:
+    codec = Int8Codec()
+    x = torch.randn(10_000)
+    blob = codec.encode(x)
+    out = torch.full((10_000,), 7.0)
+    decode_into(blob, DecodeLimits.for_tensor(x), out)
+    assert torch.equal(out, codec.decode(blob, DecodeLimits.for_tensor(x)))
+    raw = RawCodec().encode(x)
+    decode_into(raw, DecodeLimits.for_tensor(x), out)
+    assert torch.equal(out, x)
+    # A payload of another shape or dtype is refused, whatever the codec.
+    for wrong in (codec.encode(torch.randn(9_999)), codec.encode(torch.randn(100, 100))):
+        with pytest.raises(CompressionError, match="expected float32"):
+            decode_into(wrong, DecodeLimits.for_tensor(x), out)
+    half = HalfCodec().encode(x.half())
+    with pytest.raises(CompressionError, match="expected float32"):
+        decode_into(half, DecodeLimits.for_tensor(x), out)

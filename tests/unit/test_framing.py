@@ -12,6 +12,7 @@ from swarmd.protocol.errors import FramingError
 from swarmd.protocol.framing import (
     TAG_DATA,
     TAG_HEADER,
+    BufferPool,
     StreamAssembler,
     TensorMeta,
     assemble,
@@ -148,3 +149,77 @@ def test_any_valid_tensor_survives_framing(dtype: str, shape: list[int], chunk: 
     meta = tensor_meta(tensor)
     got_meta, data = assemble(iter_frames(meta, tensor_payload(tensor), chunk), LIMIT)
     assert torch.equal(tensor_from_bytes(got_meta, data), tensor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=5),
+    chunk=st.integers(min_value=1, max_value=50),
+)
+def test_payload_in_pieces_frames_like_the_joined_bytes(sizes: list[int], chunk: int) -> None:
+    """A payload given as several pieces (codec header + tensor views) travels as the same
+    bytes, in frames of at most `chunk` bytes, some of which span two pieces."""
+    pieces = [bytes((i * 31 + k) % 256 for k in range(n)) for i, n in enumerate(sizes)]
+    joined = b"".join(pieces)
+    meta = TensorMeta("uint8", (len(joined),))
+    views: list[bytes | memoryview] = [memoryview(p) if i % 2 else p for i, p in enumerate(pieces)]
+    frames = list(iter_frames(meta, views, chunk))
+    assert frames == list(iter_frames(meta, memoryview(joined), chunk))
+    assert all(len(f) - 1 <= chunk for f in frames[1:])
+    assert len(frames) - 1 == -(-len(joined) // chunk)
+    _, data = assemble(frames, LIMIT)
+    assert bytes(data) == joined
+
+
+def test_payload_pieces_must_add_up_to_the_header() -> None:
+    meta = TensorMeta("float32", (4,))
+    with pytest.raises(FramingError, match="15 B"):
+        list(iter_frames(meta, [bytes(7), memoryview(bytes(8))]))
+    tensor = torch.arange(4, dtype=torch.float32)
+    frames = iter_frames(meta, [memoryview(b""), tensor_payload(tensor)], 3)
+    _, data = assemble(frames, LIMIT)
+    assert torch.equal(tensor_from_bytes(meta, data), tensor)
+
+
+def test_buffer_pool_recycles_exact_sizes_and_refuses_buffers_still_in_use() -> None:
+    pool = BufferPool(max_idle_bytes=3 << 20, min_bytes=1 << 20)
+    a = pool.take(1 << 20)
+    assert len(a) == 1 << 20
+    pool.give(a)
+    pool.give(a)  # twice: still one idle copy
+    assert pool.idle_bytes == 1 << 20
+    assert pool.take((1 << 20) + 1) is not a  # only exact sizes are reused
+    assert pool.take(1 << 20) is a and pool.idle_bytes == 0
+    view = memoryview(a)
+    pool.give(a)  # someone still reads it through a view: not recycled
+    assert pool.idle_bytes == 0
+    view.release()
+    pool.give(a)
+    assert pool.idle_bytes == 1 << 20 and len(a) == 1 << 20
+    for _ in range(4):  # beyond max_idle_bytes, buffers are left to the garbage collector
+        pool.give(bytearray(1 << 20))
+    assert pool.idle_bytes == 3 << 20
+    small = pool.take(10)
+    pool.give(small)  # too small to be worth keeping
+    assert pool.idle_bytes == 3 << 20
+
+
+def test_assembler_overwrites_a_recycled_buffer_completely() -> None:
+    pool = BufferPool(min_bytes=1)
+    stale = bytearray(b"\xff" * 40)
+    pool.give(stale)
+    tensor = torch.arange(10, dtype=torch.float32)
+    meta = tensor_meta(tensor)
+    asm = StreamAssembler(LIMIT, pool)
+    for frame in iter_frames(meta, tensor_payload(tensor), 7):
+        asm.feed(frame)
+    _, data = asm.finish()
+    assert data is stale and torch.equal(tensor_from_bytes(meta, data), tensor)
+    # A truncated stream into a recycled buffer is refused, never padded with stale bytes.
+    pool.give(bytearray(b"\xff" * 40))
+    asm = StreamAssembler(LIMIT, pool)
+    frames = list(iter_frames(meta, tensor_payload(tensor), 7))
+    for frame in frames[:-1]:
+        asm.feed(frame)
+    with pytest.raises(FramingError, match="truncated"):
+        asm.finish()

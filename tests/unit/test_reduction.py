@@ -23,6 +23,15 @@ def test_weighted_mean_is_correctly_rounded_in_any_order() -> None:
     assert torch.equal(aggregate(xs[::-1], ws[::-1], ReductionConfig()), truth)
 
 
+@pytest.mark.parametrize("ws", [[1.0, 1.0, 1.0, 1.0], [0.25, 0.25], [3.0, 5.0], [2.0, 1.0, 1.0]])
+def test_weighted_mean_power_of_two_totals_are_exact_too(ws: list[float]) -> None:
+    """A power-of-two total is divided by multiplying with its inverse (exact in float64);
+    a first weight of 1 skips the multiplication. Both must leave the result unchanged."""
+    xs = [torch.randn(70_000) * 1e3 for _ in ws]
+    truth = (sum(x.double() * w for x, w in zip(xs, ws, strict=True)) / sum(ws)).float()
+    assert torch.equal(aggregate(xs, ws, ReductionConfig()), truth)
+
+
 def test_trimmed_mean_ignores_one_extreme_peer() -> None:
     honest = [torch.full((100,), float(v)) for v in (1.0, 2.0, 3.0, 4.0)]
     liar = torch.full((100,), 1e9)
