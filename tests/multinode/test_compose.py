@@ -74,6 +74,8 @@ def outer_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Compose) -> None:
     (bootstrap,) = swarm.containers("bootstrap")
     assert ch.inspect(bootstrap, "{{.State.Health.Status}}") == "healthy"
+    # Test traffic stays on this machine: the peers' network has no way out.
+    assert ch.inspect(f"{swarm.project}_swarm", "{{.Internal}}") == "true"
     trainers = swarm.containers("creator") + swarm.containers("worker")
     assert len(trainers) == 3
     victim, survivors = trainers[-1], trainers[:-1]
