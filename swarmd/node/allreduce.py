@@ -25,6 +25,7 @@ hand-tuned constant: expected transfer time times a slack factor, plus a floor f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -715,11 +716,15 @@ class Averager:
             )
         order = sorted(values)
         if order:
+            # Only lossless parts need the correctly rounded (float64) mean.
             reduced = await trio.to_thread.run_sync(
-                aggregate,
-                [values[i] for i in order],
-                [red.weights[i] for i in order],
-                self.config.reduction,
+                functools.partial(
+                    aggregate,
+                    [values[i] for i in order],
+                    [red.weights[i] for i in order],
+                    self.config.reduction,
+                    exact=rnd.codec_name == "fp32",
+                )
             )
             encoded = await trio.to_thread.run_sync(encode_segments, rnd.codec, reduced)
             red.encoded = encoded

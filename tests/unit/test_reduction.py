@@ -32,6 +32,18 @@ def test_weighted_mean_power_of_two_totals_are_exact_too(ws: list[float]) -> Non
     assert torch.equal(aggregate(xs, ws, ReductionConfig()), truth)
 
 
+def test_inexact_mean_for_lossy_parts_is_within_float32_rounding() -> None:
+    """exact=False (int8 parts) sums in float32: within a few float32 ulps of the true mean."""
+    xs = [torch.randn(70_000) for _ in range(4)]
+    ws = [1.0, 7.0, 0.5, 3.0]
+    truth = sum(x.double() * w for x, w in zip(xs, ws, strict=True)) / sum(ws)
+    got = aggregate(xs, ws, ReductionConfig(), exact=False)
+    assert got.dtype == torch.float32 and got.shape == (70_000,)
+    scale = max(float(x.abs().max()) for x in xs)
+    assert float((got.double() - truth).abs().max()) <= 4 * scale * 2.0**-24
+    assert not torch.equal(got, truth.float())  # it really is the cheaper, inexact sum
+
+
 def test_trimmed_mean_ignores_one_extreme_peer() -> None:
     honest = [torch.full((100,), float(v)) for v in (1.0, 2.0, 3.0, 4.0)]
     liar = torch.full((100,), 1e9)
