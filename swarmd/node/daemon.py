@@ -163,6 +163,8 @@ class _Flight:
     live: int = 0
     #: Inner steps the trainer took while the round was on the wire.
     steps_in_flight: int = 0
+    #: Bytes this peer sent while the round was on the wire (matchmaking and all-reduce).
+    sync_bytes: int = 0
 
 
 class Peer:
@@ -586,6 +588,7 @@ class Peer:
         """Matchmaking and all-reduce of one fragment's pseudo-gradient; never raises (a
         failed round is `result` None, which the optimiser's failure policy handles)."""
         rnd = flight.round
+        sent0 = self.metrics.sent_total
         try:
             flight.live = len(await self.dht.peers(peers_key(config.name)))
             target = max(config.min_group_size, min(config.target_group_size, flight.live))
@@ -614,6 +617,7 @@ class Peer:
             flight.result = None
         finally:
             flight.steps_in_flight = opt.steps - rnd.began_at_step
+            flight.sync_bytes = self.metrics.sent_total - sent0
             flight.finished = time.time()
             flight.done.set()
 
@@ -658,6 +662,7 @@ class Peer:
             val_loss=val,
             state_hash=snap.state_hash.hex(),
             steps_in_flight=flight.steps_in_flight,
+            sync_bytes=flight.sync_bytes,
             replaced_stand_in=report.replaced_stand_in,
             started=round(flight.started, 3),
             finished=round(flight.finished or time.time(), 3),
@@ -728,6 +733,7 @@ class Peer:
                 seconds=round(self._held(t0), 3),
             )
             return
+        sent0 = self.metrics.sent_total
         pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
@@ -754,6 +760,7 @@ class Peer:
             dropped = len(result.dropped)
         # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
         waited = time.monotonic() - t0
+        sync_bytes = self.metrics.sent_total - sent0
         self.wait_s += waited
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
         if report.status == "averaged" and size - dropped > 1:  # not if it dropped everyone
@@ -774,6 +781,7 @@ class Peer:
             val_loss=val,
             state_hash=snap.state_hash.hex(),
             wait_s=round(waited, 3),
+            sync_bytes=sync_bytes,
             seconds=round(self._held(t0), 3),
         )
 
