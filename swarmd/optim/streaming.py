@@ -144,30 +144,51 @@ def layer_units(names: Sequence[str]) -> list[tuple[str, list[int]]]:
     are grouped by their top-level module (`embed`, `head`)."""
     units: dict[str, list[int]] = {}
     for i, name in enumerate(names):
-        parts = name.split(".")
-        key = parts[0]
-        for j, part in enumerate(parts):
-            if part.isdigit():
-                key = ".".join(parts[: j + 1])
-                break
-        units.setdefault(key, []).append(i)
+        units.setdefault(_layer_of(name) or name.split(".")[0], []).append(i)
     return list(units.items())
 
 
+def _layer_of(name: str) -> str | None:
+    parts = name.split(".")
+    for j, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: j + 1])
+    return None
+
+
 def split_fragments(
-    names: Sequence[str], fragments: int, layout: FragmentLayout
+    names: Sequence[str], sizes: Sequence[int], fragments: int, layout: FragmentLayout
 ) -> list[list[int]]:
-    """Parameter indices of each fragment (each in model order)."""
-    units = layer_units(names)
-    if len(units) < fragments:
+    """Parameter indices of each fragment (each in model order).
+
+    Numbered layers are dealt out strided (or in contiguous runs); parameters outside them
+    (embeddings, the final norm) go one by one, largest first, to the smallest fragment so
+    far. The largest fragment is what a sync puts on the wire at its peak, so it should be
+    close to 1/P of the model: with the built-in 4-layer GPT and P=4, giving the embedding
+    module whole to one fragment made that fragment 29% of the model, balancing it 27%.
+    """
+    layers = [(k, m) for k, m in layer_units(names) if _layer_of(names[m[0]]) is not None]
+    placed = {j for _, members in layers for j in members}
+    rest = sorted((j for j in range(len(names)) if j not in placed), key=lambda j: -sizes[j])
+    if len(layers) + len(rest) < fragments:
+        found = ", ".join(k for k, _ in layer_units(names))
         raise ValueError(
-            f"the model has {len(units)} layer(s) ({', '.join(k for k, _ in units)}), too few "
-            f"to split into {fragments} fragments"
+            f"the model has {len(layers)} layer(s) and {len(rest)} other parameter(s) "
+            f"({found}), too few to split into {fragments} fragments"
         )
     out: list[list[int]] = [[] for _ in range(fragments)]
-    for i, (_, members) in enumerate(units):
-        f = i % fragments if layout == "strided" else i * fragments // len(units)
+    load = [0] * fragments
+    # With fewer layers than fragments, the layers take the first ones and the other
+    # parameters fill the rest (the smallest fragment so far is an empty one).
+    span = max(len(layers), fragments)
+    for i, (_, members) in enumerate(layers):
+        f = i % fragments if layout == "strided" else i * fragments // span
         out[f].extend(members)
+        load[f] += sum(sizes[j] for j in members)
+    for j in rest:
+        f = min(range(fragments), key=lambda k: load[k])
+        out[f].append(j)
+        load[f] += sizes[j]
     return [sorted(f) for f in out]
 
 
@@ -267,7 +288,8 @@ class StreamingDiLoCo:
         self.names, self._params = trainable(model)
         self._shapes = [p.shape for p in self._params]
         self.numel = sum(p.numel() for p in self._params)
-        members = split_fragments(self.names, config.fragments, config.layout)
+        sizes = [p.numel() for p in self._params]
+        members = split_fragments(self.names, sizes, config.fragments, config.layout)
         self._fragments = [
             _Fragment(f, m, self.names, self._params, config.diloco) for f, m in enumerate(members)
         ]

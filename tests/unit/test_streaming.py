@@ -430,17 +430,34 @@ def test_layouts() -> None:
     units = [k for k, _ in layer_units(names)]
     assert units == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
 
+    sizes = [p.numel() for p in model.parameters()]
+
     def prefixes(layout: str) -> list[set[str]]:
-        frags = split_fragments(names, 2, layout)  # type: ignore[arg-type]
+        frags = split_fragments(names, sizes, 2, layout)  # type: ignore[arg-type]
         assert sorted(i for f in frags for i in f) == list(range(len(names)))
         return [{".".join(names[i].split(".")[:2]) for i in f} for f in frags]
 
     strided = prefixes("strided")
-    assert {"blocks.0", "blocks.2"} <= strided[1] and {"blocks.1", "blocks.3"} <= strided[0]
+    assert {"blocks.0", "blocks.2"} <= strided[0] and {"blocks.1", "blocks.3"} <= strided[1]
     sequential = prefixes("sequential")
     assert {"blocks.0", "blocks.1"} <= sequential[0] and {"blocks.2", "blocks.3"} <= sequential[1]
-    with pytest.raises(ValueError, match="too few to split into 7 fragments"):
-        StreamingDiLoCo(model, _config(7, 7))
+    with pytest.raises(ValueError, match="too few to split into 9 fragments"):
+        StreamingDiLoCo(model, _config(9, 9))
+
+
+def test_fragments_are_balanced_by_size() -> None:
+    """The peak of a streaming sync is its largest fragment: the embeddings go where they
+    even out the load instead of riding whole with one layer."""
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128), seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    for layout in ("strided", "sequential"):
+        frags = split_fragments(names, sizes, 4, layout)  # type: ignore[arg-type]
+        assert sorted(i for f in frags for i in f) == list(range(len(names)))
+        loads = [sum(sizes[i] for i in f) for f in frags]
+        # Each fragment holds one block; the two embedding tables land on different ones.
+        assert max(loads) / sum(sizes) < 0.28, loads
+        assert all(sum(1 for i in f if names[i].startswith("blocks.")) > 0 for f in frags)
 
 
 @pytest.mark.parametrize(
