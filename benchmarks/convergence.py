@@ -8,6 +8,13 @@ Both runs are real processes on loopback talking through swarmd's transport:
   (b) DiLoCo: a `swarmd dht` bootstrap and `--peers` `swarmd join` processes (the daemon users
       run), H inner AdamW steps between outer steps, pseudo-gradients all-reduced in the run's
       codec (int8 with error feedback by default).
+  (c) streaming DiLoCo: the same daemon with `algo = "streaming-diloco"`: P fragments, each
+      synced every H steps at its own offset, its round started τ steps early and overlapped
+      with training, merged with mixing factor α.
+
+(b) and (c) run with each peer's upload limited (`--bandwidth-mbit`, through the transport's
+fault-injection pacing, SWARMD_FAULTS) so that waiting for the network shows; (a) runs
+unlimited (it would take hours otherwise; its loss and bytes do not depend on the limit).
 
 Both use the built-in GPT on the built-in corpus, the same per-peer batch and the same number
 of steps per peer (the same token budget), the same AdamW settings, and the same initial
@@ -16,7 +23,13 @@ bodies, signed headers, DHT, heartbeats and matchmaking included — averaged ov
 Final validation loss is computed here, from the final parameters (the DiLoCo peers' saved
 global state, the DDP workers' weights) on the same held-out batches.
 
-The last line is `ddp_loss=… diloco_loss=… loss_gap=… bytes_ratio=…`.
+Streaming figures: `peak_bytes_ratio` is the largest single sync's bytes (what a peer sent
+while one round was on the wire: matchmaking and all-reduce) of DiLoCo over that of streaming
+DiLoCo; `compute_utilisation` is 1 − (time the trainer waited for the network / wall time),
+summed over the streaming peers (`diloco_utilisation`: the same for plain DiLoCo).
+
+The last line is `ddp_loss=… diloco_loss=… loss_gap=… bytes_ratio=… streaming_loss=…
+peak_bytes_ratio=… compute_utilisation=… diloco_utilisation=…`.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import queue
 import subprocess
 import sys
@@ -37,7 +51,6 @@ from typing import IO, Any
 import torch
 
 from swarmd.node.children import stop_all
-from swarmd.optim import DiLoCo
 from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
 
 HERE = Path(__file__).resolve().parent
@@ -59,8 +72,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-ddp", action="store_true", help="only run DiLoCo")
-    p.add_argument("--skip-diloco", action="store_true", help="only run the baseline")
+    p.add_argument("--fragments", "-P", type=int, default=4, help="streaming: fragments")
+    p.add_argument("--overlap-steps", type=int, default=5, help="streaming: τ")
+    p.add_argument("--mix-alpha", type=float, default=0.5, help="streaming: α")
+    p.add_argument(
+        "--bandwidth-mbit", type=float, default=20.0,
+        help="upload limit per DiLoCo/streaming peer in Mbit/s (0: none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--algos", default="ddp,diloco,streaming",
+        help="which runs, comma-separated from ddp, diloco, streaming",
+    )  # fmt: skip
     p.add_argument("--keep", type=Path, help="keep logs and states in this directory")
     return p.parse_args()
 
@@ -76,9 +98,14 @@ class Child:
     record: IO[str] | None = None
 
     @classmethod
-    def spawn(cls, name: str, argv: list[str], log_dir: Path) -> Child:
+    def spawn(
+        cls, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+    ) -> Child:
         with open(log_dir / f"{name}.log", "w") as stderr:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+            proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                env={**os.environ, **(env or {})},
+            )  # fmt: skip
         child = cls(name, proc, record=open(log_dir / f"{name}.jsonl", "w"))  # noqa: SIM115
         threading.Thread(target=child._pump, daemon=True).start()
         return child
@@ -152,6 +179,9 @@ class Outcome:
     sent_per_peer: float
     seconds: float
     detail: str
+    #: DiLoCo runs: 1 - waited / wall over all peers, and the largest sync's bytes.
+    utilisation: float = math.nan
+    peak_sync_bytes: int = 0
 
 
 def run_ddp(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
@@ -220,11 +250,22 @@ codec = "{codec}"
 target_group_size = {peers}
 min_group_size = 2
 seed = {seed}
+algo = "{algo}"
+fragments = {fragments}
+overlap_steps = {overlap_steps}
+mix_alpha = {mix_alpha}
 """
 
 
-def run_diloco(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
-    (root / "run.toml").write_text(RUN_TOML.format(**vars(a)))
+def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> Outcome:
+    name = "streaming" if algo == "streaming-diloco" else "diloco"
+    (root / "run.toml").write_text(RUN_TOML.format(**vars(a), algo=algo))
+    env = {}
+    if a.bandwidth_mbit > 0:
+        (root / "faults.json").write_text(
+            json.dumps({"bandwidth_bytes_s": a.bandwidth_mbit * 1e6 / 8})
+        )
+        env["SWARMD_FAULTS"] = str(root / "faults.json")
     started: list[Child] = []
     try:
         address = bootstrap(root, started)
@@ -236,7 +277,7 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
                 "--state-dir", str(root / f"peer{i}"), "--max-steps", str(a.steps),
                 "--progress-interval", "10", *extra,
             )  # fmt: skip
-            child = Child.spawn(f"peer{i}", argv, root)
+            child = Child.spawn(f"peer{i}", argv, root, env)
             started.append(child)
             return child
 
@@ -246,8 +287,8 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
         peers += [join(i, []) for i in range(1, a.peers)]
         for p in peers:
             p.first("training", 180)
-        print(f"  [diloco] {a.peers} peers training {a.steps} steps, H={a.inner_steps}", flush=True)
-        reporter = threading.Thread(target=_report, args=("diloco", peers[0], "outer_step"))
+        print(f"  [{name}] {a.peers} peers training {a.steps} steps", flush=True)
+        reporter = threading.Thread(target=_report, args=(name, peers[0], "outer_step"))
         reporter.start()
         wait_all(peers, timeout)
         reporter.join()
@@ -258,16 +299,21 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
             statuses[e["status"]] = statuses.get(e["status"], 0) + 1
         final = [p.last("outer_step")["state_hash"] for p in peers]
         agree = len(set(final)) == 1
+        stops = [p.last("stopped") for p in peers]
+        utilisation = 1.0 - sum(e["wait_s"] for e in stops) / sum(e["wall_s"] for e in stops)
+        peak = max((e.get("sync_bytes", 0) for e in rounds if e["status"] == "averaged"), default=0)
         model = GPT(model_config(a), seed=a.seed)
-        # DiLoCo's own loader sets the model's weights to the saved global parameters.
-        DiLoCo(model).load_state_dict(
-            torch.load(root / "peer0" / "state.pt", weights_only=True)["global"]
-        )
+        # The saved global parameters (`global.<name>`; tied weights appear once).
+        state = torch.load(root / "peer0" / "state.pt", weights_only=True)["global"]
+        with torch.no_grad():
+            for pname, param in model.named_parameters():
+                param.copy_(state[f"global.{pname}"])
         detail = (
             f"outer steps by status {statuses}; final states "
-            f"{'identical' if agree else 'DIFFERENT'} across peers"
+            f"{'identical' if agree else 'DIFFERENT'} across peers; trainer waited "
+            f"{1 - utilisation:.1%} of its time; largest sync {peak / 1e6:.3f} MB"
         )
-        return Outcome(validation(a, model), sent, time.monotonic() - t0, detail)
+        return Outcome(validation(a, model), sent, time.monotonic() - t0, detail, utilisation, peak)
     finally:
         stop_all((c.process for c in started), timeout=15)
 
@@ -281,7 +327,8 @@ def main() -> None:
         f"convergence: built-in GPT {params / 1e6:.2f}M params on the built-in corpus; "
         f"{a.peers} peers x {a.steps} steps x {a.batch_size} x {a.block_size} = {tokens:,} "
         f"tokens per method; lr {a.lr}; DiLoCo H={a.inner_steps}, {a.codec}, outer lr "
-        f"{a.outer_lr} momentum {a.outer_momentum}",
+        f"{a.outer_lr} momentum {a.outer_momentum}; streaming P={a.fragments} "
+        f"τ={a.overlap_steps} α={a.mix_alpha}",
         flush=True,
     )
     init_loss = validation(a, GPT(model_config(a), seed=a.seed))
@@ -290,8 +337,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="swarmd-conv-") as tmp:
         root = a.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        ddp = dil = None
-        if not a.skip_ddp:
+        algos = {x.strip() for x in a.algos.split(",") if x.strip()}
+        if unknown := algos - {"ddp", "diloco", "streaming"}:
+            raise SystemExit(f"unknown --algos {sorted(unknown)}")
+        ddp = dil = stream = None
+        if "ddp" in algos:
             (root / "ddp").mkdir(exist_ok=True)
             ddp = run_ddp(a, root / "ddp", timeout)
             print(
@@ -299,23 +349,40 @@ def main() -> None:
                 f"peer, {ddp.seconds:.0f} s ({ddp.detail})",
                 flush=True,
             )
-        if not a.skip_diloco:
-            (root / "diloco").mkdir(exist_ok=True)
-            dil = run_diloco(a, root / "diloco", timeout)
+        for algo in ("diloco", "streaming"):
+            if algo not in algos:
+                continue
+            (root / algo).mkdir(exist_ok=True)
+            run = "streaming-diloco" if algo == "streaming" else "diloco"
+            out = run_diloco(a, root / algo, timeout, run)
             print(
-                f"  [diloco] val {dil.val_loss:.4f}, {dil.sent_per_peer / 2**20:.2f} MiB sent "
-                f"per peer, {dil.seconds:.0f} s ({dil.detail})",
+                f"  [{algo}] val {out.val_loss:.4f}, {out.sent_per_peer / 2**20:.2f} MiB sent "
+                f"per peer, {out.seconds:.0f} s ({out.detail})",
                 flush=True,
             )
+            if algo == "diloco":
+                dil = out
+            else:
+                stream = out
     nan = math.nan
     ddp_loss = ddp.val_loss if ddp else nan
     dil_loss = dil.val_loss if dil else nan
     gap = (dil_loss - ddp_loss) / ddp_loss
     ratio = ddp.sent_per_peer / dil.sent_per_peer if ddp and dil else nan
+    peak_ratio = (
+        dil.peak_sync_bytes / stream.peak_sync_bytes
+        if dil and stream and stream.peak_sync_bytes
+        else nan
+    )
     print(f"validation loss at init {init_loss:.4f} (nats/byte)")
+    if dil or stream:
+        print(f"DiLoCo runs: upload limited to {a.bandwidth_mbit:g} Mbit/s per peer")
     print(
         f"ddp_loss={ddp_loss:.4f} diloco_loss={dil_loss:.4f} loss_gap={gap:.4f} "
-        f"bytes_ratio={ratio:.1f}"
+        f"bytes_ratio={ratio:.1f} streaming_loss={stream.val_loss if stream else nan:.4f} "
+        f"peak_bytes_ratio={peak_ratio:.2f} "
+        f"compute_utilisation={stream.utilisation if stream else nan:.3f} "
+        f"diloco_utilisation={dil.utilisation if dil else nan:.3f}"
     )
 
 
