@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepares this machine for deploy/Dockerfile and tests/multinode/test_compose.py, without an
+# Prepares this machine for deploy/Dockerfile and tests/multinode/ (compose and netns), without an
 # image registry: installs docker and docker-compose, starts dockerd, builds the base image
 # (deploy/base-image.sh), downloads the wheels the image installs offline into deploy/wheels,
 # and builds the image once so a later build is a cache hit. Idempotent; run as root from
@@ -23,12 +23,13 @@ step_start=0
 step() { step_start=$(date +%s); echo "setup-docker: $*"; }
 done_step() { echo "setup-docker:   done in $(( $(date +%s) - step_start ))s"; }
 
-step "packages (docker.io docker-compose debootstrap)"
+step "packages (docker.io docker-compose debootstrap, iproute2 for the netns test)"
 if ! command -v dockerd > /dev/null || ! command -v docker-compose > /dev/null \
-        || ! command -v debootstrap > /dev/null; then
+        || ! command -v debootstrap > /dev/null || ! command -v ip > /dev/null \
+        || ! command -v tc > /dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    apt-get install -y -qq docker.io docker-compose debootstrap > /dev/null
+    apt-get install -y -qq docker.io docker-compose debootstrap iproute2 > /dev/null
 fi
 done_step
 
