@@ -224,7 +224,10 @@ def _report(name: str, child: Child, kind: str) -> None:
     seen = 0
     while child.process.poll() is None:
         time.sleep(5)
-        fresh = [e for e in child.events[seen:] if e.get("event") == kind]
+        fresh = [
+            e for e in child.events[seen:]
+            if e.get("event") == kind and e.get("loss", e.get("val_loss")) is not None
+        ]  # fmt: skip
         seen = len(child.events)
         for e in fresh[-1:]:
             loss = e.get("loss", e.get("val_loss", math.nan))
