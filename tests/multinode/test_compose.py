@@ -127,7 +127,9 @@ def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Co
     assert ch.inspect(victim, "{{.State.Running}}") == "false"
     for c in survivors:
         new = outer_steps(ch.logs(c)[0][seen[c] :])
-        assert all(e["group_size"] <= 2 for e in new if e["status"] == "averaged"), new
+        # A round whose group formed just before the kill still lists the victim, dropped.
+        contributed = [e["group_size"] - e["dropped"] for e in new if e["status"] == "averaged"]
+        assert all(n <= 2 for n in contributed), new
 
     # 3. Started again, it is the same peer (its volume kept the key) and takes up the run
     # from the saved state or, since the run went on, the group's newer one.
