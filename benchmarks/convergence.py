@@ -37,19 +37,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import queue
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
 
 import torch
 
+from swarmd.node.children import EventChild as Child
 from swarmd.node.children import stop_all
 from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
 
@@ -85,63 +82,6 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--keep", type=Path, help="keep logs and states in this directory")
     return p.parse_args()
-
-
-@dataclass
-class Child:
-    """A child process whose stdout is JSON lines, read by a thread into a queue."""
-
-    name: str
-    process: subprocess.Popen[str]
-    events: list[dict[str, Any]] = field(default_factory=list)
-    lines: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
-    record: IO[str] | None = None
-
-    @classmethod
-    def spawn(
-        cls, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
-    ) -> Child:
-        with open(log_dir / f"{name}.log", "w") as stderr:
-            proc = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                env={**os.environ, **(env or {})},
-            )  # fmt: skip
-        child = cls(name, proc, record=open(log_dir / f"{name}.jsonl", "w"))  # noqa: SIM115
-        threading.Thread(target=child._pump, daemon=True).start()
-        return child
-
-    def _pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if self.record is not None:
-                self.record.write(line)
-                self.record.flush()
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            self.events.append(event)
-            self.lines.put(event)
-        self.lines.put(None)
-
-    def first(self, kind: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if event is None:
-                break
-            if event.get("event") == kind:
-                return event
-        raise RuntimeError(f"{self.name} did not report {kind!r} within {timeout:.0f}s")
-
-    def last(self, kind: str) -> dict[str, Any]:
-        found = [e for e in self.events if e.get("event") == kind]
-        if not found:
-            raise RuntimeError(f"{self.name} never reported {kind!r} (see its log)")
-        return found[-1]
 
 
 def swarmd(*args: str) -> list[str]:

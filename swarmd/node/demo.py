@@ -8,19 +8,13 @@ downloads the group's state). The summary is computed from the peers' own JSON e
 
 from __future__ import annotations
 
-import json
-import queue
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from swarmd.node.children import stop_all
+from swarmd.node.children import EventChild, stop_all
 
 DEMO_RUN = """\
 n_layer = 2
@@ -35,50 +29,8 @@ min_group_size = 2
 """
 
 
-@dataclass
-class DemoPeer:
-    name: str
-    process: subprocess.Popen[str]
-    events: list[dict[str, Any]] = field(default_factory=list)
-    lines: queue.Queue[dict[str, Any] | None] = field(default_factory=queue.Queue)
-
-    def pump(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            self.events.append(event)
-            self.lines.put(event)
-        self.lines.put(None)
-
-    def first(self, kind: str, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = self.lines.get(timeout=left)
-            except queue.Empty:
-                break
-            if event is None:
-                break
-            if event.get("event") == kind:
-                return event
-        raise RuntimeError(f"{self.name} did not report {kind!r} within {timeout:.0f}s")
-
-
-def _spawn(name: str, args: list[str], log_dir: Path) -> DemoPeer:
-    stderr = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmd.node.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-    )
-    stderr.close()
-    peer = DemoPeer(name, proc)
-    threading.Thread(target=peer.pump, daemon=True).start()
-    return peer
+def _spawn(name: str, args: list[str], log_dir: Path) -> EventChild:
+    return EventChild.spawn(name, [sys.executable, "-m", "swarmd.node.cli", *args], log_dir)
 
 
 def _say(text: str) -> None:
@@ -89,7 +41,7 @@ def run_demo(peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25) -
     _say(f"swarmd demo: a real {peers}-peer DiLoCo run on this machine for ~{duration_s:.0f}s.")
     _say("Every peer is a `swarmd join` process; they find each other through a `swarmd dht`")
     _say("bootstrap process and average int8-compressed pseudo-gradients over gRPC.\n")
-    started: list[DemoPeer] = []
+    started: list[EventChild] = []
     with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as tmp:
         root = Path(tmp)
         (root / "run.toml").write_text(DEMO_RUN.format(inner_steps=inner_steps))
@@ -99,7 +51,7 @@ def run_demo(peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25) -
             address = boot.first("listening", 30)["address"]
             _say(f"bootstrap DHT node on {address}")
 
-            def join(name: str, extra: list[str], seconds: float) -> DemoPeer:
+            def join(name: str, extra: list[str], seconds: float) -> EventChild:
                 args = ["join", "--run", "demo", "--peers", address, "--log-format", "json"]
                 args += ["--state-dir", str(root / name), "--duration", f"{seconds:.0f}"]
                 peer = _spawn(name, args + extra, root)
@@ -134,7 +86,7 @@ def run_demo(peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25) -
 
 
 def _summary(
-    survivors: list[DemoPeer], victim: DemoPeer, newcomer: DemoPeer, inner_steps: int
+    survivors: list[EventChild], victim: EventChild, newcomer: EventChild, inner_steps: int
 ) -> int:
     params = next(
         (e["params"] for p in survivors for e in p.events if e.get("event") == "training"), 0
