@@ -139,12 +139,14 @@ class Caller:
         *,
         timeout: float | None = None,
     ) -> R:
-        if timeout is not None:
-            return await self.client.unary(address, path, request, response_type, timeout=timeout)
         start = time.perf_counter()
         response = await self.client.unary(
-            address, path, request, response_type, timeout=self.rtt.timeout()
-        )
+            address, path, request, response_type,
+            timeout=self.rtt.timeout() if timeout is None else timeout,
+        )  # fmt: skip
+        # An answer is a measurement even under a longer deadline: the bootstrap ping's is the
+        # first one, and without it the join's self-lookup ran on the initial estimate (its
+        # slow stall timer left some nodes of a 64-node swarm with 5 contacts instead of 10+).
         self.rtt.sample(time.perf_counter() - start)
         return response
 
@@ -181,7 +183,7 @@ class Caller:
         self, address: str, peer_id: PeerId | None = None, *, timeout: float | None = None
     ) -> PeerId:
         """Pings ``address`` (whose peer id may be unknown, e.g. a bootstrap peer). ``timeout``
-        overrides the round-trip-based deadline (and keeps this call out of the estimate)."""
+        overrides the round-trip-based deadline."""
         challenge = secrets.token_bytes(CHALLENGE_BYTES)
         req = pb.PingRequest(sender_port=self.port, challenge=challenge)
         try:
