@@ -88,11 +88,12 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
         outer = [e for e in events if e["event"] == "outer_step"]
         assert len(outer) >= 3, events
         assert any(e["status"] == "averaged" and e["group_size"] == 3 for e in outer)
-        # Counted by the transport: int8 reduce-scatter + all-gather in a group of 3 send
-        # 2 x 2/3 of a byte per parameter, plus headers and matchmaking.
+        # Counted by the transport while the round ran: at least the int8 reduce-scatter, 2/3
+        # of a byte per parameter in a group of 3 (the all-gather's parts are pulled by the
+        # others, and slower peers may pull after this peer's round ended: seen in CI).
         params = next(e["params"] for e in events if e["event"] == "training")
         full_rounds = [e for e in outer if e["group_size"] == 3 and e["dropped"] == 0]
-        assert all(e["sync_bytes"] >= 1.3 * params for e in full_rounds), full_rounds
+        assert all(e["sync_bytes"] >= 0.66 * params for e in full_rounds), full_rounds
         start = next(e["val_loss"] for e in events if e["event"] == "validation")
         assert outer[-1]["val_loss"] < start
     # After every outer step all three averaged, every peer holds the same global state.
