@@ -11,6 +11,8 @@ import sys
 import threading
 from pathlib import Path
 
+import torch
+
 from swarmd.node.children import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,3 +130,15 @@ def swarmd_cmd(*args: str) -> list[str]:
 def rpc_server_cmd(config: dict[str, object] | None = None) -> list[str]:
     script = ROOT / "tests" / "integration" / "rpc_test_server.py"
     return [sys.executable, str(script), json.dumps(config or {})]
+
+
+def random_batches(
+    n: int, seed: int, batch: int, block: int = 16
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded random byte-token (input, next-token target) batches for optimiser tests."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 256, (batch, block + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out

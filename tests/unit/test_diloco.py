@@ -16,6 +16,7 @@ from torch import nn
 from swarmd.node.allreduce import AllReduceResult
 from swarmd.optim import DiLoCo, DiLoCoConfig, OuterStepReport
 from swarmd.workloads import GPT, GPTConfig, builtin_corpus, evaluate
+from tests.helpers import random_batches
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -28,12 +29,7 @@ def _one_thread() -> None:
 
 
 def _batches(n: int, seed: int, batch: int = 4, block: int = 16) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, 256, (batch, block + 1), generator=g)
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
+    return random_batches(n, seed, batch, block)
 
 
 def _params(model: nn.Module) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ from swarmd.optim import (
 )
 from swarmd.optim.streaming import layer_units, split_fragments
 from swarmd.workloads import GPT, GPTConfig, builtin_corpus, evaluate
+from tests.helpers import random_batches
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -40,12 +41,7 @@ def _one_thread() -> None:
 
 
 def _batches(n: int, seed: int, batch: int = 2, block: int = 16) -> list[Batch]:
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, 256, (batch, block + 1), generator=g)
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
+    return random_batches(n, seed, batch, block)
 
 
 def _config(h: int, p: int = 1, tau: int = 0, alpha: float = 0.0, **kw: object) -> StreamingConfig:
