@@ -68,6 +68,9 @@ Optimizer = DiLoCo | StreamingDiLoCo
 STATE_FILE = "state.pt"
 NUM_SHARDS = 64
 VALIDATION_BATCHES = 4
+#: zstd level when the run asks for zstd frames: level 3 runs at ~300 MB/s per core and
+#: higher levels gained nothing measurable on int8 codes (level 19: same ratio, 70x slower).
+ZSTD_LEVEL = 3
 
 
 class JoinError(Exception):
@@ -413,6 +416,12 @@ class Peer:
             # record that is about to appear and trains alone.
             commit_wait_s=15.0,
         )
+        # The run decides how its parts look on the wire (receivers read it from each header).
+        self.averager.config = dataclasses.replace(
+            self.averager.config,
+            int8_block_size=config.int8_block_size,
+            zstd_level=ZSTD_LEVEL if config.zstd else None,
+        )
         nursery.start_soon(self._heartbeat, config)
         nursery.start_soon(self._report_progress)
         streaming = (
@@ -424,7 +433,9 @@ class Peer:
         self.out.event(
             "training",
             f"training {diloco.numel / 1e6:.2f}M parameters with {config.algo}, "
-            f"H={config.inner_steps}{streaming}, codec {config.codec}, data shard "
+            f"H={config.inner_steps}{streaming}, codec {config.codec}"
+            f"{f' (block {config.int8_block_size})' if config.codec == 'int8' else ''}"
+            f"{' + zstd' if config.zstd else ''}, data shard "
             f"{shard}/{NUM_SHARDS} ({origin} start)",
             params=diloco.numel,
             origin=origin,
@@ -456,6 +467,7 @@ class Peer:
             round=diloco.round,
             sent_bytes=self.metrics.sent_total,
             received_bytes=self.metrics.received_total,
+            sent_by_method=dict(sorted(self.metrics.sent_by_method.items())),
             wall_s=round(wall, 3),
             wait_s=round(self.wait_s, 3),
             held_s=round(self.held_s, 3),

@@ -39,6 +39,9 @@ class Metrics:
         #: Plain totals of the byte counters, for progress lines (no registry round trip).
         self.sent_total = 0
         self.received_total = 0
+        #: Bytes sent by RPC method path (both ends' share: requests we made, answers we
+        #: served), so a benchmark can say where the bytes beyond the payload went.
+        self.sent_by_method: dict[str, int] = {}
         self.rpc_requests = Counter(
             "swarmd_rpc_requests",
             "RPCs served by this peer, by method and gRPC status code",
@@ -53,10 +56,16 @@ class Metrics:
             registry=self.registry,
         )
         self.sent_bytes = Counter(
-            "swarmd_sent_bytes", "Payload bytes sent over RPCs", registry=self.registry
+            "swarmd_sent_bytes",
+            "Bytes sent over RPCs (bodies, tensor frames, signed headers), by method",
+            ["method"],
+            registry=self.registry,
         )
         self.received_bytes = Counter(
-            "swarmd_received_bytes", "Payload bytes received over RPCs", registry=self.registry
+            "swarmd_received_bytes",
+            "Bytes received over RPCs (bodies and tensor frames), by method",
+            ["method"],
+            registry=self.registry,
         )
 
         self.averaging_rounds = Counter(
@@ -96,13 +105,14 @@ class Metrics:
         self.rpc_requests.labels(method=method, code=code).inc()
         self.rpc_duration.labels(method=method).observe(duration_s)
 
-    def on_bytes(self, sent: int, received: int) -> None:
+    def on_bytes(self, method: str, sent: int, received: int) -> None:
         self.sent_total += sent
         self.received_total += received
         if sent:
-            self.sent_bytes.inc(sent)
+            self.sent_by_method[method] = self.sent_by_method.get(method, 0) + sent
+            self.sent_bytes.labels(method=method).inc(sent)
         if received:
-            self.received_bytes.inc(received)
+            self.received_bytes.labels(method=method).inc(received)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -79,10 +79,12 @@ def _metric(peer: DemoPeer, name: str) -> float:
         .read()
         .decode()
     )
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+    # Summed over label sets (the byte counters are labelled by method).
+    return sum(
+        float(line.rsplit(maxsplit=1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{"))
+    )
 
 
 async def _exercise(peers: list[DemoPeer], tensor_mib: int) -> bool:

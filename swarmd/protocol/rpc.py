@@ -154,14 +154,14 @@ class RpcObserver(Protocol):
 
     def on_served(self, method: str, code: str, duration_s: float) -> None: ...
 
-    def on_bytes(self, sent: int, received: int) -> None: ...
+    def on_bytes(self, method: str, sent: int, received: int) -> None: ...
 
 
 class _NullObserver:
     def on_served(self, method: str, code: str, duration_s: float) -> None:
         pass
 
-    def on_bytes(self, sent: int, received: int) -> None:
+    def on_bytes(self, method: str, sent: int, received: int) -> None:
         pass
 
 
@@ -415,7 +415,7 @@ class RpcServer:
             except Exception as exc:
                 self._finish(path, start, exc, context)
                 raise  # unreachable: abort raised
-            self._observer.on_bytes(len(out), len(request))
+            self._observer.on_bytes(path, len(out), len(request))
             self._finish(path, start, None, context)
             return out
 
@@ -441,10 +441,10 @@ class RpcServer:
                 response = self._run_in_trio(method.handler, (meta, data, ctx), context)
                 out: bytes = response.SerializeToString()
             except Exception as exc:
-                self._observer.on_bytes(0, received)
+                self._observer.on_bytes(path, 0, received)
                 self._finish(path, start, exc, context)
                 raise
-            self._observer.on_bytes(len(out), received)
+            self._observer.on_bytes(path, len(out), received)
             self._finish(path, start, None, context)
             return out
 
@@ -468,10 +468,10 @@ class RpcServer:
                     sent += len(frame)
                     yield frame
             except Exception as exc:
-                self._observer.on_bytes(sent, len(request))
+                self._observer.on_bytes(path, sent, len(request))
                 self._finish(path, start, exc, context)
                 raise
-            self._observer.on_bytes(sent, len(request))
+            self._observer.on_bytes(path, sent, len(request))
             self._finish(path, start, None, context)
 
         return behavior
@@ -573,7 +573,7 @@ class RpcClient:
         if self._identity is not None:
             now = self._faults.wall_clock() if self._faults is not None else None
             metadata = self._identity.sign_request(path, body, now=now).to_metadata()
-        self._observer.on_bytes(len(path) + sum(len(k) + len(v) for k, v in metadata), 0)
+        self._observer.on_bytes(path, len(path) + sum(len(k) + len(v) for k, v in metadata), 0)
         return metadata
 
     def _timeout(self, timeout: float | None) -> float:
@@ -604,7 +604,7 @@ class RpcClient:
                 body, timeout=self._timeout(timeout), metadata=self._metadata(path, body)
             )
             raw: bytes = await _await_future(fut)
-        self._observer.on_bytes(len(body), len(raw))
+        self._observer.on_bytes(path, len(body), len(raw))
         return _parse_response(response_type, raw, address)
 
     async def put_tensor(
@@ -636,7 +636,7 @@ class RpcClient:
                 all_frames(), timeout=self._timeout(timeout), metadata=self._metadata(path, first)
             )
             raw: bytes = await _await_future(fut)
-        self._observer.on_bytes(meta.nbytes + len(first), len(raw))
+        self._observer.on_bytes(path, meta.nbytes + len(first), len(raw))
         return _parse_response(response_type, raw, address)
 
     async def get_tensor(
@@ -671,7 +671,7 @@ class RpcClient:
             except trio.Cancelled:
                 stream.cancel()
                 raise
-        self._observer.on_bytes(len(body), meta.nbytes)
+        self._observer.on_bytes(path, len(body), meta.nbytes)
         return meta, data
 
     async def check_health(
