@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import trio
@@ -39,8 +40,14 @@ class MatchmakingConfig:
     gather_s: float = 5.0
     #: Longest a follower waits for its leader's group record.
     commit_wait_s: float = 5.0
-    #: How often the DHT is read while waiting (a DHT get costs a few ms on loopback).
+    #: How often the DHT is read while waiting: first after ``poll_s``, then each wait
+    #: ``poll_growth`` times longer, up to ``max_poll_s``. A get asks several nodes and each
+    #: answers with every announcement, so steady 0.1 s polls cost a peer that waits a few
+    #: seconds for slower ones tens of KB per round (measured: 30 KB per peer with arrivals
+    #: 0.5 s apart); backing off keeps quick rounds quick and slow gathers cheap.
     poll_s: float = 0.1
+    poll_growth: float = 1.5
+    max_poll_s: float = 1.0
     #: Lifetime of announcements and group records.
     ttl_s: float = 120.0
     #: How long an announced peer has to answer a ping before it is left out of the group.
@@ -52,6 +59,31 @@ class MatchmakingConfig:
         for name in ("gather_s", "commit_wait_s", "poll_s", "ttl_s", "probe_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MatchmakingConfig.{name} must be positive")
+        if not self.poll_growth >= 1 or not self.max_poll_s >= self.poll_s:
+            raise ValueError("MatchmakingConfig needs poll_growth >= 1 and max_poll_s >= poll_s")
+
+    def polls(self) -> Iterator[float]:
+        """The waits between successive reads of the DHT."""
+        wait = self.poll_s
+        while True:
+            yield wait
+            wait = min(wait * self.poll_growth, self.max_poll_s)
+
+
+class _Waits:
+    """Backed-off sleeps between DHT reads that end exactly at a deadline."""
+
+    def __init__(self, cfg: MatchmakingConfig, seconds: float) -> None:
+        self._deadline = trio.current_time() + seconds
+        self._next = cfg.polls()
+
+    async def sleep(self) -> bool:
+        """Sleeps until the next read; False once the deadline has passed (no more reads)."""
+        left = self._deadline - trio.current_time()
+        if left <= 0:
+            return False
+        await trio.sleep(min(next(self._next), left))
+        return True
 
 
 def round_key(run: str, round_no: int, fragment: int = 0) -> str:
@@ -117,15 +149,18 @@ async def form_group(
     await dht.store(key, info, dht.now() + cfg.ttl_s, subkey=str(me.peer_id))
 
     visible: dict[PeerId, Member] = {me.peer_id: me}
-    with trio.move_on_after(cfg.gather_s):
+    waits = _Waits(cfg, cfg.gather_s)
+    # The last read is made at the deadline (and may take up to max_poll_s): with backed-off
+    # polls the previous one can be a second old, and a peer whose announcement landed since
+    # would be left out by some and not others.
+    with trio.move_on_after(cfg.gather_s + cfg.max_poll_s):
         while True:
             for peer, value in (await dht.peers(key)).items():
                 member = _decode_member(peer, value)
                 if member is not None:
                     visible[peer] = member
-            if len(visible) >= cfg.target_group_size:
+            if len(visible) >= cfg.target_group_size or not await waits.sleep():
                 break
-            await trio.sleep(cfg.poll_s)
     group_key = key + "/group"
     # Announcements outlive their round: a latecomer still sees the peers that already
     # averaged this round together. They are committed to a group record that does not name
@@ -158,7 +193,8 @@ async def form_group(
         return Group(round_id_of(key, record), tuple(candidates))
 
     fallback: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
-    with trio.move_on_after(cfg.commit_wait_s):
+    waits = _Waits(cfg, cfg.commit_wait_s)
+    with trio.move_on_after(cfg.commit_wait_s + cfg.max_poll_s):
         while True:
             best: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
             for value in (await dht.get_map(group_key)).values():
@@ -172,7 +208,8 @@ async def form_group(
             if best is not None and best[0] <= candidates[0].peer_id:
                 return Group(round_id_of(key, best[1]), best[2])
             fallback = best
-            await trio.sleep(cfg.poll_s)
+            if not await waits.sleep():
+                break
     if fallback is not None:
         return Group(round_id_of(key, fallback[1]), fallback[2])
     log.info("round %s: no group record names this peer", key)

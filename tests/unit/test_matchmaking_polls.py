@@ -1,0 +1,47 @@
+"""Matchmaking's DHT polling schedule: backed off, and always ending with a read at the
+deadline (a stale last read is how peers came to disagree on who was in a group)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import trio
+import trio.testing
+
+from swarmd.node.matchmaking import MatchmakingConfig, _Waits
+
+
+def test_polls_back_off_to_the_cap() -> None:
+    cfg = MatchmakingConfig(poll_s=0.1, poll_growth=2.0, max_poll_s=0.5)
+    polls = cfg.polls()
+    assert [round(next(polls), 6) for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
+
+
+def test_reads_end_exactly_at_the_deadline() -> None:
+    cfg = MatchmakingConfig(gather_s=3.0, poll_s=0.1, poll_growth=1.5, max_poll_s=1.0)
+    reads: list[float] = []
+
+    async def main() -> None:
+        start = trio.current_time()
+        waits = _Waits(cfg, cfg.gather_s)
+        while True:
+            reads.append(round(trio.current_time() - start, 6))
+            if not await waits.sleep():
+                break
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert reads[:3] == [0.0, 0.1, 0.25]
+    assert reads[-1] == 3.0  # one last read at the deadline, however long the last wait
+    gaps = [b - a for a, b in itertools.pairwise(reads)]
+    assert max(gaps) <= cfg.max_poll_s + 1e-9
+    assert len(reads) < 3.0 / cfg.poll_s / 2  # far fewer reads than steady 0.1 s polling
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"poll_growth": 0.5}, {"poll_s": 0.5, "max_poll_s": 0.2}, {"poll_s": 0.0}],
+)
+def test_bad_poll_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="poll"):
+        MatchmakingConfig(**kwargs)  # type: ignore[arg-type]
