@@ -59,6 +59,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1000, help="steps per peer (token budget)")
     p.add_argument("--inner-steps", "-H", type=int, default=100, help="DiLoCo H")
     p.add_argument("--codec", default="int8", choices=["int8", "fp16", "fp32"])
+    p.add_argument(
+        "--int8-block-size", type=int, default=4096,
+        help="DiLoCo int8: values per scale (the run option int8_block_size)",
+    )  # fmt: skip
+    p.add_argument(
+        "--zstd", action=argparse.BooleanOptionalAction, default=True,
+        help="DiLoCo: zstd frame around each int8 part (the run option zstd)",
+    )  # fmt: skip
     p.add_argument("--batch-size", type=int, default=8, help="per peer, per step")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
@@ -190,6 +198,8 @@ inner_lr = {lr}
 outer_lr = {outer_lr}
 outer_momentum = {outer_momentum}
 codec = "{codec}"
+int8_block_size = {int8_block_size}
+zstd = {zstd_toml}
 target_group_size = {peers}
 min_group_size = 2
 seed = {seed}
@@ -202,7 +212,9 @@ mix_alpha = {mix_alpha}
 
 def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> Outcome:
     name = "streaming" if algo == "streaming-diloco" else "diloco"
-    (root / "run.toml").write_text(RUN_TOML.format(**vars(a), algo=algo))
+    (root / "run.toml").write_text(
+        RUN_TOML.format(**vars(a), algo=algo, zstd_toml="true" if a.zstd else "false")
+    )
     env = {}
     if a.bandwidth_mbit > 0:
         (root / "faults.json").write_text(
@@ -251,10 +263,24 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
         with torch.no_grad():
             for pname, param in model.named_parameters():
                 param.copy_(state[f"global.{pname}"])
+        # Where the bytes went: the all-reduce's parts, and everything else (DHT: matchmaking,
+        # heartbeats, state adverts; pings), per peer.
+        by_method: dict[str, float] = {}
+        for e in stops:
+            for method, nbytes in e.get("sent_by_method", {}).items():
+                by_method[method] = by_method.get(method, 0) + nbytes / len(stops)
+        parts = sum(v for m, v in by_method.items() if "/swarmd.averaging." in m)
         detail = (
             f"outer steps by status {statuses}; final states "
             f"{'identical' if agree else 'DIFFERENT'} across peers; trainer waited "
-            f"{1 - utilisation:.1%} of its time; largest sync {peak / 1e6:.3f} MB"
+            f"{1 - utilisation:.1%} of its time; largest sync {peak / 1e6:.3f} MB; per peer "
+            f"{parts / 1e6:.3f} MB all-reduce parts + {(sent - parts) / 1e3:.1f} KB other ("
+            + ", ".join(
+                f"{m.rsplit('/', 1)[-1]} {v / 1e3:.1f} KB"
+                for m, v in sorted(by_method.items(), key=lambda kv: -kv[1])
+                if "/swarmd.averaging." not in m
+            )
+            + ")"
         )
         return Outcome(validation(a, model), sent, time.monotonic() - t0, detail, utilisation, peak)
     finally:
@@ -269,7 +295,9 @@ def main() -> None:
     print(
         f"convergence: built-in GPT {params / 1e6:.2f}M params on the built-in corpus; "
         f"{a.peers} peers x {a.steps} steps x {a.batch_size} x {a.block_size} = {tokens:,} "
-        f"tokens per method; lr {a.lr}; DiLoCo H={a.inner_steps}, {a.codec}, outer lr "
+        f"tokens per method; lr {a.lr}; DiLoCo H={a.inner_steps}, {a.codec}"
+        f"{f' block {a.int8_block_size}' if a.codec == 'int8' else ''}"
+        f"{' + zstd' if a.zstd else ''}, outer lr "
         f"{a.outer_lr} momentum {a.outer_momentum}; streaming P={a.fragments} "
         f"τ={a.overlap_steps} α={a.mix_alpha}",
         flush=True,

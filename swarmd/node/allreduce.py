@@ -45,12 +45,15 @@ from swarmd.compression import (
     HalfCodec,
     HalfConfig,
     Int8Codec,
+    Int8Config,
     RawCodec,
     ResidualStore,
+    ZstdConfig,
     decode,
     decode_into,
     encode_segments,
     peek_header,
+    zstd_compress,
 )
 from swarmd.compression.codec import Codec
 from swarmd.node.metrics import Metrics
@@ -99,14 +102,22 @@ def _decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.T
     return decode(data, limits), data
 
 
-def make_codec(name: CodecName) -> Codec:
+def make_codec(name: CodecName, int8_block_size: int = 256) -> Codec:
     if name == "fp32":
         return RawCodec()
     if name == "fp16":
         return HalfCodec(HalfConfig("float16"))
     if name == "int8":
-        return Int8Codec()
+        return Int8Codec(Int8Config(int8_block_size))
     raise ValueError(f"unknown codec {name!r}")
+
+
+def zstd_framed(segments: Encoded, level: int | None) -> Encoded:
+    """The encoded part in one zstd frame (lossless; receivers detect it by its header), or
+    as it was when ``level`` is None."""
+    if level is None:
+        return segments
+    return [zstd_compress(b"".join(segments), ZstdConfig(level))]
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,14 @@ def part_bounds(numel: int, bandwidths: Sequence[float]) -> list[tuple[int, int]
 @dataclass(frozen=True)
 class AllReduceConfig:
     codec: CodecName = "int8"
+    #: int8: values sharing one fp32 scale (see Int8Config). Larger blocks spend fewer bytes
+    #: on scales and, with ``zstd_level``, leave codes that entropy-code better (on a DiLoCo
+    #: pseudo-gradient: 256 → 3.94x vs fp32, 4096 with zstd → 4.35x), at a coarser step that
+    #: error feedback carries into the next round.
+    int8_block_size: int = 256
+    #: zstd level for a lossless frame around every lossy-coded part (int8 and fp16), or None.
+    #: Costs about 3 ms per MB at level 3; fp32 parts are never framed (mantissas are noise).
+    zstd_level: int | None = None
     #: Carry each peer's compression error into its next contribution (no effect for fp32).
     error_feedback: bool = True
     reduction: ReductionConfig = field(default_factory=ReductionConfig)
@@ -177,6 +196,9 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         if self.codec not in _BYTES_PER_VALUE:
             raise ValueError(f"unknown codec {self.codec!r}; expected fp32, fp16 or int8")
+        Int8Config(self.int8_block_size)  # raises ValueError with the reason
+        if self.zstd_level is not None:
+            ZstdConfig(self.zstd_level)
         if not 0 < self.min_deadline_s <= self.max_deadline_s:
             raise ValueError("need 0 < min_deadline_s <= max_deadline_s")
         if self.deadline_slack < 1 or self.initial_throughput <= 0:
@@ -259,7 +281,8 @@ class _Round:
         self, group: Group, me: int, numel: int, config: AllReduceConfig, codec: CodecName
     ) -> None:
         self.codec_name = codec
-        self.codec = make_codec(codec)
+        self.codec = make_codec(codec, config.int8_block_size)
+        self.zstd_level = None if codec == "fp32" else config.zstd_level
         self.group = group
         self.me = me
         self.numel = numel
@@ -501,9 +524,12 @@ class Averager:
             s, e = rnd.bounds[j]
             if fused_ef:
                 assert isinstance(rnd.codec, Int8Codec) and residual is not None
-                return rnd.codec.encode_segments(to_send[s:e], residual[s:e])
+                fused = rnd.codec.encode_segments(to_send[s:e], residual[s:e])
+                return zstd_framed(fused, rnd.zstd_level)
             segments: Encoded = (
-                [liar(to_send[s:e])] if liar else encode_segments(rnd.codec, to_send[s:e])
+                [liar(to_send[s:e])]
+                if liar
+                else zstd_framed(encode_segments(rnd.codec, to_send[s:e]), rnd.zstd_level)
             )
             if residual is not None:
                 blob = b"".join(segments)
@@ -727,6 +753,8 @@ class Averager:
                 )
             )
             encoded = await trio.to_thread.run_sync(encode_segments, rnd.codec, reduced)
+            if rnd.zstd_level is not None:
+                encoded = await trio.to_thread.run_sync(zstd_framed, encoded, rnd.zstd_level)
             red.encoded = encoded
             if rnd.codec_name == "fp32":
                 red.decoded = reduced  # lossless: what members decode is exactly this
