@@ -81,6 +81,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--overlap-steps", type=int, default=5, help="streaming: τ")
     p.add_argument("--mix-alpha", type=float, default=0.5, help="streaming: α")
     p.add_argument(
+        "--fragment-layout", default="balanced", choices=["strided", "sequential", "balanced"],
+        help="streaming: how parameters split into fragments (balanced: the lowest peak)",
+    )  # fmt: skip
+    p.add_argument(
         "--bandwidth-mbit", type=float, default=20.0,
         help="upload limit per DiLoCo/streaming peer in Mbit/s (0: none)",
     )  # fmt: skip
@@ -207,6 +211,7 @@ algo = "{algo}"
 fragments = {fragments}
 overlap_steps = {overlap_steps}
 mix_alpha = {mix_alpha}
+fragment_layout = "{fragment_layout}"
 """
 
 
@@ -299,7 +304,7 @@ def main() -> None:
         f"{f' block {a.int8_block_size}' if a.codec == 'int8' else ''}"
         f"{' + zstd' if a.zstd else ''}, outer lr "
         f"{a.outer_lr} momentum {a.outer_momentum}; streaming P={a.fragments} "
-        f"τ={a.overlap_steps} α={a.mix_alpha}",
+        f"τ={a.overlap_steps} α={a.mix_alpha} {a.fragment_layout}",
         flush=True,
     )
     init_loss = validation(a, GPT(model_config(a), seed=a.seed))

@@ -19,7 +19,7 @@ from typing import Any
 
 import swarmd
 from swarmd.optim.diloco import DiLoCoConfig
-from swarmd.optim.streaming import FragmentLayout, StreamingConfig
+from swarmd.optim.streaming import LAYOUTS, StreamingConfig
 
 #: The training algorithms a run may use.
 ALGORITHMS = ("diloco", "streaming-diloco")
@@ -64,7 +64,8 @@ class RunConfig:
     #: `diloco`, or `streaming-diloco`: the model in `fragments` parts that sync one at a time
     #: (H/P steps apart), each round starting `overlap_steps` inner steps before it is needed
     #: while training goes on, the result mixed as (1 - mix_alpha)·outer + mix_alpha·local;
-    #: `fragment_layout` strided (layer i in fragment i mod P) or sequential; `eager`: apply
+    #: `fragment_layout` strided (layer i in fragment i mod P), sequential, or balanced (single
+    #: tensors dealt by size: the most even fragments, so the lowest peak); `eager`: apply
     #: this peer's own pseudo-gradient when the average is late, replaced when it comes. The
     #: streaming options are ignored by `diloco` (but still part of the config's hash).
     algo: str = "diloco"
@@ -122,11 +123,12 @@ class RunConfig:
 
     def streaming_config(self) -> StreamingConfig:
         """Streaming DiLoCo's settings (raises ValueError with the reason if inconsistent)."""
-        if self.fragment_layout not in ("strided", "sequential"):
+        layout = next((x for x in LAYOUTS if x == self.fragment_layout), None)
+        if layout is None:
             raise ValueError(
-                f"fragment_layout must be 'strided' or 'sequential', got {self.fragment_layout!r}"
+                f"fragment_layout must be one of {', '.join(LAYOUTS)}, "
+                f"got {self.fragment_layout!r}"
             )
-        layout: FragmentLayout = "strided" if self.fragment_layout == "strided" else "sequential"
         return StreamingConfig(
             self.diloco_config(),
             fragments=self.fragments,

@@ -73,7 +73,8 @@ from swarmd.optim.diloco import (
 from swarmd.optim.flat import flatten, views
 from swarmd.optim.outer import Averaged, FlatOuter, OuterSnapshot, read_average
 
-FragmentLayout = Literal["strided", "sequential"]
+FragmentLayout = Literal["strided", "sequential", "balanced"]
+LAYOUTS: tuple[FragmentLayout, ...] = ("strided", "sequential", "balanced")
 FragmentStatus = Literal["averaged", "partial", "local", "deferred", "eager"]
 
 TURN_KEY = "turn"
@@ -91,7 +92,9 @@ class StreamingConfig:
       round has ended before the next fragment's round begins);
     * `mix_alpha` α in [0, 1]: weight of the locally-continued weights in the merge;
     * `layout`: "strided" (layer i goes to fragment i mod P, so each fragment spans the whole
-      depth, the paper's default) or "sequential" (P contiguous runs of layers);
+      depth, the paper's default), "sequential" (P contiguous runs of layers) or "balanced"
+      (tensors, not whole layers, dealt largest first to the lightest fragment: the sizes
+      even out to within one tensor, which bounds a sync's peak bytes closest to 1/P);
     * `eager`: apply the local pseudo-gradient as a stand-in when the average is late.
     """
 
@@ -125,9 +128,9 @@ class StreamingConfig:
             raise ValueError(f"StreamingConfig.mix_alpha must be a number, got {a!r}")
         if not 0.0 <= a <= 1.0:
             raise ValueError(f"mix_alpha α={a} must be in [0, 1]")
-        if self.layout not in ("strided", "sequential"):
+        if self.layout not in LAYOUTS:
             raise ValueError(
-                f"StreamingConfig.layout must be 'strided' or 'sequential', got {self.layout!r}"
+                f"StreamingConfig.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}"
             )
         if not isinstance(self.eager, bool):
             raise ValueError(f"StreamingConfig.eager must be a bool, got {self.eager!r}")
@@ -165,8 +168,12 @@ def split_fragments(
     (embeddings, the final norm) go one by one, largest first, to the smallest fragment so
     far. The largest fragment is what a sync puts on the wire at its peak, so it should be
     close to 1/P of the model: with the built-in 4-layer GPT and P=4, giving the embedding
-    module whole to one fragment made that fragment 29% of the model, balancing it 27%.
+    module whole to one fragment made that fragment 29% of the model, balancing it 27%. The
+    "balanced" layout deals single tensors instead (largest first, to the lightest fragment;
+    each fragment still spans many layers): 25.5% there.
     """
+    if layout == "balanced":
+        return _balanced(sizes, fragments)
     layers = [(k, m) for k, m in layer_units(names) if _layer_of(names[m[0]]) is not None]
     placed = {j for _, members in layers for j in members}
     rest = sorted((j for j in range(len(names)) if j not in placed), key=lambda j: -sizes[j])
@@ -187,6 +194,23 @@ def split_fragments(
         load[f] += sum(sizes[j] for j in members)
     for j in rest:
         f = min(range(fragments), key=lambda k: load[k])
+        out[f].append(j)
+        load[f] += sizes[j]
+    return [sorted(f) for f in out]
+
+
+def _balanced(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    if len(sizes) < fragments:
+        raise ValueError(
+            f"the model has {len(sizes)} parameter tensor(s), too few to split into "
+            f"{fragments} fragments"
+        )
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    load = [0] * fragments
+    # Largest first (model order among equals), each to the lightest fragment (lowest index
+    # among equals): deterministic, so every peer derives the same fragments.
+    for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
+        f = min(range(fragments), key=lambda k: (load[k], k))
         out[f].append(j)
         load[f] += sizes[j]
     return [sorted(f) for f in out]

@@ -376,9 +376,10 @@ def test_a_dead_peer_does_not_stall_the_others() -> None:
     assert int(peers[2].state_dict()["turn"]) == 1
 
 
-def test_joiner_and_restart_take_every_fragment_state() -> None:
+@pytest.mark.parametrize("layout", ["strided", "balanced"])
+def test_joiner_and_restart_take_every_fragment_state(layout: str) -> None:
     h, p, tau = 4, 2, 1
-    config = _config(h, p, tau, 0.5)
+    config = _config(h, p, tau, 0.5, layout=layout)
     data = _batches(6 * h, seed=8)
     ref = StreamingDiLoCo(GPT(TINY, seed=0), config)
     meet = Rendezvous(1)
@@ -454,6 +455,17 @@ def test_fragments_are_balanced_by_size() -> None:
         # Each fragment holds one block; the two embedding tables land on different ones.
         assert max(loads) / sum(sizes) < 0.28, loads
         assert all(sum(1 for i in f if names[i].startswith("blocks.")) > 0 for f in frags)
+    # Balanced: single tensors by size, so within one tensor of 1/P, and still across depth.
+    frags = split_fragments(names, sizes, 4, "balanced")
+    assert sorted(i for f in frags for i in f) == list(range(len(names)))
+    loads = [sum(sizes[i] for i in f) for f in frags]
+    assert max(loads) - min(loads) <= max(sizes), loads
+    assert max(loads) / sum(sizes) < 0.26, loads
+    for f in frags:
+        assert len({names[i].split(".")[1] for i in f if names[i].startswith("blocks.")}) >= 2
+    assert split_fragments(names, sizes, 4, "balanced") == frags  # every peer agrees
+    with pytest.raises(ValueError, match="too few to split"):
+        split_fragments(names[:3], sizes[:3], 4, "balanced")
 
 
 @pytest.mark.parametrize(
@@ -465,7 +477,7 @@ def test_fragments_are_balanced_by_size() -> None:
         ({"h": 8, "alpha": 1.5}, r"α=1.5 must be in \[0, 1\]"),
         ({"h": 8, "alpha": -0.1}, r"must be in \[0, 1\]"),
         ({"h": 8, "p": 0}, "fragments must be a positive int"),
-        ({"h": 8, "layout": "random"}, "layout must be 'strided' or 'sequential'"),
+        ({"h": 8, "layout": "random"}, "layout must be one of strided, sequential, balanced"),
         ({"h": 8, "eager": 1}, "eager must be a bool"),
     ],
 )
