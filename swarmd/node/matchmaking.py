@@ -146,7 +146,9 @@ async def form_group(
     """The group this peer averages with for ``key``, or None (too few peers: skip the round)."""
     cfg = config or MatchmakingConfig()
     info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth).SerializeToString()
-    await dht.store(key, info, dht.now() + cfg.ttl_s, subkey=str(me.peer_id))
+    # Not republished: a round is over in seconds; the record only has to outlive it for
+    # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
+    await dht.store(key, info, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False)
 
     visible: dict[PeerId, Member] = {me.peer_id: me}
     waits = _Waits(cfg, cfg.gather_s)
@@ -189,7 +191,9 @@ async def form_group(
                 for m in candidates
             ]
         ).SerializeToString()
-        await dht.store(group_key, record, dht.now() + cfg.ttl_s, subkey=str(me.peer_id))
+        await dht.store(
+            group_key, record, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False
+        )
         return Group(round_id_of(key, record), tuple(candidates))
 
     fallback: tuple[PeerId, bytes, tuple[Member, ...]] | None = None

@@ -351,15 +351,21 @@ def test_own_records_are_republished_before_they_expire() -> None:
             owner = s.nodes[0]
             expires = time.time() + 8
             await owner.store("lease", b"v", expires)
+            # Stored once (a matchmaking round's record): never put back.
+            await owner.store("once", b"v", expires, republish=False)
             holders = [n for n in s.nodes[1:] if n.storage.get(b"lease")]
             assert len(holders) == 7
+            assert all(n.storage.get(b"once") for n in holders)
             for node in holders:  # every replica is lost (say, its nodes restarted)
                 node.storage._plain.pop(b"lease")
+                node.storage._plain.pop(b"once")
             # The owner puts it back at about half its remaining life (~4 s from now); what
             # the test requires is the contract itself: back everywhere before it expires.
             with trio.fail_after(expires - time.time() - 0.5):
                 while sum(1 for n in s.nodes[1:] if n.storage.get(b"lease")) < 7:
                     await trio.sleep(0.1)
+            await trio.sleep(1.0)  # a republish of both would have sent them together
+            assert not any(n.storage.get(b"once") for n in s.nodes[1:])
 
     run(main)
 

@@ -276,12 +276,17 @@ class DHTNode:
         value: bytes,
         expires: float,
         subkey: str | bytes | None = None,
+        *,
+        republish: bool = True,
     ) -> int:
         """Signs and stores ``value`` until ``expires``, on the k nodes closest to ``key``.
 
         With ``subkey``, adds or updates one entry of the key's sub-key map (other owners'
         entries stay). Returns how many nodes (this one included) now hold it; 0 means nobody
         accepted it. Raises RecordError if the record breaks the size or expiry limits.
+
+        ``republish=False`` stores it once: for records whose use is over in seconds (a
+        matchmaking round's announcement), re-storing them later only costs bandwidth.
         """
         record = sign_record(
             self.identity,
@@ -291,10 +296,11 @@ class DHTNode:
             None if subkey is None else _bytes(subkey),
         )
         check_shape(record, self.config.storage.records, self._clock())
-        slot = (record.key, record.subkey)
-        self._own[slot] = record
-        self._due[slot] = self._next_due(record, self._clock())
-        self._own_changed.set()
+        if republish:
+            slot = (record.key, record.subkey)
+            self._own[slot] = record
+            self._due[slot] = self._next_due(record, self._clock())
+            self._own_changed.set()
         return (await self._replicate([record]))[0]
 
     async def _replicate(self, records: list[Record]) -> list[int]:
