@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import sys
 import tempfile
 import threading
@@ -48,6 +49,7 @@ import torch
 
 from swarmd.node.children import EventChild as Child
 from swarmd.node.children import stop_all
+from swarmd.node.daemon import NUM_SHARDS
 from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
 
 HERE = Path(__file__).resolve().parent
@@ -92,8 +94,22 @@ def parse_args() -> argparse.Namespace:
         "--algos", default="ddp,diloco,streaming",
         help="which runs, comma-separated from ddp, diloco, streaming",
     )  # fmt: skip
+    p.add_argument(
+        "--shards", default="",
+        help="comma-separated training shards (of 64) of peer/worker 0, 1, ...; default: a "
+        "sample seeded by --seed. Every method reads the same shards: shards differ a lot "
+        "(validation loss of one method moved by 0.3 with the shard draw), so comparing "
+        "methods on shards drawn from random peer ids compared data, not methods",
+    )  # fmt: skip
     p.add_argument("--keep", type=Path, help="keep logs and states in this directory")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.shards:
+        a.shard_list = [int(x) for x in a.shards.split(",")]
+        if len(a.shard_list) != a.peers or not all(0 <= x < NUM_SHARDS for x in a.shard_list):
+            p.error(f"--shards needs {a.peers} shards in [0, {NUM_SHARDS})")
+    else:
+        a.shard_list = random.Random(a.seed).sample(range(NUM_SHARDS), a.peers)
+    return a
 
 
 def swarmd(*args: str) -> list[str]:
@@ -149,7 +165,7 @@ def run_ddp(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
                 "--batch-size", str(a.batch_size), "--block-size", str(a.block_size),
                 "--n-layer", str(a.n_layer), "--n-head", str(a.n_head),
                 "--n-embd", str(a.n_embd), "--seed", str(a.seed),
-                "--eval-batches", str(a.eval_batches),
+                "--eval-batches", str(a.eval_batches), "--shard", str(a.shard_list[i]),
             ]  # fmt: skip
             workers.append(Child.spawn(f"ddp{i}", argv, root))
         started += workers
@@ -235,7 +251,7 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
             argv = swarmd(
                 "join", "--run", "convergence", "--peers", address, "--log-format", "json",
                 "--state-dir", str(root / f"peer{i}"), "--max-steps", str(a.steps),
-                "--progress-interval", "10", *extra,
+                "--progress-interval", "10", "--data-shard", str(a.shard_list[i]), *extra,
             )  # fmt: skip
             child = Child.spawn(f"peer{i}", argv, root, env)
             started.append(child)
@@ -261,7 +277,13 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
         agree = len(set(final)) == 1
         stops = [p.last("stopped") for p in peers]
         utilisation = 1.0 - sum(e["wait_s"] for e in stops) / sum(e["wall_s"] for e in stops)
-        peak = max((e.get("sync_bytes", 0) for e in rounds if e["status"] == "averaged"), default=0)
+        averaged = [e for e in rounds if e["status"] == "averaged"]
+        peak_event = max(averaged, key=lambda e: e.get("sync_bytes", 0), default={})
+        peak = int(peak_event.get("sync_bytes", 0))
+        peak_parts = ", ".join(
+            f"{m} {v / 1e3:.1f} KB"
+            for m, v in sorted(peak_event.get("sync_by_method", {}).items(), key=lambda kv: -kv[1])
+        )
         model = GPT(model_config(a), seed=a.seed)
         # The saved global parameters (`global.<name>`; tied weights appear once).
         state = torch.load(root / "peer0" / "state.pt", weights_only=True)["global"]
@@ -278,7 +300,8 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
         detail = (
             f"outer steps by status {statuses}; final states "
             f"{'identical' if agree else 'DIFFERENT'} across peers; trainer waited "
-            f"{1 - utilisation:.1%} of its time; largest sync {peak / 1e6:.3f} MB; per peer "
+            f"{1 - utilisation:.1%} of its time; largest sync {peak / 1e6:.3f} MB ({peak_parts}); "
+            f"per peer "
             f"{parts / 1e6:.3f} MB all-reduce parts + {(sent - parts) / 1e3:.1f} KB other ("
             + ", ".join(
                 f"{m.rsplit('/', 1)[-1]} {v / 1e3:.1f} KB"
@@ -304,7 +327,8 @@ def main() -> None:
         f"{f' block {a.int8_block_size}' if a.codec == 'int8' else ''}"
         f"{' + zstd' if a.zstd else ''}, outer lr "
         f"{a.outer_lr} momentum {a.outer_momentum}; streaming P={a.fragments} "
-        f"τ={a.overlap_steps} α={a.mix_alpha} {a.fragment_layout}",
+        f"τ={a.overlap_steps} α={a.mix_alpha} {a.fragment_layout}; training shards "
+        f"{a.shard_list} of {NUM_SHARDS} (the same for every method)",
         flush=True,
     )
     init_loss = validation(a, GPT(model_config(a), seed=a.seed))

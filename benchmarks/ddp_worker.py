@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, required=True)
     p.add_argument("--n-embd", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard", type=int, help="training shard (default: the peer id's)")
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--save", type=Path, help="write the final parameters here (torch.save)")
     return p.parse_args()
@@ -125,7 +126,9 @@ async def main(args: argparse.Namespace, state_dir: Path) -> None:
     lockstep = AllReduceConfig(codec="fp32", min_deadline_s=120.0, unknown_round_wait_s=120.0)
     averager = Averager(client, identity.peer_id, lockstep, metrics)
     trainer = await trio.to_thread.run_sync(
-        Trainer, args, shard_for_peer(identity.peer_id.raw, NUM_SHARDS)
+        Trainer,
+        args,
+        shard_for_peer(identity.peer_id.raw, NUM_SHARDS) if args.shard is None else args.shard,
     )
     try:
         async with (

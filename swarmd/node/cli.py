@@ -236,6 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
         "it: refuse to join a run that uses another one",
     )
     p.add_argument("--max-steps", type=_positive_int, default=None, help="stop after N steps")
+    p.add_argument(
+        "--data-shard",
+        type=int,
+        default=None,
+        metavar="N",
+        help="read training shard N of 64 instead of the one the peer id picks (for "
+        "experiments on fixed data; peers given the same shard draw the same batches)",
+    )
     p.add_argument("--duration", type=_positive_float, default=None, help="stop after S seconds")
     p.add_argument(
         "--log-format",
@@ -523,20 +531,24 @@ def cmd_join(args: argparse.Namespace) -> int:
                 create = dataclasses.replace(create, algo=args.algo)
         except RunConfigError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
-    options = JoinOptions(
-        run=args.run,
-        state_dir=args.state_dir,
-        listen=args.listen,
-        peers=args.peers,
-        metrics=args.metrics,
-        create_run=create,
-        max_steps=args.max_steps,
-        duration_s=args.duration,
-        log_format=args.log_format,
-        progress_interval_s=args.progress_interval,
-        join_timeout_s=args.join_timeout,
-        algo=args.algo,
-    )
+    try:
+        options = JoinOptions(
+            run=args.run,
+            state_dir=args.state_dir,
+            listen=args.listen,
+            peers=args.peers,
+            metrics=args.metrics,
+            create_run=create,
+            max_steps=args.max_steps,
+            duration_s=args.duration,
+            log_format=args.log_format,
+            progress_interval_s=args.progress_interval,
+            join_timeout_s=args.join_timeout,
+            algo=args.algo,
+            data_shard=args.data_shard,
+        )
+    except ValueError as exc:  # an option out of range (JoinOptions says which)
+        raise CliError(str(exc), EXIT_USAGE) from None
     return run_join(options)
 
 

@@ -95,6 +95,10 @@ class JoinOptions:
     bandwidth: float = 1e8
     #: Refuse to join a run whose config names another algorithm (None: any).
     algo: str | None = None
+    #: The training shard to read (None: the one the peer id hashes to). For experiments
+    #: that must compare methods on the same data; peers sharing a shard draw the same
+    #: batches, so a swarm should leave this unset.
+    data_shard: int | None = None
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -103,6 +107,8 @@ class JoinOptions:
             raise ValueError("max_steps must be >= 1")
         if self.duration_s is not None and not self.duration_s > 0:
             raise ValueError("duration_s must be > 0")
+        if self.data_shard is not None and not 0 <= self.data_shard < NUM_SHARDS:
+            raise ValueError(f"data_shard must be in [0, {NUM_SHARDS}), got {self.data_shard}")
 
 
 class Progress:
@@ -166,8 +172,10 @@ class _Flight:
     live: int = 0
     #: Inner steps the trainer took while the round was on the wire.
     steps_in_flight: int = 0
-    #: Bytes this peer sent while the round was on the wire (matchmaking and all-reduce).
+    #: Bytes this peer sent while the round was on the wire (matchmaking and all-reduce),
+    #: and the same by RPC method (short names).
     sync_bytes: int = 0
+    sync_by_method: dict[str, int] = field(default_factory=dict)
 
 
 class Peer:
@@ -406,7 +414,9 @@ class Peer:
         diloco, source = await trio.to_thread.run_sync(self._build, config)
         origin, step = await self._initial_state(config, diloco)
         self.shared_round = diloco.round
-        shard = shard_for_peer(self.identity.peer_id.raw, NUM_SHARDS)
+        shard = self.opts.data_shard
+        if shard is None:
+            shard = shard_for_peer(self.identity.peer_id.raw, NUM_SHARDS)
         me = Member(self.identity.peer_id, self.address, self.opts.bandwidth)
         mm = MatchmakingConfig(
             target_group_size=config.target_group_size,
@@ -600,7 +610,7 @@ class Peer:
         """Matchmaking and all-reduce of one fragment's pseudo-gradient; never raises (a
         failed round is `result` None, which the optimiser's failure policy handles)."""
         rnd = flight.round
-        sent0 = self.metrics.sent_total
+        sent0, by0 = self.metrics.sent_total, dict(self.metrics.sent_by_method)
         try:
             flight.live = len(await self.dht.peers(peers_key(config.name)))
             target = max(config.min_group_size, min(config.target_group_size, flight.live))
@@ -630,6 +640,7 @@ class Peer:
         finally:
             flight.steps_in_flight = opt.steps - rnd.began_at_step
             flight.sync_bytes = self.metrics.sent_total - sent0
+            flight.sync_by_method = self.metrics.sent_since(by0)
             flight.finished = time.time()
             flight.done.set()
 
@@ -675,6 +686,7 @@ class Peer:
             state_hash=snap.state_hash.hex(),
             steps_in_flight=flight.steps_in_flight,
             sync_bytes=flight.sync_bytes,
+            sync_by_method=flight.sync_by_method,
             replaced_stand_in=report.replaced_stand_in,
             started=round(flight.started, 3),
             finished=round(flight.finished or time.time(), 3),
@@ -745,7 +757,7 @@ class Peer:
                 seconds=round(self._held(t0), 3),
             )
             return
-        sent0 = self.metrics.sent_total
+        sent0, by0 = self.metrics.sent_total, dict(self.metrics.sent_by_method)
         pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
@@ -773,6 +785,7 @@ class Peer:
         # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
         waited = time.monotonic() - t0
         sync_bytes = self.metrics.sent_total - sent0
+        sync_by_method = self.metrics.sent_since(by0)
         self.wait_s += waited
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
         if report.status == "averaged" and size - dropped > 1:  # not if it dropped everyone
@@ -794,6 +807,7 @@ class Peer:
             state_hash=snap.state_hash.hex(),
             wait_s=round(waited, 3),
             sync_bytes=sync_bytes,
+            sync_by_method=sync_by_method,
             seconds=round(self._held(t0), 3),
         )
 

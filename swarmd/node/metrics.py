@@ -114,6 +114,17 @@ class Metrics:
         if received:
             self.received_bytes.labels(method=method).inc(received)
 
+    def sent_since(self, before: dict[str, int]) -> dict[str, int]:
+        """Bytes sent by method (its last path component) since ``before`` (a copy of
+        `sent_by_method`), methods with none left out."""
+        out: dict[str, int] = {}
+        for method, total in self.sent_by_method.items():
+            delta = total - before.get(method, 0)
+            if delta:
+                name = method.rsplit("/", 1)[-1]
+                out[name] = out.get(name, 0) + delta
+        return out
+
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 

@@ -98,3 +98,11 @@ def test_parse_address(text: str, expected: Address) -> None:
 def test_parse_address_errors(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_address(text)
+
+
+def test_join_refuses_a_data_shard_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["join", "--run", "r", "--state-dir", str(tmp_path), "--data-shard", "64"]
+    assert cli.main(argv) == 2
+    assert "data_shard must be in [0, 64), got 64" in capsys.readouterr().err
