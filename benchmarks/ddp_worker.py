@@ -17,6 +17,8 @@ import argparse
 import hashlib
 import json
 import math
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -197,3 +199,8 @@ if __name__ == "__main__":
     arguments = parse_args()
     with tempfile.TemporaryDirectory(prefix="swarmd-ddp-") as tmp:
         trio.run(main, arguments, Path(tmp))
+    # As `swarmd` does (cli.entry): skip interpreter finalisation, where grpcio's threads
+    # sometimes abort a process that finished cleanly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

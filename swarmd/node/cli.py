@@ -588,5 +588,21 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
 
 
+def entry() -> None:
+    """The `swarmd` command: `main`, then an exit that skips interpreter finalisation.
+
+    By the time `main` returns, every server, channel and file of ours is closed and the state
+    is saved, but grpcio's and torch's C++ threads can still abort the process while Python
+    tears itself down ("terminate called without an active exception", SIGABRT): one of four
+    daemons of a convergence benchmark run exited with -6 after a clean stop. os._exit leaves
+    nothing of value behind: output is flushed and logging shut down first.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
