@@ -71,6 +71,11 @@ VALIDATION_BATCHES = 4
 #: zstd level when the run asks for zstd frames: level 3 runs at ~300 MB/s per core and
 #: higher levels gained nothing measurable on int8 codes (level 19: same ratio, 70x slower).
 ZSTD_LEVEL = 3
+#: How stale the count of live peers may be once it reaches the run's target group size.
+LIVE_PEERS_MAX_AGE_S = 10.0
+#: First DHT poll of an overlapped fragment round's matchmaking: training goes on meanwhile,
+#: so a later group costs nothing, and fewer reads keep the round's bytes down.
+OVERLAPPED_POLL_S = 0.5
 
 
 class JoinError(Exception):
@@ -261,6 +266,24 @@ class Peer:
     wait_s = 0.0
     #: Seconds the trainer spent outside inner steps for outer steps (waiting included).
     held_s = 0.0
+    #: (monotonic time, count) of the last read of the run's heartbeats; see _live_peers.
+    _live: tuple[float, int] = (-math.inf, 0)
+
+    async def _live_peers(self, config: RunConfig) -> int:
+        """How many peers' heartbeats the run has: the group size a round waits for.
+
+        Read before every round while it is below the run's target group size (a joiner must
+        be waited for at once), but at most every LIVE_PEERS_MAX_AGE_S once it reaches it:
+        more peers cannot raise the target then, and a departure shows within the heartbeat's
+        30 s anyway. Each read is a few KB (every heartbeat record, from three nodes), paid
+        in every streaming fragment round's peak otherwise.
+        """
+        at, count = self._live
+        fresh = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
+        if not (fresh and count >= config.target_group_size):
+            count = len(await self.dht.peers(peers_key(config.name)))
+            self._live = (time.monotonic(), count)
+        return count
 
     async def _run_config(self) -> RunConfig:
         opts = self.opts
@@ -612,13 +635,14 @@ class Peer:
         rnd = flight.round
         sent0, by0 = self.metrics.sent_total, dict(self.metrics.sent_by_method)
         try:
-            flight.live = len(await self.dht.peers(peers_key(config.name)))
+            flight.live = await self._live_peers(config)
             target = max(config.min_group_size, min(config.target_group_size, flight.live))
             # Per fragment and turn, and only among peers holding the very same global state
             # (all fragments), as in _outer_step.
             key = f"{round_key(config.name, rnd.turn, rnd.fragment)}/{state_hash.hex()[:16]}"
+            poll_s = OVERLAPPED_POLL_S if config.overlap_steps > 0 else mm.poll_s
             group = await form_group(
-                self.dht, key, me, dataclasses.replace(mm, target_group_size=target)
+                self.dht, key, me, dataclasses.replace(mm, target_group_size=target, poll_s=poll_s)
             )
             if group is not None and len(group.members) > 1:
                 flight.group_size = len(group.members)
@@ -761,7 +785,7 @@ class Peer:
         pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
-        live = len(await self.dht.peers(peers_key(config.name)))
+        live = await self._live_peers(config)
         target = max(config.min_group_size, min(config.target_group_size, live))
         mm = dataclasses.replace(mm, target_group_size=target)
         # Only peers holding the very same global state average together: the key carries the
