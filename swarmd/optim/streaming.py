@@ -192,11 +192,19 @@ def split_fragments(
         f = i % fragments if layout == "strided" else i * fragments // span
         out[f].extend(members)
         load[f] += sum(sizes[j] for j in members)
-    for j in rest:
-        f = min(range(fragments), key=lambda k: load[k])
+    _deal_to_lightest(rest, sizes, out, load)
+    return [sorted(f) for f in out]
+
+
+def _deal_to_lightest(
+    order: Sequence[int], sizes: Sequence[int], out: list[list[int]], load: list[int]
+) -> None:
+    """Appends each index in ``order`` to the fragment with the least load so far (the lowest
+    index among equals: deterministic, so every peer derives the same fragments)."""
+    for j in order:
+        f = min(range(len(out)), key=lambda k: load[k])
         out[f].append(j)
         load[f] += sizes[j]
-    return [sorted(f) for f in out]
 
 
 def _balanced(sizes: Sequence[int], fragments: int) -> list[list[int]]:
@@ -207,12 +215,8 @@ def _balanced(sizes: Sequence[int], fragments: int) -> list[list[int]]:
         )
     out: list[list[int]] = [[] for _ in range(fragments)]
     load = [0] * fragments
-    # Largest first (model order among equals), each to the lightest fragment (lowest index
-    # among equals): deterministic, so every peer derives the same fragments.
-    for j in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
-        f = min(range(fragments), key=lambda k: (load[k], k))
-        out[f].append(j)
-        load[f] += sizes[j]
+    # Largest first, model order among equals.
+    _deal_to_lightest(sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)), sizes, out, load)
     return [sorted(f) for f in out]
 
 
