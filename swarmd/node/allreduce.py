@@ -753,12 +753,13 @@ class Averager:
                 )
             )
             encoded = await trio.to_thread.run_sync(encode_segments, rnd.codec, reduced)
-            if rnd.zstd_level is not None:
-                encoded = await trio.to_thread.run_sync(zstd_framed, encoded, rnd.zstd_level)
             red.encoded = encoded
+            if rnd.zstd_level is not None:
+                red.encoded = await trio.to_thread.run_sync(zstd_framed, encoded, rnd.zstd_level)
             if rnd.codec_name == "fp32":
                 red.decoded = reduced  # lossless: what members decode is exactly this
             else:
+                # From the bytes before the (lossless) zstd frame: no need to inflate them.
                 blob = b"".join(encoded)
                 limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
                 red.decoded = await trio.to_thread.run_sync(decode, blob, limits)
