@@ -633,7 +633,7 @@ class Peer:
         """Matchmaking and all-reduce of one fragment's pseudo-gradient; never raises (a
         failed round is `result` None, which the optimiser's failure policy handles)."""
         rnd = flight.round
-        sent0, by0 = self.metrics.sent_total, dict(self.metrics.sent_by_method)
+        sent0 = dict(self.metrics.sent_by_method)
         try:
             flight.live = await self._live_peers(config)
             target = max(config.min_group_size, min(config.target_group_size, flight.live))
@@ -663,8 +663,8 @@ class Peer:
             flight.result = None
         finally:
             flight.steps_in_flight = opt.steps - rnd.began_at_step
-            flight.sync_bytes = self.metrics.sent_total - sent0
-            flight.sync_by_method = self.metrics.sent_since(by0)
+            flight.sync_by_method = self.metrics.sent_since(sent0)
+            flight.sync_bytes = sum(flight.sync_by_method.values())
             flight.finished = time.time()
             flight.done.set()
 
@@ -781,7 +781,7 @@ class Peer:
                 seconds=round(self._held(t0), 3),
             )
             return
-        sent0, by0 = self.metrics.sent_total, dict(self.metrics.sent_by_method)
+        sent0 = dict(self.metrics.sent_by_method)
         pg = await trio.to_thread.run_sync(diloco.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
@@ -808,8 +808,8 @@ class Peer:
             dropped = len(result.dropped)
         # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
         waited = time.monotonic() - t0
-        sync_bytes = self.metrics.sent_total - sent0
-        sync_by_method = self.metrics.sent_since(by0)
+        sync_by_method = self.metrics.sent_since(sent0)
+        sync_bytes = sum(sync_by_method.values())
         self.wait_s += waited
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
         if report.status == "averaged" and size - dropped > 1:  # not if it dropped everyone
