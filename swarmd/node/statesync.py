@@ -154,6 +154,8 @@ class SyncStats:
     failed_fetches: int = 0
     elapsed_s: float = 0.0
     chunks_by_donor: dict[str, int] = field(default_factory=dict)
+    #: The derived bound of each chunk fetch that ran out: what silent donors cost.
+    expired_timeouts_s: list[float] = field(default_factory=list)
 
     @property
     def mb_per_s(self) -> float:
@@ -361,6 +363,7 @@ class _Download:
                     donor.address, GET_CHUNK, req, timeout=math.inf, max_bytes=nbytes
                 )
         except trio.TooSlowError:
+            self.stats.expired_timeouts_s.append(timeout)
             self._failed(donor, index, f"no chunk within {timeout:.2f}s")
             return False
         except rpc.RpcError as exc:
