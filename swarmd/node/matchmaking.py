@@ -76,14 +76,25 @@ class _Waits:
     def __init__(self, cfg: MatchmakingConfig, seconds: float) -> None:
         self._deadline = trio.current_time() + seconds
         self._next = cfg.polls()
+        self._slept = False
+        self._final = False
 
     async def sleep(self) -> bool:
         """Sleeps until the next read; False once the deadline has passed (no more reads)."""
         left = self._deadline - trio.current_time()
         if left <= 0:
             return False
-        await trio.sleep(min(next(self._next), left))
+        wait = next(self._next)
+        self._slept, self._final = True, wait >= left
+        await trio.sleep(min(wait, left))
         return True
+
+    @property
+    def light(self) -> bool:
+        """Whether the next read may be light (DHTNode.get_records): reads between the first
+        and the one at the deadline only look for a reason to stop early, and one node that
+        holds the key is enough for that. The first and the last read ask the quorum."""
+        return self._slept and not self._final
 
 
 def round_key(run: str, round_no: int, fragment: int = 0) -> str:
@@ -151,24 +162,25 @@ async def form_group(
     await dht.store(key, info, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False)
 
     visible: dict[PeerId, Member] = {me.peer_id: me}
+    announced = dht.reader(key)
     waits = _Waits(cfg, cfg.gather_s)
     # The last read is made at the deadline (and may take up to max_poll_s): with backed-off
     # polls the previous one can be a second old, and a peer whose announcement landed since
     # would be left out by some and not others.
     with trio.move_on_after(cfg.gather_s + cfg.max_poll_s):
         while True:
-            for peer, value in (await dht.peers(key)).items():
+            for peer, value in (await announced.peers(light=waits.light)).items():
                 member = _decode_member(peer, value)
                 if member is not None:
                     visible[peer] = member
             if len(visible) >= cfg.target_group_size or not await waits.sleep():
                 break
-    group_key = key + "/group"
+    groups = dht.reader(key + "/group")
     # Announcements outlive their round: a latecomer still sees the peers that already
     # averaged this round together. They are committed to a group record that does not name
     # us; forming a group with them would only wait for peers that will never answer.
     committed: set[PeerId] = set()
-    for value in (await dht.get_map(group_key)).values():
+    for value in (await groups.get_map()).values():
         members = _decode_group(value)
         if members is not None and me.peer_id not in {m.peer_id for m in members}:
             committed |= {m.peer_id for m in members}
@@ -192,7 +204,7 @@ async def form_group(
             ]
         ).SerializeToString()
         await dht.store(
-            group_key, record, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False
+            key + "/group", record, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False
         )
         return Group(round_id_of(key, record), tuple(candidates))
 
@@ -201,7 +213,7 @@ async def form_group(
     with trio.move_on_after(cfg.commit_wait_s + cfg.max_poll_s):
         while True:
             best: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
-            for value in (await dht.get_map(group_key)).values():
+            for value in (await groups.get_map(light=waits.light)).values():
                 members = _decode_group(value)
                 if members is None or me.peer_id not in {m.peer_id for m in members}:
                     continue

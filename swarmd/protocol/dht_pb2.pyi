@@ -82,24 +82,28 @@ class StoreResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[StoreResponse.Outcome, str]]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FindRequest(_message.Message):
-    __slots__ = ("sender_port", "targets", "keys", "challenge")
+    __slots__ = ("sender_port", "targets", "keys", "challenge", "known")
     SENDER_PORT_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
     sender_port: int
     targets: _containers.RepeatedScalarFieldContainer[bytes]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     challenge: bytes
-    def __init__(self, sender_port: _Optional[int] = ..., targets: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[bytes]] = ..., challenge: _Optional[bytes] = ...) -> None: ...
+    known: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, sender_port: _Optional[int] = ..., targets: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[bytes]] = ..., challenge: _Optional[bytes] = ..., known: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class FindResult(_message.Message):
-    __slots__ = ("records", "nodes")
+    __slots__ = ("records", "nodes", "omitted")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
     records: _containers.RepeatedCompositeFieldContainer[Record]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
-    def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+    omitted: int
+    def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ..., nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., omitted: _Optional[int] = ...) -> None: ...
 
 class FindResponse(_message.Message):
     __slots__ = ("results", "peer_id", "proof")

@@ -21,7 +21,8 @@ import trio
 from swarmd.node.dht import BootstrapError, DHTConfig, DHTNode, Value, open_dht
 from swarmd.node.dht.caller import FIND, STORE, TimeoutPolicy
 from swarmd.node.dht.ids import id_to_bytes, key_id
-from swarmd.node.dht.records import sign_record
+from swarmd.node.dht.records import fingerprint, sign_record
+from swarmd.node.dht.service import MAX_KNOWN
 from swarmd.protocol import dht_pb2 as pb
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
@@ -324,6 +325,73 @@ def test_find_answers_many_targets_in_one_call() -> None:
             assert len(resp.results) == 3
             assert all(len(r.nodes) == 5 for r in resp.results)
             assert [len(r.records) for r in resp.results] == [1, 0, 0]
+
+    run(main)
+
+
+def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
+    async def main() -> None:
+        async with swarm(6) as s:
+            for node in s.nodes[:3]:
+                await node.store("round", b"me", time.time() + 60, subkey=str(node.peer_id))
+            held = s.nodes[0].storage.get(b"round")
+            assert len(held) == 3
+            client = rpc.RpcClient(Identity.generate())
+
+            async def find(known: list[bytes]) -> pb.FindResult:
+                resp = await client.unary(
+                    s.addresses[0],
+                    FIND,
+                    pb.FindRequest(
+                        targets=[id_to_bytes(key_id(b"round"))], keys=[b"round"], known=known
+                    ),
+                    pb.FindResponse,
+                )
+                return resp.results[0]
+
+            try:
+                everything = await find([])
+                some = await find([fingerprint(held[0]), fingerprint(held[2]), b"12345678"])
+                with pytest.raises(rpc.RpcError, match="known records") as info:
+                    await find([b"12345678"] * (MAX_KNOWN + 1))
+            finally:
+                client.close()
+            assert (len(everything.records), everything.omitted) == (3, 0)
+            assert (len(some.records), some.omitted) == (1, 2)
+            assert some.records[0].signature == held[1].signature
+            assert info.value.code is rpc.StatusCode.INVALID_ARGUMENT
+
+    run(main)
+
+
+def test_a_key_reader_transfers_only_new_records_and_light_reads_ask_one_node() -> None:
+    async def main() -> None:
+        async with swarm(8) as s:
+            reader_node = s.nodes[7]
+            for node in s.nodes[:3]:
+                await node.store("round", b"me", time.time() + 60, subkey=str(node.peer_id))
+            reader = reader_node.reader("round")
+            assert set(await reader.peers()) == {n.peer_id for n in s.nodes[:3]}
+            # Nothing new: the nodes asked answer with counts, not records.
+            transferred: list[int] = []
+            lookup = reader_node._lookup
+
+            async def counting(*args: Any, **kwargs: Any) -> Any:
+                result = await lookup(*args, **kwargs)
+                transferred.append(len(result.records))
+                queried.append(result.queried)
+                return result
+
+            queried: list[int] = []
+            reader_node._lookup = counting  # type: ignore[method-assign]
+            assert set(await reader.peers()) == {n.peer_id for n in s.nodes[:3]}
+            await s.nodes[3].store("round", b"me", time.time() + 60, subkey=str(s.nodes[3].peer_id))
+            assert set(await reader.peers(light=True)) == {n.peer_id for n in s.nodes[:4]}
+            assert set(await reader.peers(light=True)) == {n.peer_id for n in s.nodes[:4]}
+            # Full read: nothing new; light reads: the new record once, then nothing; a light
+            # read stops at the first node that holds the key (every node does here).
+            assert transferred == [0, 1, 0]
+            assert queried[0] >= 3 and queried[1:] == [1, 1]
 
     run(main)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -194,10 +195,17 @@ class Caller:
             raise
 
     async def find(
-        self, peer_id: PeerId, address: str, targets: list[bytes], keys: list[bytes]
+        self,
+        peer_id: PeerId,
+        address: str,
+        targets: list[bytes],
+        keys: list[bytes],
+        known: Sequence[bytes] = (),
     ) -> pb.FindResponse:
         challenge = self._challenge(peer_id, address)
-        req = pb.FindRequest(sender_port=self.port, targets=targets, keys=keys, challenge=challenge)
+        req = pb.FindRequest(
+            sender_port=self.port, targets=targets, keys=keys, challenge=challenge, known=known
+        )
         try:
             resp = await self._call(address, FIND, req, pb.FindResponse)
             self._accept(address, peer_id, resp.peer_id, resp.proof, challenge)

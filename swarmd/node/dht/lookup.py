@@ -16,7 +16,7 @@ final round). The whole lookup runs under one deadline.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -45,9 +45,10 @@ class _Candidate:
 class LookupResult:
     #: Nodes that answered, closest to the target first (at most k).
     closest: list[tuple[PeerId, str]]
-    #: Valid records the answering nodes hold under the key (duplicates included).
+    #: Valid records the answering nodes hold under the key (duplicates included), less
+    #: those the caller listed as known.
     records: list[Record] = field(default_factory=list)
-    #: How many answering nodes held at least one record.
+    #: How many answering nodes held at least one record (known ones included).
     holders: int = 0
     queried: int = 0
     failed: int = 0
@@ -70,7 +71,9 @@ async def lookup(
     verifier: Verifier,
     limits: RecordLimits,
     clock: Callable[[], float],
+    known: Sequence[bytes] = (),
 ) -> LookupResult:
+    """``known``: fingerprints of records the caller holds; nodes leave those out."""
     own = caller.identity.peer_id
     table = caller.table
     table.touch(target)
@@ -89,7 +92,9 @@ async def lookup(
 
     async def ask(c: _Candidate) -> None:
         try:
-            resp = await caller.find(c.peer_id, c.address, [target_raw], [key] if key else [])
+            resp = await caller.find(
+                c.peer_id, c.address, [target_raw], [key] if key else [], known if key else ()
+            )
         except (rpc.RpcError, ProtocolError):
             send.send_nowait((c, None))
             return
@@ -104,10 +109,10 @@ async def lookup(
             except ValueError:
                 continue
             consider(peer_id, node.address)
-        if key is None or not found.records:
+        if key is None or not (found.records or found.omitted):
             return
         now = clock()
-        held = False
+        held = found.omitted > 0
         for msg in found.records:
             record = Record.from_pb(msg)
             if record.key != key:
@@ -128,7 +133,7 @@ async def lookup(
     def finished(short: list[_Candidate]) -> bool:
         if all(c.state == "answered" for c in short):
             return True
-        if params.quorum is None or not result.records:
+        if params.quorum is None or not result.holders:
             return False
         if result.holders >= params.quorum:
             return True

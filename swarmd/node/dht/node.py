@@ -29,11 +29,12 @@ from swarmd.node.dht.records import (
     RecordError,
     Verifier,
     check_shape,
+    fingerprint,
     is_peer_subkey,
     sign_record,
 )
 from swarmd.node.dht.routing import RoutingConfig, RoutingTable
-from swarmd.node.dht.service import DHTService, ServiceLimits
+from swarmd.node.dht.service import MAX_KNOWN, DHTService, ServiceLimits
 from swarmd.node.dht.storage import Storage, StorageLimits
 from swarmd.protocol import dht_pb2 as pb
 from swarmd.protocol import rpc
@@ -102,6 +103,15 @@ def _bytes(text: str | bytes) -> bytes:
 
 def _value(record: Record) -> Value:
     return Value(record.value, record.expires, record.owner)
+
+
+def announced_peers(entries: dict[str, Value]) -> dict[PeerId, Value]:
+    """The entries of a sub-key map that are peers' own announcements (sub-key = signer)."""
+    found: dict[PeerId, Value] = {}
+    for subkey, value in entries.items():
+        if is_peer_subkey(subkey.encode()) and PeerId.from_string(subkey) == value.owner:
+            found[value.owner] = value
+    return found
 
 
 def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | None:
@@ -257,9 +267,17 @@ class DHTNode:
 
     # -- store -----------------------------------------------------------------------------
 
-    async def _lookup(self, target: int, key: bytes | None, quorum: int | None) -> LookupResult:
+    async def _lookup(
+        self,
+        target: int,
+        key: bytes | None,
+        quorum: int | None,
+        *,
+        alpha: int | None = None,
+        known: Sequence[bytes] = (),
+    ) -> LookupResult:
         cfg = self.config
-        params = LookupParams(cfg.k, cfg.alpha, cfg.lookup_timeout_s, quorum)
+        params = LookupParams(cfg.k, alpha or cfg.alpha, cfg.lookup_timeout_s, quorum)
         return await lookup(
             self.caller,
             target,
@@ -268,6 +286,7 @@ class DHTNode:
             verifier=self.verifier,
             limits=cfg.storage.records,
             clock=self._clock,
+            known=known,
         )
 
     async def store(
@@ -352,13 +371,33 @@ class DHTNode:
 
     # -- get -------------------------------------------------------------------------------
 
-    async def get_records(self, key: str | bytes, *, exhaustive: bool = False) -> list[Record]:
-        """Every valid record found under ``key`` (this node's and the closest nodes')."""
+    async def get_records(
+        self,
+        key: str | bytes,
+        *,
+        exhaustive: bool = False,
+        light: bool = False,
+        known: Sequence[bytes] = (),
+    ) -> list[Record]:
+        """Every valid record found under ``key`` (this node's and the closest nodes'), less
+        those whose fingerprint is in ``known``.
+
+        ``light=True`` asks one node at a time and stops at the first that holds records:
+        for a poll that will be repeated anyway, not for a read whose answer must be complete.
+        """
         raw = _bytes(key)
         local = self.storage.get(raw)
-        quorum = None if exhaustive else self.config.get_quorum
-        result = await self._lookup(key_id(raw), raw, quorum)
+        if exhaustive:
+            result = await self._lookup(key_id(raw), raw, None, known=known)
+        elif light:
+            result = await self._lookup(key_id(raw), raw, 1, alpha=1, known=known)
+        else:
+            result = await self._lookup(key_id(raw), raw, self.config.get_quorum, known=known)
         return local + result.records
+
+    def reader(self, key: str | bytes) -> KeyReader:
+        """Repeated reads of ``key`` that transfer only records not read before."""
+        return KeyReader(self, key)
 
     async def get(
         self, key: str | bytes, *, exhaustive: bool = False
@@ -382,11 +421,7 @@ class DHTNode:
 
     async def peers(self, key: str | bytes, *, exhaustive: bool = False) -> dict[PeerId, Value]:
         """Peers announced under ``key``: sub-keys that name their own signer."""
-        found: dict[PeerId, Value] = {}
-        for subkey, value in (await self.get_map(key, exhaustive=exhaustive)).items():
-            if is_peer_subkey(subkey.encode()) and PeerId.from_string(subkey) == value.owner:
-                found[value.owner] = value
-        return found
+        return announced_peers(await self.get_map(key, exhaustive=exhaustive))
 
     @asynccontextmanager
     async def announce(
@@ -480,3 +515,33 @@ def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | No
             return None
         exc = exc.exceptions[0]
     return exc
+
+
+class KeyReader:
+    """Reads one key again and again, transferring only what changed.
+
+    A matchmaking round polls its key until the group is full; every node asked used to send
+    every announcement back on every poll (a third of a round's DHT bytes). The reader keeps
+    the records it has read and lists their fingerprints in each Find; nodes leave those out.
+    """
+
+    def __init__(self, node: DHTNode, key: str | bytes) -> None:
+        self._node = node
+        self._key = _bytes(key)
+        self._held: dict[bytes, Record] = {}
+
+    async def records(self, *, light: bool = False) -> list[Record]:
+        """Every live record read so far or now (``light``: see DHTNode.get_records)."""
+        now_ms = int(self._node.now() * 1000)
+        self._held = {f: r for f, r in self._held.items() if r.expires_ms > now_ms}
+        known = list(self._held)[-MAX_KNOWN:]
+        for record in await self._node.get_records(self._key, light=light, known=known):
+            self._held[fingerprint(record)] = record
+        return list(self._held.values())
+
+    async def get_map(self, *, light: bool = False) -> dict[str, Value]:
+        found = merge(await self.records(light=light), self._node.now())
+        return found if isinstance(found, dict) else {}
+
+    async def peers(self, *, light: bool = False) -> dict[PeerId, Value]:
+        return announced_peers(await self.get_map(light=light))

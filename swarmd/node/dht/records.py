@@ -170,6 +170,16 @@ def check_shape(record: Record, limits: RecordLimits, now: float) -> None:
         raise RecordError("sub-key names a peer other than the record's owner")
 
 
+FINGERPRINT_BYTES = 8
+
+
+def fingerprint(record: Record) -> bytes:
+    """A short name for one exact version of a record (its signature is unique to it): what a
+    reader lists in a Find so that nodes leave out records it already holds. Only the owner
+    can make a record, so only the owner could make two whose fingerprints collide."""
+    return hashlib.sha256(record.signature).digest()[:FINGERPRINT_BYTES]
+
+
 def is_peer_subkey(subkey: bytes) -> bool:
     if len(subkey) != 52:
         return False

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from swarmd.node.dht.caller import SERVICE, make_proof
 from swarmd.node.dht.ids import ID_BYTES, id_from_bytes
-from swarmd.node.dht.records import Record, RecordError
+from swarmd.node.dht.records import Record, RecordError, fingerprint
 from swarmd.node.dht.routing import RoutingTable
 from swarmd.node.dht.storage import Outcome, Storage
 from swarmd.protocol import dht_pb2 as pb
@@ -21,15 +21,20 @@ from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity, PeerId
 
+#: Known-record fingerprints a Find may list (8 bytes each); readers send at most this many.
+MAX_KNOWN = 1024
+
 
 @dataclass(frozen=True)
 class ServiceLimits:
     #: Records per Store call and targets per Find call.
     max_batch: int = 256
+    #: Known-record fingerprints per Find call (8 bytes each).
+    max_known: int = MAX_KNOWN
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError("ServiceLimits.max_batch must be >= 1")
+        if self.max_batch < 1 or self.max_known < 0:
+            raise ValueError("ServiceLimits needs max_batch >= 1 and max_known >= 0")
 
 
 def caller_address(transport_peer: str, port: int) -> str | None:
@@ -117,6 +122,12 @@ class DHTService:
                 rpc.StatusCode.INVALID_ARGUMENT,
                 f"a Find takes at most {self.limits.max_batch} targets, and no more keys",
             )
+        if len(req.known) > self.limits.max_known:
+            raise rpc.RpcError(
+                rpc.StatusCode.INVALID_ARGUMENT,
+                f"a Find lists at most {self.limits.max_known} known records",
+            )
+        known = set(req.known)
         self._note_caller(ctx, req.sender_port)
         exclude: tuple[PeerId, ...] = (ctx.peer_id,) if ctx.peer_id is not None else ()
         resp = pb.FindResponse(peer_id=self.identity.peer_id.raw)
@@ -129,7 +140,11 @@ class DHTService:
                 result.nodes.add(peer_id=contact.peer_id.raw, address=contact.address)
             key = req.keys[i] if i < len(req.keys) else b""
             if key:
-                result.records.extend(r.to_pb() for r in self.storage.get(key))
+                for record in self.storage.get(key):
+                    if known and fingerprint(record) in known:
+                        result.omitted += 1
+                    else:
+                        result.records.append(record.to_pb())
         if req.challenge:
             resp.proof.CopyFrom(make_proof(self.identity, req.challenge))
         return resp
