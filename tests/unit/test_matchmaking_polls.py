@@ -21,18 +21,23 @@ def test_polls_back_off_to_the_cap() -> None:
 def test_reads_end_exactly_at_the_deadline() -> None:
     cfg = MatchmakingConfig(gather_s=3.0, poll_s=0.1, poll_growth=1.5, max_poll_s=1.0)
     reads: list[float] = []
+    light: list[bool] = []
 
     async def main() -> None:
         start = trio.current_time()
         waits = _Waits(cfg, cfg.gather_s)
         while True:
             reads.append(round(trio.current_time() - start, 6))
+            light.append(waits.light)
             if not await waits.sleep():
                 break
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert reads[:3] == [0.0, 0.1, 0.25]
     assert reads[-1] == 3.0  # one last read at the deadline, however long the last wait
+    # The reads in between only look for an early stop; the first and the deadline read
+    # decide who is in the group, so they ask the quorum.
+    assert light == [False] + [True] * (len(reads) - 2) + [False]
     gaps = [b - a for a, b in itertools.pairwise(reads)]
     assert max(gaps) <= cfg.max_poll_s + 1e-9
     assert len(reads) < 3.0 / cfg.poll_s / 2  # far fewer reads than steady 0.1 s polling
