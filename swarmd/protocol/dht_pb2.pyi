@@ -82,18 +82,20 @@ class StoreResponse(_message.Message):
     def __init__(self, outcomes: _Optional[_Iterable[_Union[StoreResponse.Outcome, str]]] = ..., reasons: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FindRequest(_message.Message):
-    __slots__ = ("sender_port", "targets", "keys", "challenge", "known")
+    __slots__ = ("sender_port", "targets", "keys", "challenge", "known", "nodes_only_if_empty")
     SENDER_PORT_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     CHALLENGE_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    NODES_ONLY_IF_EMPTY_FIELD_NUMBER: _ClassVar[int]
     sender_port: int
     targets: _containers.RepeatedScalarFieldContainer[bytes]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     challenge: bytes
     known: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, sender_port: _Optional[int] = ..., targets: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[bytes]] = ..., challenge: _Optional[bytes] = ..., known: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    nodes_only_if_empty: bool
+    def __init__(self, sender_port: _Optional[int] = ..., targets: _Optional[_Iterable[bytes]] = ..., keys: _Optional[_Iterable[bytes]] = ..., challenge: _Optional[bytes] = ..., known: _Optional[_Iterable[bytes]] = ..., nodes_only_if_empty: _Optional[bool] = ...) -> None: ...
 
 class FindResult(_message.Message):
     __slots__ = ("records", "nodes", "omitted")

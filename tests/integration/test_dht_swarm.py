@@ -338,20 +338,28 @@ def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
             assert len(held) == 3
             client = rpc.RpcClient(Identity.generate())
 
-            async def find(known: list[bytes]) -> pb.FindResult:
+            async def find(
+                known: list[bytes], key: bytes = b"round", nodes_only_if_empty: bool = False
+            ) -> pb.FindResult:
                 resp = await client.unary(
                     s.addresses[0],
                     FIND,
                     pb.FindRequest(
-                        targets=[id_to_bytes(key_id(b"round"))], keys=[b"round"], known=known
+                        targets=[id_to_bytes(key_id(key))],
+                        keys=[key],
+                        known=known,
+                        nodes_only_if_empty=nodes_only_if_empty,
                     ),
                     pb.FindResponse,
                 )
                 return resp.results[0]
 
+            every = [fingerprint(r) for r in held]
             try:
                 everything = await find([])
-                some = await find([fingerprint(held[0]), fingerprint(held[2]), b"12345678"])
+                some = await find([every[0], every[2], b"12345678"])
+                all_known = await find(every, nodes_only_if_empty=True)
+                absent = await find([], key=b"nobody", nodes_only_if_empty=True)
                 with pytest.raises(rpc.RpcError, match="known records") as info:
                     await find([b"12345678"] * (MAX_KNOWN + 1))
             finally:
@@ -359,6 +367,10 @@ def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
             assert (len(everything.records), everything.omitted) == (3, 0)
             assert (len(some.records), some.omitted) == (1, 2)
             assert some.records[0].signature == held[1].signature
+            assert len(everything.nodes) == len(some.nodes) == 5
+            # A holder's node list would go unused by a light read; a non-holder's is kept.
+            assert (len(all_known.records), all_known.omitted, len(all_known.nodes)) == (0, 3, 0)
+            assert (len(absent.records), len(absent.nodes)) == (0, 5)
             assert info.value.code is rpc.StatusCode.INVALID_ARGUMENT
 
     run(main)

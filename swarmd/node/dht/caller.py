@@ -201,10 +201,17 @@ class Caller:
         targets: list[bytes],
         keys: list[bytes],
         known: Sequence[bytes] = (),
+        *,
+        nodes_only_if_empty: bool = False,
     ) -> pb.FindResponse:
         challenge = self._challenge(peer_id, address)
         req = pb.FindRequest(
-            sender_port=self.port, targets=targets, keys=keys, challenge=challenge, known=known
+            sender_port=self.port,
+            targets=targets,
+            keys=keys,
+            challenge=challenge,
+            known=known,
+            nodes_only_if_empty=nodes_only_if_empty,
         )
         try:
             resp = await self._call(address, FIND, req, pb.FindResponse)

@@ -93,7 +93,13 @@ async def lookup(
     async def ask(c: _Candidate) -> None:
         try:
             resp = await caller.find(
-                c.peer_id, c.address, [target_raw], [key] if key else [], known if key else ()
+                c.peer_id,
+                c.address,
+                [target_raw],
+                [key] if key else [],
+                known if key else (),
+                # A holder ends a quorum-1 lookup: the nodes it would list go unused.
+                nodes_only_if_empty=key is not None and params.quorum == 1,
             )
         except (rpc.RpcError, ProtocolError):
             send.send_nowait((c, None))

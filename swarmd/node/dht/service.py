@@ -136,8 +136,6 @@ class DHTService:
             if len(raw) != ID_BYTES:
                 raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "a target has 32 bytes")
             result = resp.results.add()
-            for contact in self.table.closest(id_from_bytes(raw), k, exclude):
-                result.nodes.add(peer_id=contact.peer_id.raw, address=contact.address)
             key = req.keys[i] if i < len(req.keys) else b""
             if key:
                 for record in self.storage.get(key):
@@ -145,6 +143,10 @@ class DHTService:
                         result.omitted += 1
                     else:
                         result.records.append(record.to_pb())
+            if req.nodes_only_if_empty and (result.records or result.omitted):
+                continue
+            for contact in self.table.closest(id_from_bytes(raw), k, exclude):
+                result.nodes.add(peer_id=contact.peer_id.raw, address=contact.address)
         if req.challenge:
             resp.proof.CopyFrom(make_proof(self.identity, req.challenge))
         return resp
