@@ -4,8 +4,10 @@
 2. It watches that key until ``target_group_size`` peers are visible or the gather deadline
    passes (then it goes on with whoever is there, if at least ``min_group_size``).
 3. The lowest peer id it saw is the leader. The leader publishes the member list it saw as a
-   signed group record; every other peer waits for a record that names it, preferring the
-   lowest leader id, and derives the round id from the record's exact bytes.
+   group record inside its own announcement (re-signed, replacing it); every other peer waits
+   for a record that names it, preferring the lowest leader id, and derives the round id from
+   the record's exact bytes. A peer still gathering that reads a record naming it goes at
+   once: its leader is already waiting for it.
 
 Peers that see different sets cannot deadlock — nobody waits on anybody's answer, only on
 the DHT, with deadlines — and they cannot silently average with the wrong peers: the round id
@@ -101,28 +103,77 @@ def round_key(run: str, round_no: int, fragment: int = 0) -> str:
     return f"swarmd/{run}/mm/{fragment}/{round_no}"
 
 
-def _decode_member(peer: PeerId, value: Value) -> Member | None:
-    info = apb.MemberInfo()
-    try:
-        info.ParseFromString(value.value)
-        return Member(peer, info.address, info.bandwidth)
-    except Exception:  # a malformed announcement only costs its author the round
-        return None
+@dataclass(frozen=True)
+class _Commitment:
+    """A leader's group, as published in its announcement."""
+
+    leader: PeerId
+    record: bytes  # the exact GroupRecord bytes: the round id derives from them
+    members: tuple[Member, ...]
+
+    def names(self, peer: PeerId) -> bool:
+        return any(m.peer_id == peer for m in self.members)
 
 
-def _decode_group(value: Value) -> tuple[Member, ...] | None:
+def _decode_group(leader: PeerId, raw: bytes) -> _Commitment | None:
     record = apb.GroupRecord()
     try:
-        record.ParseFromString(value.value)
+        record.ParseFromString(raw)
         members = tuple(Member(PeerId(m.peer_id), m.address, m.bandwidth) for m in record.members)
     except Exception:
         return None
     ids = [m.peer_id for m in members]
     if not members or ids != sorted(ids) or len(set(ids)) != len(ids):
         return None
-    if members[0].peer_id != value.owner:
+    if members[0].peer_id != leader:
         return None  # only the leader itself (the lowest id in it) may publish a group
-    return members
+    return _Commitment(leader, raw, members)
+
+
+def _decode(peer: PeerId, value: Value) -> tuple[Member, _Commitment | None] | None:
+    """An announcement: the member, and its group if it has committed to one as leader."""
+    info = apb.MemberInfo()
+    try:
+        info.ParseFromString(value.value)
+        member = Member(peer, info.address, info.bandwidth)
+    except Exception:  # a malformed announcement only costs its author the round
+        return None
+    return member, (_decode_group(peer, info.group) if info.group else None)
+
+
+class _View:
+    """What this peer has read of the round's key: announced members and leaders' groups."""
+
+    def __init__(self, dht: DHTNode, key: str, me: Member) -> None:
+        self._reader = dht.reader(key)
+        self._me = me.peer_id
+        self.visible: dict[PeerId, Member] = {me.peer_id: me}
+        self.groups: dict[PeerId, _Commitment] = {}
+
+    async def read(self, *, light: bool = False) -> None:
+        for peer, value in (await self._reader.peers(light=light)).items():
+            decoded = _decode(peer, value)
+            if decoded is not None:
+                self.visible[peer] = decoded[0]
+                if decoded[1] is not None:
+                    self.groups[peer] = decoded[1]
+
+    def mine(self) -> _Commitment | None:
+        """The group naming this peer with the lowest leader, if any leader named it."""
+        named = [g for g in self.groups.values() if g.names(self._me)]
+        return min(named, key=lambda g: g.leader) if named else None
+
+    def committed(self) -> set[PeerId]:
+        """Peers in groups that do not name this peer: they average without it."""
+        out: set[PeerId] = set()
+        for group in self.groups.values():
+            if not group.names(self._me):
+                out |= {m.peer_id for m in group.members}
+        return out
+
+
+def _group(key: str, commitment: _Commitment) -> Group:
+    return Group(round_id_of(key, commitment.record), commitment.members)
 
 
 async def _answering(dht: DHTNode, members: list[Member], timeout: float) -> set[PeerId]:
@@ -156,35 +207,36 @@ async def form_group(
 ) -> Group | None:
     """The group this peer averages with for ``key``, or None (too few peers: skip the round)."""
     cfg = config or MatchmakingConfig()
-    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth).SerializeToString()
+    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth)
     # Not republished: a round is over in seconds; the record only has to outlive it for
     # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
-    await dht.store(key, info, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False)
+    announced_until = dht.now() + cfg.ttl_s
+    await dht.store(
+        key, info.SerializeToString(), announced_until, subkey=str(me.peer_id), republish=False
+    )
 
-    visible: dict[PeerId, Member] = {me.peer_id: me}
-    announced = dht.reader(key)
+    view = _View(dht, key, me)
     waits = _Waits(cfg, cfg.gather_s)
     # The last read is made at the deadline (and may take up to max_poll_s): with backed-off
     # polls the previous one can be a second old, and a peer whose announcement landed since
     # would be left out by some and not others.
     with trio.move_on_after(cfg.gather_s + cfg.max_poll_s):
         while True:
-            for peer, value in (await announced.peers(light=waits.light)).items():
-                member = _decode_member(peer, value)
-                if member is not None:
-                    visible[peer] = member
-            if len(visible) >= cfg.target_group_size or not await waits.sleep():
+            await view.read(light=waits.light)
+            # A leader that saw fewer peers than this one waits for (its own target reached)
+            # has committed to a group naming this peer and is already waiting for it in the
+            # all-reduce: go now. Gathering on would only make it drop this peer (seen: a
+            # leader that counted one live peer at a run's start averaged alone, and the
+            # follower that gathered for 10 s then averaged alone too, in the "same" group).
+            if (mine := view.mine()) is not None:
+                return _group(key, mine)
+            if len(view.visible) >= cfg.target_group_size or not await waits.sleep():
                 break
-    groups = dht.reader(key + "/group")
     # Announcements outlive their round: a latecomer still sees the peers that already
-    # averaged this round together. They are committed to a group record that does not name
-    # us; forming a group with them would only wait for peers that will never answer.
-    committed: set[PeerId] = set()
-    for value in (await groups.get_map()).values():
-        members = _decode_group(value)
-        if members is not None and me.peer_id not in {m.peer_id for m in members}:
-            committed |= {m.peer_id for m in members}
-    available = [m for m in visible.values() if m.peer_id not in committed]
+    # averaged this round together. They are committed to a group that does not name us;
+    # forming a group with them would only wait for peers that will never answer.
+    committed = view.committed()
+    available = [m for m in view.visible.values() if m.peer_id not in committed]
     # An announcement outlives its author: a peer killed or frozen after announcing must not
     # lead the group (its followers would wait for a record that never comes, then train
     # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for
@@ -193,40 +245,37 @@ async def form_group(
     available = [m for m in available if m.peer_id == me.peer_id or m.peer_id in alive]
     candidates = sorted(available, key=lambda m: m.peer_id)[: cfg.target_group_size]
     if me not in candidates or len(candidates) < cfg.min_group_size:
-        log.info("round %s: %d peers visible, not enough for a group", key, len(visible))
+        log.info("round %s: %d peers visible, not enough for a group", key, len(view.visible))
         return None
 
     if candidates[0].peer_id == me.peer_id:
-        record = apb.GroupRecord(
+        info.group = apb.GroupRecord(
             members=[
                 apb.GroupMember(peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth)
                 for m in candidates
             ]
         ).SerializeToString()
+        # The same slot as the announcement: a later expiry replaces it on every replica.
+        until = max(dht.now() + cfg.ttl_s, announced_until + 0.01)
         await dht.store(
-            key + "/group", record, dht.now() + cfg.ttl_s, subkey=str(me.peer_id), republish=False
+            key, info.SerializeToString(), until, subkey=str(me.peer_id), republish=False
         )
-        return Group(round_id_of(key, record), tuple(candidates))
+        return Group(round_id_of(key, info.group), tuple(candidates))
 
-    fallback: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
+    fallback: _Commitment | None = None
     waits = _Waits(cfg, cfg.commit_wait_s)
     with trio.move_on_after(cfg.commit_wait_s + cfg.max_poll_s):
         while True:
-            best: tuple[PeerId, bytes, tuple[Member, ...]] | None = None
-            for value in (await groups.get_map(light=waits.light)).values():
-                members = _decode_group(value)
-                if members is None or me.peer_id not in {m.peer_id for m in members}:
-                    continue
-                if best is None or value.owner < best[0]:
-                    best = (value.owner, value.value, members)
-            # Wait for the leader we expect; settle for another leader's record only if ours
+            await view.read(light=waits.light)
+            best = view.mine()
+            # Wait for the leader we expect; settle for another leader's group only if ours
             # never shows up within the deadline (handled after the loop).
-            if best is not None and best[0] <= candidates[0].peer_id:
-                return Group(round_id_of(key, best[1]), best[2])
+            if best is not None and best.leader <= candidates[0].peer_id:
+                return _group(key, best)
             fallback = best
             if not await waits.sleep():
                 break
     if fallback is not None:
-        return Group(round_id_of(key, fallback[1]), fallback[2])
+        return _group(key, fallback)
     log.info("round %s: no group record names this peer", key)
     return None

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61veraging.proto\x12\x13swarmd.averaging.v1\"K\n\x08PartInfo\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\"!\n\x07PartAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"P\n\x0eGetPartRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05relay\x18\x04 \x01(\x08\"0\n\nMemberInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbandwidth\x18\x02 \x01(\x01\"B\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\"@\n\x0bGroupRecord\x12\x31\n\x07members\x18\x01 \x03(\x0b\x32 .swarmd.averaging.v1.GroupMemberb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61veraging.proto\x12\x13swarmd.averaging.v1\"K\n\x08PartInfo\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\"!\n\x07PartAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"P\n\x0eGetPartRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05relay\x18\x04 \x01(\x08\"?\n\nMemberInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbandwidth\x18\x02 \x01(\x01\x12\r\n\x05group\x18\x03 \x01(\x0c\"B\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\"@\n\x0bGroupRecord\x12\x31\n\x07members\x18\x01 \x03(\x0b\x32 .swarmd.averaging.v1.GroupMemberb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPARTREQUEST']._serialized_start=152
   _globals['_GETPARTREQUEST']._serialized_end=232
   _globals['_MEMBERINFO']._serialized_start=234
-  _globals['_MEMBERINFO']._serialized_end=282
-  _globals['_GROUPMEMBER']._serialized_start=284
-  _globals['_GROUPMEMBER']._serialized_end=350
-  _globals['_GROUPRECORD']._serialized_start=352
-  _globals['_GROUPRECORD']._serialized_end=416
+  _globals['_MEMBERINFO']._serialized_end=297
+  _globals['_GROUPMEMBER']._serialized_start=299
+  _globals['_GROUPMEMBER']._serialized_end=365
+  _globals['_GROUPRECORD']._serialized_start=367
+  _globals['_GROUPRECORD']._serialized_end=431
 # @@protoc_insertion_point(module_scope)

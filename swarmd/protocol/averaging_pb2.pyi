@@ -37,12 +37,14 @@ class GetPartRequest(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., attempt: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("address", "bandwidth")
+    __slots__ = ("address", "bandwidth", "group")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     address: str
     bandwidth: float
-    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+    group: bytes
+    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ..., group: _Optional[bytes] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("peer_id", "address", "bandwidth")

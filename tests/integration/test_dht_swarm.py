@@ -157,13 +157,23 @@ def test_sub_keys_from_many_owners_merge_and_announce_watch() -> None:
                     with trio.fail_after(5):
                         while not seen or len(seen[-1]) < 3:
                             await trio.sleep(0.05)
+                    found = await s.nodes[9].peers("ready/18")
+                    assert {p: v.value for p, v in found.items()} == {
+                        s.nodes[5].peer_id: b"a",
+                        s.nodes[6].peer_id: b"b",
+                        s.nodes[7].peer_id: b"c",
+                    }
+                    async with s.nodes[8].announce("ready/18", b"d", ttl=5):
+                        assert s.nodes[8].peer_id in await s.nodes[9].peers("ready/18")
+                    # Leaving withdraws at once, long before the 5 s ttl would have: an empty
+                    # value replaces the announcement everywhere, and peers() leaves it out.
+                    assert set(await s.nodes[9].peers("ready/18", exhaustive=True)) == {
+                        s.nodes[i].peer_id for i in (5, 6, 7)
+                    }
+                    withdrawn = await s.nodes[9].get_map("ready/18", exhaustive=True)
+                    assert withdrawn[str(s.nodes[8].peer_id)].value == b""
             assert seen[-1] == {str(s.nodes[i].peer_id) for i in (5, 6, 7)}
-            found = await s.nodes[9].peers("ready/18")
-            assert {p: v.value for p, v in found.items()} == {
-                s.nodes[5].peer_id: b"a",
-                s.nodes[6].peer_id: b"b",
-                s.nodes[7].peer_id: b"c",
-            }
+            assert await s.nodes[9].peers("ready/18", exhaustive=True) == {}
 
     run(main)
 

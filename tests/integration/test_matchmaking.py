@@ -244,3 +244,40 @@ def test_a_peer_that_announced_and_died_does_not_block_the_round() -> None:
             assert members == {tuple(p.identity.peer_id for p in live)}
 
     trio.run(main)
+
+
+def test_a_peer_still_gathering_goes_at_once_when_a_leader_commits_to_it() -> None:
+    """Peers can wait for different group sizes (each counts the run's live peers itself; at a
+    run's start some count fewer). A leader content with two commits as soon as it sees a
+    follower that waits for three; the follower must join then, not when its gather deadline
+    passes, by which time the leader has dropped it from the all-reduce."""
+
+    async def main() -> None:
+        async with swarm(3) as peers:
+            key = round_key("run", 11)
+            leader, follower = sorted(peers, key=lambda p: p.identity.peer_id)[:2]
+            content = MatchmakingConfig(
+                target_group_size=2, min_group_size=2, gather_s=8.0, commit_wait_s=8.0
+            )
+            patient = MatchmakingConfig(
+                target_group_size=3, min_group_size=2, gather_s=8.0, commit_wait_s=8.0
+            )
+            groups: dict[str, Group | None] = {}
+            took: dict[str, float] = {}
+
+            async def form(name: str, peer: Peer, cfg: MatchmakingConfig) -> None:
+                start = trio.current_time()
+                groups[name] = await form_group(peer.dht, key, peer.member, cfg)  # type: ignore[arg-type]
+                took[name] = trio.current_time() - start
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(form, "leader", leader, content)
+                nursery.start_soon(form, "follower", follower, patient)
+            a, b = groups["leader"], groups["follower"]
+            assert a is not None and b is not None
+            assert a.round_id == b.round_id and len(b.members) == 2
+            # Polls back off to at most max_poll_s (1 s): the follower sees the commitment
+            # within a few polls of it, far inside its 8 s gather deadline.
+            assert took["follower"] < 4.0, took
+
+    trio.run(main)

@@ -43,6 +43,9 @@ from swarmd.protocol.identity import Identity, PeerId
 
 log = logging.getLogger("swarmd.dht")
 
+#: Longest a leaving peer spends withdrawing an announcement (see DHTNode.announce).
+WITHDRAW_TIMEOUT_S = 3.0
+
 
 class BootstrapError(Exception):
     """No bootstrap peer answered; the message lists each one and why."""
@@ -106,9 +109,12 @@ def _value(record: Record) -> Value:
 
 
 def announced_peers(entries: dict[str, Value]) -> dict[PeerId, Value]:
-    """The entries of a sub-key map that are peers' own announcements (sub-key = signer)."""
+    """The entries of a sub-key map that are peers' own announcements (sub-key = signer),
+    less withdrawn ones (empty values, see DHTNode.announce)."""
     found: dict[PeerId, Value] = {}
     for subkey, value in entries.items():
+        if not value.value:
+            continue
         if is_peer_subkey(subkey.encode()) and PeerId.from_string(subkey) == value.owner:
             found[value.owner] = value
     return found
@@ -430,24 +436,43 @@ class DHTNode:
         """Announces this peer under ``key`` (sub-key = its peer id) while the block runs.
 
         The entry is stored before the block starts and re-stored with a fresh expiry every
-        ttl/3, so it outlives a missed refresh; after the block it lapses within ``ttl``.
+        ttl/3, so it outlives a missed refresh. When the block ends, however it ends, an empty
+        value replaces it (a withdrawal: ``peers`` leaves it out), so that others stop counting
+        this peer at once rather than ``ttl`` later (seen: the last rounds of a run each sat
+        out their whole gather deadline waiting for a peer that had already left). A peer
+        that dies without leaving still lapses within ``ttl``.
         """
         if not ttl > 0:
             raise ValueError("ttl must be positive")
+        if not value:
+            raise ValueError("an announcement needs a non-empty value (empty withdraws it)")
         subkey = str(self.peer_id)
-        await self.store(key, value, self._clock() + ttl, subkey)
+        expires = self._clock() + ttl
+        await self.store(key, value, expires, subkey)
 
         async def refresh() -> None:
+            nonlocal expires
             while True:
                 await trio.sleep(ttl / 3)
-                await self.store(key, value, self._clock() + ttl, subkey)
+                expires = self._clock() + ttl
+                await self.store(key, value, expires, subkey)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(refresh)
-            try:
-                yield
-            finally:
-                nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(refresh)
+                try:
+                    yield
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Shielded, for the block usually ends by cancellation; bounded, for a peer that
+            # is leaving must not hang on an unreachable DHT. A later expiry than any refresh
+            # stored replaces the announcement on every node that held it.
+            with trio.CancelScope(shield=True), trio.move_on_after(WITHDRAW_TIMEOUT_S):
+                try:
+                    await self.store(key, b"", max(expires, self._clock()) + 0.01, subkey)
+                except RecordError as exc:
+                    log.info("could not withdraw the announcement under %r: %s", key, exc)
 
     async def watch(
         self, key: str | bytes, interval: float = 1.0
