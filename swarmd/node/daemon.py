@@ -35,7 +35,7 @@ import trio
 from swarmd.node.advertise import advertised_address
 from swarmd.node.allreduce import AllReduceConfig, AllReduceResult, Averager, Member
 from swarmd.node.catchup import state_to_take
-from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.dht import BootstrapError, DHTNode, KeyReader
 from swarmd.node.errors import innermost
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.metrics import Metrics, MetricsServer
@@ -268,6 +268,7 @@ class Peer:
     held_s = 0.0
     #: (monotonic time, count) of the last read of the run's heartbeats; see _live_peers.
     _live: tuple[float, int] = (-math.inf, 0)
+    _heartbeats: KeyReader | None = None
 
     async def _live_peers(self, config: RunConfig) -> int:
         """How many peers' heartbeats the run has: the group size a round waits for.
@@ -281,7 +282,10 @@ class Peer:
         at, count = self._live
         fresh = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
         if not (fresh and count >= config.target_group_size):
-            count = len(await self.dht.peers(peers_key(config.name)))
+            if self._heartbeats is None:
+                # Re-reads transfer only heartbeats (refreshes, withdrawals) not read before.
+                self._heartbeats = self.dht.reader(peers_key(config.name))
+            count = len(await self._heartbeats.peers())
             self._live = (time.monotonic(), count)
         return count
 

@@ -510,3 +510,31 @@ def test_a_node_that_lost_every_contact_rejoins_within_seconds() -> None:
             assert 1 <= attempts <= 8, attempts
 
     run(main)
+
+
+def test_stores_in_a_small_network_skip_the_node_lookup_until_the_network_changes() -> None:
+    """Fewer than k nodes: one node lookup finds them all, and stores after it go straight to
+    them; a node that joins shows in the routing table and brings the lookup back."""
+
+    async def main() -> None:
+        async with swarm(6) as s:
+            writer = s.nodes[0]
+            lookups: list[bytes | None] = []
+            lookup = writer._lookup
+
+            async def counting(target: int, key: bytes | None, *args: Any, **kw: Any) -> Any:
+                lookups.append(key)
+                return await lookup(target, key, *args, **kw)
+
+            writer._lookup = counting  # type: ignore[method-assign]
+            for name in (b"a", b"b", b"c"):
+                assert await writer.store(name, b"v", time.time() + 60) == 6
+            assert lookups == [None], lookups  # one node lookup, for the first store only
+            assert all(n.storage.get(b"c") for n in s.nodes)
+            async with open_dht(Identity.generate(), bootstrap=[s.addresses[0]]) as (late, _):
+                assert late.peer_id in writer.table
+                assert await writer.store(b"d", b"v", time.time() + 60) == 7
+                assert lookups == [None, None], lookups
+                assert late.storage.get(b"d")
+
+    run(main)

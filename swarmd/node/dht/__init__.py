@@ -4,13 +4,14 @@ Peers find each other, the run's configuration, roles and progress only through 
 node.py for the API the rest of the daemon uses (DHTNode.store/get/announce/watch).
 """
 
-from swarmd.node.dht.node import BootstrapError, DHTConfig, DHTNode, Value, open_dht
+from swarmd.node.dht.node import BootstrapError, DHTConfig, DHTNode, KeyReader, Value, open_dht
 from swarmd.node.dht.records import Record, RecordError, RecordLimits
 
 __all__ = [
     "BootstrapError",
     "DHTConfig",
     "DHTNode",
+    "KeyReader",
     "Record",
     "RecordError",
     "RecordLimits",
