@@ -57,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-embd", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard", type=int, help="training shard (default: the peer id's)")
+    p.add_argument(
+        "--data-shards", type=int, default=NUM_SHARDS, help="shards the training split is cut into"
+    )
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--save", type=Path, help="write the final parameters here (torch.save)")
     return p.parse_args()
@@ -85,7 +88,7 @@ class Trainer:
     def gradient(self, step: int) -> tuple[torch.Tensor, float]:
         a = self.args
         x, y = self.source.train_batch(
-            self.shard, NUM_SHARDS, a.batch_size, a.block_size, a.seed, step
+            self.shard, a.data_shards, a.batch_size, a.block_size, a.seed, step
         )
         self.model.train()
         _, loss = self.model(x, y)
@@ -140,7 +143,9 @@ async def main(args: argparse.Namespace, state_dir: Path) -> None:
     trainer = await trio.to_thread.run_sync(
         Trainer,
         args,
-        shard_for_peer(identity.peer_id.raw, NUM_SHARDS) if args.shard is None else args.shard,
+        shard_for_peer(identity.peer_id.raw, args.data_shards)
+        if args.shard is None
+        else args.shard,
     )
     try:
         async with (

@@ -443,7 +443,12 @@ class Peer:
         self.shared_round = diloco.round
         shard = self.opts.data_shard
         if shard is None:
-            shard = shard_for_peer(self.identity.peer_id.raw, NUM_SHARDS)
+            shard = shard_for_peer(self.identity.peer_id.raw, config.data_shards)
+        elif shard >= config.data_shards:
+            raise JoinError(
+                f"--data-shard {shard}: run {config.name!r} cuts its data into "
+                f"{config.data_shards} shards (0 to {config.data_shards - 1})"
+            )
         me = Member(self.identity.peer_id, self.address, self.opts.bandwidth)
         mm = MatchmakingConfig(
             target_group_size=config.target_group_size,
@@ -473,7 +478,7 @@ class Peer:
             f"H={config.inner_steps}{streaming}, codec {config.codec}"
             f"{f' (block {config.int8_block_size})' if config.codec == 'int8' else ''}"
             f"{' + zstd' if config.zstd else ''}, data shard "
-            f"{shard}/{NUM_SHARDS} ({origin} start)",
+            f"{shard}/{config.data_shards} ({origin} start)",
             params=diloco.numel,
             origin=origin,
             algo=config.algo,
@@ -515,7 +520,7 @@ class Peer:
         self, config: RunConfig, opt: Optimizer, source: TokenSource, shard: int, step: int
     ) -> None:
         batch = source.train_batch(
-            shard, NUM_SHARDS, config.batch_size, config.block_size, config.seed, step
+            shard, config.data_shards, config.batch_size, config.block_size, config.seed, step
         )
         loss = await trio.to_thread.run_sync(opt.inner_step, batch)
         tokens = int(self.stats.get("tokens", 0)) + config.batch_size * config.block_size

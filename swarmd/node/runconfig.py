@@ -44,6 +44,11 @@ class RunConfig:
     block_size: int = 128
     #: `builtin` (the Python standard library's sources), a text file/directory, or `.bin`.
     data: str = "builtin"
+    #: How many shards the training split is cut into; each peer reads one (its peer id's
+    #: hash picks it). 64 keeps a large swarm's peers on different data; a run of a few
+    #: peers should cut fewer, larger ones, or each peer soon trains epochs over a sliver
+    #: (the built-in corpus has about 125 K training tokens per shard of 64).
+    data_shards: int = 64
     batch_size: int = 8
     #: DiLoCo: inner AdamW steps between outer steps, and the optimisers' settings.
     inner_steps: int = 50
@@ -79,6 +84,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.name or len(self.name) > 64 or "/" in self.name:
             raise RunConfigError("run name must be 1-64 characters without '/'")
+        shards = self.data_shards
+        if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= 64:
+            raise RunConfigError(f"data_shards must be an integer in [1, 64], got {shards!r}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "inner_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -126,8 +134,7 @@ class RunConfig:
         layout = next((x for x in LAYOUTS if x == self.fragment_layout), None)
         if layout is None:
             raise ValueError(
-                f"fragment_layout must be one of {', '.join(LAYOUTS)}, "
-                f"got {self.fragment_layout!r}"
+                f"fragment_layout must be one of {', '.join(LAYOUTS)}, got {self.fragment_layout!r}"
             )
         return StreamingConfig(
             self.diloco_config(),

@@ -162,6 +162,24 @@ def test_unknown_run_is_a_clear_error(processes: ProcessGroup, tmp_path: Path) -
     assert "no run named 't'" in "".join(peer.stderr_tail)
 
 
+def test_a_data_shard_beyond_the_runs_shards_is_refused(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    (tmp_path / "run.toml").write_text(TINY_RUN + "data_shards = 4\n")
+    boot = start_bootstrap(processes, tmp_path)
+    peer = processes.start(
+        join_cmd(
+            tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), "--data-shard", "5"
+        )
+    )
+    peer.process.wait(timeout=60)
+    assert peer.process.returncode == 2
+    time.sleep(0.2)
+    assert "--data-shard 5: run 't' cuts its data into 4 shards (0 to 3)" in "".join(
+        peer.stderr_tail
+    )
+
+
 def test_no_bootstrap_answer_exits_3(processes: ProcessGroup, tmp_path: Path) -> None:
     peer = processes.start(join_cmd(tmp_path, "p0", "127.0.0.1:9"))
     peer.process.wait(timeout=60)

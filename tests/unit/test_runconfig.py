@@ -37,6 +37,9 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("inner_steps = 0", "inner_steps must be a positive integer"),
         ("n_embd = 30\nn_head = 4", "divisible"),
         ('codec = "zip"', "codec"),
+        ("data_shards = 0", r"data_shards must be an integer in \[1, 64\], got 0"),
+        ("data_shards = 65", r"data_shards must be an integer in \[1, 64\], got 65"),
+        ("data_shards = 4.0", r"data_shards must be an integer in \[1, 64\], got 4.0"),
         ("this is not toml", "not valid TOML"),
         ('algo = "demo"', "algo must be one of diloco, streaming-diloco"),
         (
