@@ -10,6 +10,10 @@ host cut off for three rounds came back one round ahead of the other three, igno
 states because they were "older", and averaged alone for minutes; had it been one round further
 ahead, the other three would have thrown their averaged state away for its lone one.
 
+"Round" here is the state's age as adverts carry it (`Optimizer.age`): the round counter, or in
+streaming DiLoCo the turn, which a deferred fragment round moves even though no round counter
+does.
+
 So each peer remembers the last round at which its state was shared with others (an outer step
 averaged in a group, or a state downloaded from donors), and:
 

@@ -45,7 +45,7 @@ from swarmd.node.statesync import StateSyncError, download_state
 from swarmd.node.statesync_donor import StateAdvert, StateDonor, advert_key, choose_donors
 from swarmd.node.statesync_snapshot import StateSnapshot
 from swarmd.optim.diloco import DiLoCo
-from swarmd.optim.streaming import FragmentRound, StreamingDiLoCo
+from swarmd.optim.streaming import FragmentRound, StreamingDiLoCo, state_age
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
@@ -76,6 +76,10 @@ LIVE_PEERS_MAX_AGE_S = 10.0
 #: First DHT poll of an overlapped fragment round's matchmaking: training goes on meanwhile,
 #: so a later group costs nothing, and fewer reads keep the round's bytes down.
 OVERLAPPED_POLL_S = 0.5
+#: How long a peer whose last round was its own waits for the other live peers' adverts of
+#: that round before it decides whose state to follow (see _catch_up), and how often it looks.
+LONE_WAIT_S = 10.0
+LONE_POLL_S = 0.2
 
 
 class JoinError(Exception):
@@ -258,8 +262,9 @@ class Peer:
     stop_requested = False
     #: Hash of the global state this peer last published (None before its first round).
     last_hash: bytes | None = None
-    #: The last round at which this peer's state was also others' (averaged in a group, or
-    #: downloaded); rounds after it were made alone and do not compare with the group's.
+    #: The state's age (`Optimizer.age`: the round; the turn in streaming DiLoCo) when this
+    #: peer's state was last also others' (averaged in a group, or downloaded); what it did
+    #: after that it did alone and does not compare with the group's.
     shared_round = 0
     #: Seconds the trainer waited for the network (matchmaking, all-reduce, state sync): with
     #: the run's wall time it gives compute utilisation, 1 - wait / wall.
@@ -389,7 +394,7 @@ class Peer:
             log.warning("donors' state belongs to another config; ignoring it")
             return False
         await trio.to_thread.run_sync(diloco.load_state_dict, snap.to_state_dict())
-        self.shared_round = diloco.round
+        self.shared_round = diloco.age
         self.out.event(
             "state_synced",
             f"downloaded the group's state (round {snap.round}) from {len(donors)} donor(s)",
@@ -402,7 +407,7 @@ class Peer:
         it came from and the inner step to resume the data order at."""
         adverts = await self._adverts(config)
         saved = load_saved(self.opts.state_dir / STATE_FILE, config.hash)
-        saved_round = int(saved["global"]["round"]) if saved else -1
+        saved_round = state_age(saved["global"]) if saved else -1
         if saved is None and adverts and max(a.round for a in adverts) == 0:
             # Round 0 is the seeded init, which this peer builds itself bit for bit: a run's
             # first peers would otherwise each download the whole state (parameters and
@@ -430,17 +435,44 @@ class Peer:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
         it takes the group's instead of drifting apart forever."""
         adverts = await self._adverts(config)
-        want = state_to_take(adverts, diloco.round, my_hash, self.shared_round)
+        if diloco.age > self.shared_round:
+            adverts = await self._await_adverts_of(config, diloco.age, adverts)
+        want = state_to_take(adverts, diloco.age, my_hash, self.shared_round)
         if want is None:
             return False
         return await self._sync_from_group(
             config, diloco, [a for a in adverts if a.state_hash == want]
         )
 
+    async def _await_adverts_of(
+        self, config: RunConfig, age: int, adverts: list[StateAdvert]
+    ) -> list[StateAdvert]:
+        """Waits (at most LONE_WAIT_S) until every other live peer advertises a state of `age`
+        or newer; returns the adverts then.
+
+        A peer whose last round was its own (it came late to a round the others had already
+        formed) holds a state of the same age as the group's but its own: in streaming DiLoCo
+        a deferred fragment round moves the turn. The others publish their state of that age
+        only when their round ends, which with overlap and eager updates is after this peer
+        begins its next round. Deciding on the adverts of that moment, it kept its own state
+        and matchmade alone under a key nobody else would use, while the others waited for it
+        (it is live) until their gather deadline: 10 s stalls, twice, seen in CI. Once their
+        adverts are in it takes the group's state and meets the group's next round under the
+        group's key. If the whole group failed the round, their adverts show this peer's very
+        state and it keeps it."""
+        deadline = trio.current_time() + LONE_WAIT_S
+        while trio.current_time() < deadline:
+            others = await self._live_peers(config) - 1
+            if sum(a.round >= age for a in adverts) >= others:
+                break
+            await trio.sleep(LONE_POLL_S)
+            adverts = await self._adverts(config)
+        return adverts
+
     async def _train(self, config: RunConfig, nursery: trio.Nursery) -> None:
         diloco, source = await trio.to_thread.run_sync(self._build, config)
         origin, step = await self._initial_state(config, diloco)
-        self.shared_round = diloco.round
+        self.shared_round = diloco.age
         shard = self.opts.data_shard
         if shard is None:
             shard = shard_for_peer(self.identity.peer_id.raw, config.data_shards)
@@ -689,7 +721,7 @@ class Peer:
         t0 = time.monotonic()
         report = await trio.to_thread.run_sync(opt.finish_round, flight.result)
         if report.status == "averaged" and flight.group_size - flight.dropped > 1:
-            self.shared_round = opt.round  # not if the all-reduce dropped everyone else
+            self.shared_round = opt.age  # not if the all-reduce dropped everyone else
         snap = await self._publish(config, opt, step)
         # Validate once per H steps (after the last fragment's turn), as plain DiLoCo does.
         val = (
@@ -822,7 +854,7 @@ class Peer:
         self.wait_s += waited
         report = await trio.to_thread.run_sync(diloco.apply_outer, pg, result)
         if report.status == "averaged" and size - dropped > 1:  # not if it dropped everyone
-            self.shared_round = diloco.round
+            self.shared_round = diloco.age
         snap = await self._publish(config, diloco, step)
         val = await trio.to_thread.run_sync(self._validate, diloco, source, config)
         self.stats.update(round=diloco.round, peers=size, last_outer=report.status)
@@ -853,7 +885,7 @@ class Peer:
     @staticmethod
     def _snapshot(config: RunConfig, diloco: Optimizer) -> StateSnapshot:
         return StateSnapshot.build(
-            diloco.state_dict(), round=diloco.round, meta={"config": config.hash}
+            diloco.state_dict(), round=diloco.age, meta={"config": config.hash}
         )
 
     async def _publish(self, config: RunConfig, diloco: Optimizer, step: int) -> StateSnapshot:

@@ -333,6 +333,13 @@ class DiLoCo:
 
     # -- inner loop -------------------------------------------------------------------------
 
+    @property
+    def age(self) -> int:
+        """How far along the run this global state is, to compare it with other peers'
+        (catch-up, donor choice): the round counter. A deferred round leaves the state, and
+        so its hash, unchanged."""
+        return self.round
+
     def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One AdamW step on the local parameters; returns the batch loss."""
         loss, samples = train_step(

@@ -141,6 +141,11 @@ class StreamingConfig:
         return self.diloco.inner_steps // self.fragments
 
 
+def state_age(state: Mapping[str, torch.Tensor]) -> int:
+    """The `age` of a global state dict of either algorithm: its turn, else its round."""
+    return int(state[TURN_KEY] if TURN_KEY in state else state[ROUND_KEY])
+
+
 def layer_units(names: Sequence[str]) -> list[tuple[str, list[int]]]:
     """Parameter indices grouped into layers, in model order: a name up to its first numeric
     component (`blocks.3.attn.qkv.weight` -> `blocks.3`); parameters outside numbered layers
@@ -346,6 +351,15 @@ class StreamingDiLoCo:
     def round(self) -> int:
         """Outer steps applied, over all fragments: the global state's age."""
         return sum(f.round for f in self._fragments)
+
+    @property
+    def age(self) -> int:
+        """How far along the run this global state is, to compare it with other peers'
+        (catch-up, donor choice): the turn, not the round. A fragment round deferred alone
+        moves the turn, which is part of the state and its hash, but not the round; by rounds,
+        such a peer would see the group's adverts of the turn before (not yet replaced) as the
+        same age and a majority, take them, and so step back a turn, again and again."""
+        return self.turn
 
     def fragment_round(self, fragment: int) -> int:
         return self._fragments[fragment].round

@@ -18,6 +18,9 @@ import torch
 import trio
 import trio.testing
 
+from swarmd.node.catchup import state_to_take
+from swarmd.node.statesync_donor import StateAdvert
+from swarmd.node.statesync_snapshot import StateSnapshot
 from swarmd.optim import (
     DiLoCo,
     DiLoCoConfig,
@@ -26,7 +29,7 @@ from swarmd.optim import (
     StreamingConfig,
     StreamingDiLoCo,
 )
-from swarmd.optim.streaming import layer_units, split_fragments
+from swarmd.optim.streaming import layer_units, split_fragments, state_age
 from swarmd.workloads import GPT, GPTConfig, builtin_corpus, evaluate
 from tests.helpers import random_batches
 
@@ -374,6 +377,44 @@ def test_a_dead_peer_does_not_stall_the_others() -> None:
         assert [r.turn for r in trace.reports] == list(range(1, 7))
     _assert_same_state(peers[0].state_dict(), peers[1].state_dict())
     assert int(peers[2].state_dict()["turn"]) == 1
+
+
+def _advert(opt: StreamingDiLoCo, port: int) -> StateAdvert:
+    """What the daemon advertises for `opt`'s global state (`round` is the state's age)."""
+    snap = StateSnapshot.build(opt.state_dict(), round=opt.age)
+    assert state_age(opt.state_dict()) == opt.age
+    return StateAdvert.of(snap, f"10.77.0.{port}:7000")
+
+
+def test_a_peer_that_deferred_a_turn_alone_does_not_step_back_to_the_turn_before() -> None:
+    """Seen in CI: peers 0 and 1 averaged turn 1 while peer 2, late, found no group and
+    deferred it. The turn is in the state (and its hash) but the round is not; compared by
+    round, peer 2's catch-up took the group's not yet replaced adverts of turn 0 (same round, two
+    holders), stepped back a turn, deferred turn 1 alone again, and so on for the whole run.
+    Compared by age (the turn) those adverts are its past; the group's turn-1 state is taken."""
+    h, p = 4, 2
+    peers = [StreamingDiLoCo(GPT(TINY, seed=0), _config(h, p)) for _ in range(3)]
+    before = [_advert(peers[0], 1), _advert(peers[1], 2)]
+    rounds = []
+    for i, opt in enumerate(peers):
+        for batch in _batches(h // p, seed=70 + i):
+            opt.inner_step(batch)
+        assert opt.round_due()
+        rounds.append(opt.begin_round())
+    mean = (rounds[0].pseudo_grad + rounds[1].pseudo_grad) / 2
+    assert [peers[0].finish_round(mean.clone()).status, peers[1].finish_round(mean.clone()).status,
+            peers[2].finish_round(None).status] == ["averaged", "averaged", "deferred"]  # fmt: skip
+    lone = peers[2]
+    assert (lone.round, lone.age) == (0, 1)
+    mine = StateSnapshot.build(lone.state_dict(), round=lone.age).state_hash
+    assert mine not in {a.state_hash for a in before}  # the turn moved: another state
+    assert state_to_take(before, lone.age, mine, shared_round=0) is None
+    after = [_advert(peers[0], 1), _advert(peers[1], 2)]
+    assert after[0].state_hash == after[1].state_hash
+    assert state_to_take(after, lone.age, mine, shared_round=0) == after[0].state_hash
+    # And the group's peers keep their state against the lone one's advert.
+    theirs = after[0].state_hash
+    assert state_to_take([after[1], _advert(lone, 3)], 1, theirs, shared_round=1) is None
 
 
 @pytest.mark.parametrize("layout", ["strided", "balanced"])
