@@ -23,7 +23,8 @@ flight. With P = 1, τ = 0, α = 0 this is exactly DiLoCo.
 Each fragment has its own outer momentum and round counter. The global state (what a joiner
 downloads) is every parameter's global copy and momentum under the same names DiLoCo uses, plus
 `turn` (where the schedule is; the fragment due next is `turn mod P`), `fragment_round.<f>` and
-`round` (their sum, the state's age for donor choice).
+`round` (their sum). The state's age, which catch-up and donor choice compare, is the turn
+(`age`): a deferred round moves the turn but no round counter.
 
 Failures: a fragment's round that fails follows DiLoCo's `on_failure` policy for that fragment
 only; the schedule moves on to the next fragment either way, so one failed round never blocks
@@ -349,7 +350,7 @@ class StreamingDiLoCo:
 
     @property
     def round(self) -> int:
-        """Outer steps applied, over all fragments: the global state's age."""
+        """Outer steps applied, over all fragments (the state's age is `age`, the turn)."""
         return sum(f.round for f in self._fragments)
 
     @property
