@@ -281,3 +281,37 @@ def test_a_peer_still_gathering_goes_at_once_when_a_leader_commits_to_it() -> No
             assert took["follower"] < 4.0, took
 
     trio.run(main)
+
+
+def test_news_stored_on_a_waiting_peers_own_node_ends_its_wait_before_the_next_poll() -> None:
+    """In a network smaller than k every node holds every record, so the last announcement
+    and the leader's group record land on the waiting peers' own nodes: they must act on them
+    then, not at their next poll (a poll later was about a second of every streaming round)."""
+
+    async def main() -> None:
+        async with swarm(4) as peers:
+            key = round_key("run", 12)
+            slow_polls = MatchmakingConfig(
+                target_group_size=4, min_group_size=2, gather_s=10.0, commit_wait_s=10.0,
+                poll_s=4.0, poll_growth=1.0, max_poll_s=4.0,
+            )  # fmt: skip
+            groups: list[Group | None] = [None] * 4
+            done: list[float] = [0.0] * 4
+
+            async def form(i: int, delay: float) -> None:
+                await trio.sleep(delay)
+                groups[i] = await form_group(peers[i].dht, key, peers[i].member, slow_polls)  # type: ignore[arg-type]
+                done[i] = trio.current_time()
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(form, i, 0.0)
+                nursery.start_soon(form, 3, 0.5)
+                last_arrival = trio.current_time() + 0.5
+            assert all(g is not None and len(g.members) == 4 for g in groups), groups
+            assert len({g.round_id for g in groups if g is not None}) == 1
+            # By polls alone the leader would see the last peer at 4 s and its followers the
+            # group at their next poll after that: about 4-8 s after the last arrival.
+            assert max(done) - last_arrival < 2.0, [t - last_arrival for t in done]
+
+    trio.run(main)

@@ -29,7 +29,7 @@ def test_reads_end_exactly_at_the_deadline() -> None:
         while True:
             reads.append(round(trio.current_time() - start, 6))
             light.append(waits.light)
-            if not await waits.sleep():
+            if not await waits.sleep(trio.Event()):  # nothing ever lands here
                 break
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -41,6 +41,31 @@ def test_reads_end_exactly_at_the_deadline() -> None:
     gaps = [b - a for a, b in itertools.pairwise(reads)]
     assert max(gaps) <= cfg.max_poll_s + 1e-9
     assert len(reads) < 3.0 / cfg.poll_s / 2  # far fewer reads than steady 0.1 s polling
+
+
+def test_a_record_landing_here_ends_the_sleep_and_the_next_read_is_local() -> None:
+    cfg = MatchmakingConfig(gather_s=10.0, poll_s=2.0, poll_growth=1.0, max_poll_s=2.0)
+    reads: list[tuple[float, bool, bool]] = []
+
+    async def main() -> None:
+        start = trio.current_time()
+        waits = _Waits(cfg, cfg.gather_s)
+        stored = trio.Event()
+
+        async def lands() -> None:
+            await trio.sleep(0.3)
+            stored.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lands)
+            for _ in range(3):
+                reads.append((round(trio.current_time() - start, 6), waits.woken, waits.light))
+                await waits.sleep(stored)
+                stored = trio.Event() if stored.is_set() else stored
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # Woken at 0.3 s (not at the 2 s poll) and that read is local; the next sleep is a poll.
+    assert reads == [(0.0, False, False), (0.3, True, True), (2.3, False, True)]
 
 
 @pytest.mark.parametrize(

@@ -412,6 +412,7 @@ class DHTNode:
         *,
         exhaustive: bool = False,
         light: bool = False,
+        local: bool = False,
         known: Sequence[bytes] = (),
     ) -> list[Record]:
         """Every valid record found under ``key`` (this node's and the closest nodes'), less
@@ -419,16 +420,21 @@ class DHTNode:
 
         ``light=True`` asks one node at a time and stops at the first that holds records:
         for a poll that will be repeated anyway, not for a read whose answer must be complete.
+        ``local=True`` asks nobody: this node's own records only (after Storage.next_store
+        said one arrived).
         """
         raw = _bytes(key)
-        local = self.storage.get(raw)
+        held = self.storage.get(raw)
+        if local:
+            skip = set(known)
+            return [r for r in held if fingerprint(r) not in skip]
         if exhaustive:
             result = await self._lookup(key_id(raw), raw, None, known=known)
         elif light:
             result = await self._lookup(key_id(raw), raw, 1, alpha=1, known=known)
         else:
             result = await self._lookup(key_id(raw), raw, self.config.get_quorum, known=known)
-        return local + result.records
+        return held + result.records
 
     def reader(self, key: str | bytes) -> KeyReader:
         """Repeated reads of ``key`` that transfer only records not read before."""
@@ -584,18 +590,24 @@ class KeyReader:
         self._key = _bytes(key)
         self._held: dict[bytes, Record] = {}
 
-    async def records(self, *, light: bool = False) -> list[Record]:
-        """Every live record read so far or now (``light``: see DHTNode.get_records)."""
+    async def records(self, *, light: bool = False, local: bool = False) -> list[Record]:
+        """Every live record read so far or now (``light``: see DHTNode.get_records;
+        ``local``: only what this node holds, no network)."""
         now_ms = int(self._node.now() * 1000)
         self._held = {f: r for f, r in self._held.items() if r.expires_ms > now_ms}
         known = list(self._held)[-MAX_KNOWN:]
-        for record in await self._node.get_records(self._key, light=light, known=known):
+        found = await self._node.get_records(self._key, light=light, local=local, known=known)
+        for record in found:
             self._held[fingerprint(record)] = record
         return list(self._held.values())
 
-    async def get_map(self, *, light: bool = False) -> dict[str, Value]:
-        found = merge(await self.records(light=light), self._node.now())
+    async def get_map(self, *, light: bool = False, local: bool = False) -> dict[str, Value]:
+        found = merge(await self.records(light=light, local=local), self._node.now())
         return found if isinstance(found, dict) else {}
 
-    async def peers(self, *, light: bool = False) -> dict[PeerId, Value]:
-        return announced_peers(await self.get_map(light=light))
+    async def peers(self, *, light: bool = False, local: bool = False) -> dict[PeerId, Value]:
+        return announced_peers(await self.get_map(light=light, local=local))
+
+    def next_store(self) -> trio.Event:
+        """Set when this node next stores a record under the key (Storage.next_store)."""
+        return self._node.storage.next_store(self._key)

@@ -18,8 +18,11 @@ from __future__ import annotations
 import enum
 import heapq
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import trio
 
 from swarmd.node.dht.records import Record, RecordError, RecordLimits, Verifier, check_shape
 
@@ -72,6 +75,25 @@ class Storage:
         # (expires_ms, key, has_subkey, subkey) of every stored record, so that tuples always
         # compare; entries whose slot has changed since are skipped when popped.
         self._expiries: list[tuple[int, bytes, bool, bytes]] = []
+        # One event per key that somebody waits on; weak, so a key nobody watches any more
+        # (a matchmaking round that ended) leaves nothing behind.
+        self._watched: weakref.WeakValueDictionary[bytes, trio.Event] = (
+            weakref.WeakValueDictionary()
+        )
+
+    def next_store(self, key: bytes) -> trio.Event:
+        """An event set when this node next stores a record under ``key``.
+
+        A waiter takes it *before* it reads the key, so a record that lands during the read
+        still wakes it. Matchmaking sleeps on it between its DHT polls: in a network smaller
+        than k every node holds every record, so the announcement that fills a group, or the
+        leader's commitment, is pushed to the waiting peers' own nodes by the store itself,
+        and they see it at once instead of at their next poll.
+        """
+        event = self._watched.get(key)
+        if event is None:
+            event = self._watched[key] = trio.Event()
+        return event
 
     def __len__(self) -> int:
         return self._total.count
@@ -110,6 +132,9 @@ class Storage:
         self._account(record, +1)
         entry = (record.expires_ms, record.key, record.subkey is not None, record.subkey or b"")
         heapq.heappush(self._expiries, entry)
+        event = self._watched.pop(record.key, None)
+        if event is not None:
+            event.set()
         return Outcome.STORED
 
     def _check_quota(self, record: Record, old: Record | None) -> None:
