@@ -118,3 +118,27 @@ def test_forged_records_are_refused_before_anything_is_stored(clock: FakeClock) 
 def test_limits_are_validated() -> None:
     with pytest.raises(ValueError, match="max_records_per_owner"):
         StorageLimits(max_records_per_owner=0)
+
+
+def test_next_store_is_set_by_a_new_record_under_its_key_only(clock: FakeClock) -> None:
+    store = Storage(clock=clock)
+    me = Identity.generate()
+    first = sign_record(me, b"mm/1", b"a", clock.now + 10, b"s")
+    store.put(first)
+    event = store.next_store(b"mm/1")
+    assert store.next_store(b"mm/1") is event  # one per key, shared by its waiters
+    store.put(sign_record(me, b"mm/2", b"a", clock.now + 10, b"s"))  # another key
+    assert store.put(first) is Outcome.SUPERSEDED  # nothing new
+    with pytest.raises(RecordError):
+        store.put(sign_record(Identity.generate(), b"mm/1", b"x", clock.now + 10, b"s"))
+    assert not event.is_set()
+    store.put(sign_record(me, b"mm/1", b"b", clock.now + 20, b"s"))
+    assert event.is_set()
+    assert store.next_store(b"mm/1") is not event  # the next wait needs a new record
+
+
+def test_a_key_nobody_waits_on_any_more_leaves_no_event_behind(clock: FakeClock) -> None:
+    store = Storage(clock=clock)
+    for i in range(100):
+        store.next_store(b"round/%d" % i)  # taken and dropped, as by a round that ended
+    assert len(store._watched) == 0
