@@ -75,6 +75,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW lr (baseline and inner)")
+    p.add_argument(
+        "--lr-schedule", default="constant", choices=["constant", "cosine"],
+        help="inner lr (and the baseline's): constant, or cosine down to 10%% at --steps",
+    )  # fmt: skip
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up steps")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--eval-batches", type=int, default=32)
@@ -179,7 +184,8 @@ def run_ddp(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
                 "--n-layer", str(a.n_layer), "--n-head", str(a.n_head),
                 "--n-embd", str(a.n_embd), "--seed", str(a.seed),
                 "--eval-batches", str(a.eval_batches), "--shard", str(a.shard_list[i]),
-                "--data-shards", str(a.data_shards),
+                "--data-shards", str(a.data_shards), "--lr-schedule", a.lr_schedule,
+                "--warmup-steps", str(a.warmup_steps), "--decay-steps", str(a.steps),
             ]  # fmt: skip
             workers.append(Child.spawn(f"ddp{i}", argv, root))
         started += workers
@@ -231,6 +237,9 @@ inner_steps = {inner_steps}
 inner_lr = {lr}
 outer_lr = {outer_lr}
 outer_momentum = {outer_momentum}
+lr_schedule = "{lr_schedule}"
+lr_warmup_steps = {warmup_steps}
+lr_decay_steps = {steps}
 codec = "{codec}"
 int8_block_size = {int8_block_size}
 zstd = {zstd_toml}
@@ -338,7 +347,8 @@ def main() -> None:
     print(
         f"convergence: built-in GPT {params / 1e6:.2f}M params on the built-in corpus; "
         f"{a.peers} peers x {a.steps} steps x {a.batch_size} x {a.block_size} = {tokens:,} "
-        f"tokens per method; lr {a.lr}; DiLoCo H={a.inner_steps}, {a.codec}"
+        f"tokens per method; lr {a.lr} {a.lr_schedule} (warm-up {a.warmup_steps}); "
+        f"DiLoCo H={a.inner_steps}, {a.codec}"
         f"{f' block {a.int8_block_size}' if a.codec == 'int8' else ''}"
         f"{' + zstd' if a.zstd else ''}, outer lr "
         f"{a.outer_lr} momentum {a.outer_momentum}; streaming P={a.fragments} "

@@ -34,6 +34,7 @@ from swarmd.node.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.metrics import Metrics
 from swarmd.node.reduction import ReductionConfig
 from swarmd.optim import DiLoCoConfig
+from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
 from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
@@ -60,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--data-shards", type=int, default=NUM_SHARDS, help="shards the training split is cut into"
     )
+    p.add_argument("--lr-schedule", default="constant", choices=SCHEDULES)
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--decay-steps", type=int, default=0, help="cosine: steps to the lowest lr")
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--save", type=Path, help="write the final parameters here (torch.save)")
     return p.parse_args()
@@ -84,6 +88,8 @@ class Trainer:
             weight_decay=cfg.inner_weight_decay,
         )  # fmt: skip
         self.source = load_source("builtin")
+        # The schedule DiLoCo's inner optimiser follows (over its run's steps: these).
+        self.schedule = LrSchedule(args.lr_schedule, args.warmup_steps, args.decay_steps)
 
     def gradient(self, step: int) -> tuple[torch.Tensor, float]:
         a = self.args
@@ -98,7 +104,7 @@ class Trainer:
         flat = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
         return flat, float(loss.detach())
 
-    def apply(self, mean: torch.Tensor) -> None:
+    def apply(self, mean: torch.Tensor, step: int) -> None:
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -107,6 +113,7 @@ class Trainer:
             offset += n
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.schedule.apply(self.opt, self.args.lr, step)
         self.opt.step()
 
     def validate(self) -> float:
@@ -178,7 +185,7 @@ async def main(args: argparse.Namespace, state_dir: Path) -> None:
                 )  # fmt: skip
                 if result.dropped or result.failed_parts:
                     raise SystemExit(f"ddp worker: step {step} lost peers; the baseline is void")
-                await trio.to_thread.run_sync(trainer.apply, result.tensor)
+                await trio.to_thread.run_sync(trainer.apply, result.tensor, step)
                 if (step + 1) % 50 == 0:
                     emit(
                         "progress", step=step + 1, loss=loss, sent_bytes=metrics.sent_total,

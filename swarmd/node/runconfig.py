@@ -19,6 +19,7 @@ from typing import Any
 
 import swarmd
 from swarmd.optim.diloco import DiLoCoConfig
+from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.optim.streaming import LAYOUTS, StreamingConfig
 
 #: The training algorithms a run may use.
@@ -55,6 +56,14 @@ class RunConfig:
     inner_lr: float = 1e-3
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    #: The inner learning rate over the run's inner steps: `constant`, or `cosine` (from
+    #: inner_lr down to lr_final_ratio·inner_lr at lr_decay_steps, then held); both warm up
+    #: linearly over lr_warmup_steps. Steps are the run's (round × H), not a peer's own, so
+    #: a late joiner takes the schedule up where the group is.
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_final_ratio: float = 0.1
     #: How pseudo-gradients travel: int8 (with error feedback), fp16 or fp32.
     codec: str = "int8"
     #: int8: values per fp32 scale; `zstd`: a lossless zstd frame around each int8/fp16 part.
@@ -108,6 +117,10 @@ class RunConfig:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
         if not (0 < self.inner_lr < 1 and 0 < self.outer_lr <= 10 and 0 <= self.outer_momentum < 1):
             raise RunConfigError("learning rates or momentum out of range")
+        try:
+            self.lr_schedule_config()
+        except ValueError as exc:
+            raise RunConfigError(f"lr_schedule options: {exc}") from None
         if self.algo not in ALGORITHMS:
             raise RunConfigError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
         if self.algo == "streaming-diloco":
@@ -116,11 +129,26 @@ class RunConfig:
             except ValueError as exc:
                 raise RunConfigError(f"streaming-diloco: {exc}") from None
 
+    def lr_schedule_config(self) -> LrSchedule:
+        """The inner learning-rate schedule (raises ValueError with the reason if invalid)."""
+        kind = next((k for k in SCHEDULES if k == self.lr_schedule), None)
+        if kind is None:
+            raise ValueError(
+                f"lr_schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}"
+            )
+        return LrSchedule(
+            kind,
+            warmup_steps=self.lr_warmup_steps,
+            decay_steps=self.lr_decay_steps,
+            final_ratio=self.lr_final_ratio,
+        )
+
     def diloco_config(self) -> DiLoCoConfig:
         """The optimiser settings every peer of the run uses."""
         return DiLoCoConfig(
             inner_steps=self.inner_steps,
             inner_lr=self.inner_lr,
+            lr_schedule=self.lr_schedule_config(),
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
             # Streaming: a fragment round that failed leaves that fragment's global copy as it

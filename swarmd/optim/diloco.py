@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -49,6 +49,7 @@ from torch import nn
 
 from swarmd.optim.flat import flatten, unflatten_into, views
 from swarmd.optim.outer import Averaged, AverageFn, FlatOuter, OuterStatus, read_average
+from swarmd.optim.schedule import LrSchedule
 
 __all__ = [
     "AverageFn",
@@ -98,6 +99,8 @@ class DiLoCoConfig:
     #: The inner optimiser: AdamW as in the paper, or plain SGD (betas/eps unused), which makes
     #: DiLoCo with H=1, outer lr 1 and no momentum exactly data-parallel SGD.
     inner_optimizer: Literal["adamw", "sgd"] = "adamw"
+    #: The inner learning rate over the run's inner steps (`progress`), times `inner_lr`.
+    lr_schedule: LrSchedule = field(default_factory=LrSchedule)
 
     def __post_init__(self) -> None:
         h = self.inner_steps
@@ -340,8 +343,15 @@ class DiLoCo:
         so its hash, unchanged."""
         return self.round
 
+    @property
+    def progress(self) -> int:
+        """The run's inner steps so far as this peer sees them (the learning-rate schedule's
+        clock): H per round of the global state, plus this peer's steps since."""
+        return self.round * self.config.inner_steps + self.steps_since_sync
+
     def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One AdamW step on the local parameters; returns the batch loss."""
+        self.config.lr_schedule.apply(self.inner_optimizer, self.config.inner_lr, self.progress)
         loss, samples = train_step(
             self.model, self._params, self.inner_optimizer, self.config.grad_clip, batch
         )

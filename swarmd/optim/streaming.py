@@ -371,8 +371,16 @@ class StreamingDiLoCo:
 
     # -- inner loop -------------------------------------------------------------------------
 
+    @property
+    def progress(self) -> int:
+        """The run's inner steps so far as this peer sees them (the learning-rate schedule's
+        clock): H/P per turn of the global state, plus this peer's steps in this turn."""
+        return self.turn * self.config.stride + self.steps_in_turn
+
     def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One inner step on the local parameters (all fragments); returns the batch loss."""
+        dcfg = self.config.diloco
+        dcfg.lr_schedule.apply(self.inner_optimizer, dcfg.inner_lr, self.progress)
         loss, samples = train_step(
             self.model, self._params, self.inner_optimizer, self.config.diloco.grad_clip, batch
         )

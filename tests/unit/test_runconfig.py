@@ -53,6 +53,13 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ('algo = "streaming-diloco"\nmix_alpha = 1.5', r"α=1.5 must be in \[0, 1\]"),
         ('algo = "streaming-diloco"\nfragment_layout = "random"', "fragment_layout must be"),
         ('algo = "streaming-diloco"\neager = 1', "eager must be a bool"),
+        ('lr_schedule = "linear"', "lr_schedule must be one of constant, cosine"),
+        (
+            'lr_schedule = "cosine"\nlr_warmup_steps = 100\nlr_decay_steps = 100',
+            "lr_schedule options: a cosine schedule needs decay_steps > warmup_steps",
+        ),
+        ("lr_warmup_steps = -1", "warmup_steps must be an integer >= 0"),
+        ("lr_final_ratio = 2.0", r"final_ratio must be in \[0, 1\]"),
     ],
 )
 def test_bad_run_files(tmp_path: Path, text: str, message: str) -> None:
