@@ -81,7 +81,12 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up steps")
     p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--outer-momentum", type=float, default=0.5,
+        help="outer Nesterov momentum (the daemon's default is the paper's 0.9; with the 10 "
+        "outer steps of 1000 steps at H=100, 0.9 overshoots: DiLoCo's validation loss was "
+        "10.3%% above DDP's at 0.9, 4.1%% at 0.7, 1.95%% at 0.5, 3.4%% at 0.3, seed 0)",
+    )  # fmt: skip
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fragments", "-P", type=int, default=4, help="streaming: fragments")
