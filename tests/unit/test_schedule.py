@@ -3,6 +3,7 @@ global state's age), not on a peer's own step count."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -25,7 +26,7 @@ def test_warmup_then_cosine_down_to_the_final_ratio_and_held() -> None:
     assert s.factor(110) == pytest.approx(0.1)
     assert s.factor(10_000) == pytest.approx(0.1)
     factors = [s.factor(i) for i in range(10, 111)]
-    assert all(a >= b for a, b in zip(factors, factors[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(factors))
 
 
 def test_constant_warms_up_and_then_stays() -> None:
