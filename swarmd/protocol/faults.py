@@ -248,6 +248,14 @@ class FaultInjector:
             if delay > 0:
                 time.sleep(delay)
 
+    async def pace_async(self, nbytes: int) -> None:
+        """``pace`` for a sender in the trio thread (the bulk data plane): sleeps, not blocks."""
+        bw = self.plan().bandwidth_bytes_s
+        if bw is not None:
+            delay = self._reserve(nbytes, bw)
+            if delay > 0:
+                await trio.sleep(delay)
+
     def _reserve(self, nbytes: int, bytes_per_s: float) -> float:
         """Books ``nbytes`` on the shared uplink; returns how long the caller must wait."""
         with self._lock:

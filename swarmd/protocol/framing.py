@@ -127,6 +127,14 @@ def header_frame(meta: TensorMeta) -> bytes:
     return bytes([TAG_HEADER]) + meta.to_proto().SerializeToString()
 
 
+def parse_header_frame(frame: bytes | bytearray | memoryview, max_bytes: int) -> TensorMeta:
+    """The meta of a stream's first frame (see header_frame), checked against ``max_bytes``."""
+    view = memoryview(frame)
+    if len(view) == 0 or view[0] != TAG_HEADER:
+        raise FramingError("a tensor stream must start with its header frame")
+    return check_header(_parse_header(view[1:]), max_bytes)
+
+
 #: A payload in one piece, or in several (a codec header, then views of tensors' memory):
 #: sending the pieces saves the copy that joining them into one buffer would cost.
 Payload = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import enum
 import logging
 import math
 import time
@@ -28,23 +27,31 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import trio
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from swarmd.protocol import faults
+from swarmd.protocol import bulk, faults
+from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.address import Address, parse_address
-from swarmd.protocol.errors import AuthError, ProtocolError
+from swarmd.protocol.calls import CallContext as CallContext
+from swarmd.protocol.calls import NullObserver, to_rpc_error
+from swarmd.protocol.calls import RpcError as RpcError
+from swarmd.protocol.calls import RpcObserver as RpcObserver
+from swarmd.protocol.calls import StatusCode as StatusCode
+from swarmd.protocol.errors import FramingError, ProtocolError
 from swarmd.protocol.framing import (
     DEFAULT_CHUNK_BYTES,
     Payload,
     StreamAssembler,
     TensorMeta,
     assemble,
+    header_frame,
     iter_frames,
+    payload_segments,
 )
 from swarmd.protocol.identity import Identity, PeerId, ReplayGuard, SignedHeader
 
@@ -52,40 +59,6 @@ log = logging.getLogger("swarmd.rpc")
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
-
-
-class StatusCode(enum.Enum):
-    """gRPC status codes, re-exported so that nothing outside this module imports grpc."""
-
-    OK = "OK"
-    CANCELLED = "CANCELLED"
-    UNKNOWN = "UNKNOWN"
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    NOT_FOUND = "NOT_FOUND"
-    ALREADY_EXISTS = "ALREADY_EXISTS"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    ABORTED = "ABORTED"
-    OUT_OF_RANGE = "OUT_OF_RANGE"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
-    INTERNAL = "INTERNAL"
-    UNAVAILABLE = "UNAVAILABLE"
-    DATA_LOSS = "DATA_LOSS"
-    UNAUTHENTICATED = "UNAUTHENTICATED"
-
-
-class RpcError(Exception):
-    """A call failed with a status; raised by clients, and by handlers to choose the status."""
-
-    def __init__(self, code: StatusCode, details: str = "") -> None:
-        super().__init__(code, details)
-        self.code = code
-        self.details = details
-
-    def __str__(self) -> str:
-        return f"{self.code.name}: {self.details}" if self.details else self.code.name
 
 
 @dataclass(frozen=True)
@@ -107,6 +80,11 @@ class TransportConfig:
     require_auth: bool = True
     grace_s: float = 1.0
     max_channels: int = 512
+    #: Tensor streams over the bulk data plane (bulk.py: plain TCP, the same signed header)
+    #: where both ends have it; gRPC otherwise. A server with it listens on a second port.
+    bulk: bool = True
+    #: The bulk listener's port (0: one the OS picks; clients learn it over gRPC).
+    bulk_port: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -136,33 +114,6 @@ class TransportConfig:
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ]
-
-
-@dataclass(frozen=True)
-class CallContext:
-    """What a handler knows about the call it serves."""
-
-    method: str
-    #: The verified sender; None only on servers that do not require authentication.
-    peer_id: PeerId | None
-    #: The transport address as gRPC reports it (e.g. "ipv4:127.0.0.1:5555").
-    peer: str
-
-
-class RpcObserver(Protocol):
-    """Receives per-call figures; node/metrics.py implements it (protocol must not import node)."""
-
-    def on_served(self, method: str, code: str, duration_s: float) -> None: ...
-
-    def on_bytes(self, method: str, sent: int, received: int) -> None: ...
-
-
-class _NullObserver:
-    def on_served(self, method: str, code: str, duration_s: float) -> None:
-        pass
-
-    def on_bytes(self, method: str, sent: int, received: int) -> None:
-        pass
 
 
 UnaryHandler = Callable[[Any, CallContext], Awaitable[Message]]
@@ -197,6 +148,15 @@ class Service:
     methods: Sequence[Method]
 
 
+TRANSPORT_SERVICE = "swarmd.v1.Transport"
+#: How long a peer's bulk port (or its lack of one) is trusted before it is asked again.
+BULK_INFO_TTL_S = 600.0
+#: After a bulk listener could not be reached, calls to that peer use gRPC this long.
+BULK_RETRY_S = 60.0
+BULK_INFO_TIMEOUT_S = 5.0
+GET_BULK_INFO = f"/{TRANSPORT_SERVICE}/GetBulkInfo"
+
+
 def method_path(service: str, method: str) -> str:
     return f"/{service}/{method}"
 
@@ -210,18 +170,6 @@ def _parse(request_type: type[M], raw: bytes) -> M:
             StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}"
         ) from None
     return msg
-
-
-def _to_rpc_error(exc: BaseException) -> RpcError:
-    if isinstance(exc, RpcError):
-        return exc
-    if isinstance(exc, AuthError):
-        return RpcError(StatusCode.UNAUTHENTICATED, str(exc))
-    if isinstance(exc, ProtocolError):
-        return RpcError(StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, trio.TooSlowError):
-        return RpcError(StatusCode.DEADLINE_EXCEEDED, "handler timed out")
-    return RpcError(StatusCode.INTERNAL, f"{type(exc).__name__} in handler")
 
 
 class _CancelHandle:
@@ -254,7 +202,7 @@ class RpcServer:
     ) -> None:
         self._services = services
         self._cfg = config
-        self._observer: RpcObserver = observer or _NullObserver()
+        self._observer: RpcObserver = observer or NullObserver()
         #: Injected faults (SWARMD_FAULTS, chaos tests); None in normal operation.
         self._faults = faults.from_env()
         self._guard = guard or ReplayGuard(
@@ -266,6 +214,39 @@ class RpcServer:
         self._grpc: grpc.Server | None = None
         self._health = health.HealthServicer()
         self.address = Address("", 0)
+        self._bulk: bulk.BulkServer | None = None
+        if config.bulk:
+            paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
+            self._bulk = bulk.BulkServer(
+                tensor_in={p: m.handler for p, m in paths.items() if m.kind == "tensor_in"},
+                tensor_out={
+                    p: (m.request_type, m.handler)
+                    for p, m in paths.items()
+                    if m.kind == "tensor_out" and m.request_type is not None
+                },
+                authenticate=self._authenticate_bulk,
+                observer=self._observer,
+                faults=self._faults,
+                max_tensor_bytes=config.max_tensor_bytes,
+                max_concurrent=config.max_concurrent_rpcs,
+                default_deadline_s=config.default_deadline_s,
+            )
+        self._services = [*services, self._transport_service()]
+
+    @property
+    def bulk_port(self) -> int:
+        """The bulk data plane's port, 0 if this server has none."""
+        return self._bulk.port if self._bulk is not None else 0
+
+    def _transport_service(self) -> Service:
+        async def bulk_info(_: pb.BulkInfoRequest, ctx: CallContext) -> pb.BulkInfo:
+            return pb.BulkInfo(port=self.bulk_port)
+
+        return Service(TRANSPORT_SERVICE, [unary("GetBulkInfo", pb.BulkInfoRequest, bulk_info)])
+
+    async def _start_bulk(self, nursery: trio.Nursery, host: str) -> None:
+        if self._bulk is not None:
+            await self._bulk.start(nursery, host, self._cfg.bulk_port)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -317,6 +298,14 @@ class RpcServer:
         if self._cfg.require_auth or "swarmd-sig-bin" in metadata:
             peer_id = self._guard.verify(path, SignedHeader.from_metadata(metadata), body)
         return CallContext(method=path, peer_id=peer_id, peer=context.peer())
+
+    def _authenticate_bulk(
+        self, path: str, signed: SignedHeader, body: bytes, peer: str
+    ) -> CallContext:
+        """The bulk plane's requests pass the same checks as gRPC's (always signed there)."""
+        if self._faults is not None and (why := self._faults.incoming()):
+            raise RpcError(StatusCode.UNAVAILABLE, why)
+        return CallContext(method=path, peer_id=self._guard.verify(path, signed, body), peer=peer)
 
     def _run_in_trio(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], context: grpc.ServicerContext
@@ -373,7 +362,7 @@ class RpcServer:
             done.set_exception(RpcError(StatusCode.UNAVAILABLE, "server is shutting down"))
             raise
         except Exception as exc:
-            err = _to_rpc_error(exc)
+            err = to_rpc_error(exc)
             if err.code is StatusCode.INTERNAL:
                 log.exception("handler %s failed", getattr(fn, "__qualname__", fn))
             done.set_exception(err)
@@ -396,7 +385,7 @@ class RpcServer:
         if isinstance(exc, grpc.RpcError):
             err = RpcError(StatusCode.CANCELLED, "call ended by the client")
         else:
-            err = _to_rpc_error(exc)
+            err = to_rpc_error(exc)
         self._observer.on_served(path, err.code.name, time.perf_counter() - start)
         context.abort(grpc.StatusCode[err.code.name], err.details)
 
@@ -490,6 +479,7 @@ async def serve(
     """Serves ``services`` (plus grpc.health.v1) until the block exits; port 0 lets the OS pick."""
     server = RpcServer(services, config or TransportConfig(), observer, guard)
     async with trio.open_nursery() as nursery:
+        await server._start_bulk(nursery, host)
         server._start(nursery, host, port)
         try:
             yield server
@@ -541,10 +531,13 @@ class RpcClient:
     ) -> None:
         self._identity = identity
         self._cfg = config or TransportConfig()
-        self._observer: RpcObserver = observer or _NullObserver()
+        self._observer: RpcObserver = observer or NullObserver()
         self._limiter = trio.CapacityLimiter(self._cfg.max_inflight_calls)
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()
         self._faults = faults.from_env()
+        #: Per peer address: its bulk listener's port (None: it has none, or it could not be
+        #: reached) and until when that answer is trusted.
+        self._bulk_ports: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
 
     async def _inject(self, address: str, nbytes: int) -> None:
         """Applies injected faults (chaos tests) to an outgoing call: delay, or UNAVAILABLE."""
@@ -552,6 +545,76 @@ class RpcClient:
         why = await self._faults.outgoing(address, nbytes)
         if why:
             raise RpcError(StatusCode.UNAVAILABLE, why)
+
+    async def _bulk_target(self, address: str, timeout: float | None) -> tuple[str, int] | None:
+        """Where to reach ``address``'s bulk listener, or None to use gRPC for this call."""
+        if not self._cfg.bulk or self._identity is None:
+            return None
+        now = time.monotonic()
+        cached = self._bulk_ports.get(address)
+        if cached is not None and cached[1] > now:
+            port = cached[0]
+        else:
+            try:
+                info = await self.unary(
+                    address,
+                    GET_BULK_INFO,
+                    pb.BulkInfoRequest(),
+                    pb.BulkInfo,
+                    timeout=min(BULK_INFO_TIMEOUT_S, self._timeout(timeout)),
+                )
+            except RpcError as exc:
+                if exc.code is not StatusCode.UNIMPLEMENTED:
+                    return None  # the call itself will say what is wrong with the peer
+                info = pb.BulkInfo(port=0)  # a peer without the bulk plane
+            port = info.port or None
+            self._remember_bulk(address, port, BULK_INFO_TTL_S)
+        if port is None:
+            return None
+        return parse_address(address).host, port
+
+    def bulk_port(self, address: str) -> int | None:
+        """The bulk port this client uses for ``address`` now (None: gRPC, or not asked yet)."""
+        cached = self._bulk_ports.get(address)
+        return cached[0] if cached is not None and cached[1] > time.monotonic() else None
+
+    def _remember_bulk(self, address: str, port: int | None, ttl: float) -> None:
+        self._bulk_ports[address] = (port, time.monotonic() + ttl)
+        self._bulk_ports.move_to_end(address)
+        while len(self._bulk_ports) > self._cfg.max_channels:
+            self._bulk_ports.popitem(last=False)
+
+    async def _bulk_call(
+        self,
+        address: str,
+        target: tuple[str, int],
+        kind: int,
+        path: str,
+        first: bytes,
+        timeout: float | None,
+        exchange: Callable[[trio.SocketStream, bytes], Awaitable[T]],
+    ) -> T | None:
+        """One bulk call: connect, send the signed request, let ``exchange`` do the rest.
+        None if the listener cannot be reached (the caller then uses gRPC)."""
+        assert self._identity is not None
+        t = self._timeout(timeout)
+        try:
+            with trio.fail_after(t):
+                if self._faults is not None:
+                    await self._inject(address, len(first))
+                async with self._limiter:
+                    stream = await bulk.connect(*target)
+                    if stream is None:
+                        self._remember_bulk(address, None, BULK_RETRY_S)
+                        return None
+                    async with stream:
+                        now = self._faults.wall_clock() if self._faults is not None else None
+                        signed = self._identity.sign_request(path, first, now=now)
+                        left = trio.current_effective_deadline() - trio.current_time()
+                        request = bulk.encode_request(kind, path, signed, first, left)
+                        return await exchange(stream, request)
+        except trio.TooSlowError:
+            raise RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
@@ -618,6 +681,22 @@ class RpcClient:
         timeout: float | None = None,
     ) -> M:
         """Streams a tensor to ``path``; the server's handler gets it whole, already validated."""
+        target = await self._bulk_target(address, timeout)
+        if target is not None:
+            segments = payload_segments(payload)
+            if sum(v.nbytes for v in segments) != meta.nbytes:
+                raise FramingError(f"payload does not match its header's {meta.nbytes} B")
+
+            async def exchange(stream: trio.SocketStream, request: bytes) -> bytes:
+                data, sent, received = await bulk.put(stream, request, segments, self._faults)
+                self._observer.on_bytes(path, sent, received)
+                return data
+
+            answer = await self._bulk_call(
+                address, target, bulk.KIND_PUT, path, header_frame(meta), timeout, exchange
+            )
+            if answer is not None:
+                return _parse_response(response_type, answer, address)
         frames = iter_frames(meta, payload, self._cfg.chunk_bytes)
         first = next(frames)
 
@@ -651,6 +730,21 @@ class RpcClient:
         """Fetches a tensor stream; raises FramingError if the peer's stream is malformed."""
         body = request.SerializeToString()
         limit = self._cfg.max_tensor_bytes if max_bytes is None else max_bytes
+        target = await self._bulk_target(address, timeout)
+        if target is not None:
+
+            async def exchange(
+                stream: trio.SocketStream, raw_request: bytes
+            ) -> tuple[TensorMeta, bytearray]:
+                meta, data, received = await bulk.get(stream, raw_request, limit)
+                self._observer.on_bytes(path, len(raw_request), received)
+                return meta, data
+
+            got = await self._bulk_call(
+                address, target, bulk.KIND_GET, path, body, timeout, exchange
+            )
+            if got is not None:
+                return got
         if self._faults is not None:
             await self._inject(address, len(body))
         async with self._limiter:

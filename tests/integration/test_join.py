@@ -61,7 +61,10 @@ def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
 
 
 def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: Path) -> None:
-    (tmp_path / "run.toml").write_text(TINY_RUN)
+    # A group needs all three: with min_group_size = 2 the first two peers up can finish the
+    # whole run (6 rounds of this tiny model take ~1 s) before the third one has started
+    # training (seen in CI: it started 1.4 s after the others and then trained alone).
+    (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 3"))
     boot = start_bootstrap(processes, tmp_path)
     # All three start together (the others wait for the creator's config in the DHT), so no
     # peer is left to train alone while the others are still importing torch.

@@ -1,0 +1,88 @@
+"""What a call is, on either wire (gRPC in rpc.py, the bulk data plane in bulk.py): its
+status codes and error, what a handler knows of it, and who hears about its figures.
+
+Kept apart from rpc.py so that bulk.py shares these without importing grpc."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from swarmd.protocol.errors import AuthError, ProtocolError
+from swarmd.protocol.identity import PeerId
+
+
+class StatusCode(enum.Enum):
+    """gRPC status codes, re-exported so that nothing outside this module imports grpc."""
+
+    OK = "OK"
+    CANCELLED = "CANCELLED"
+    UNKNOWN = "UNKNOWN"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    ABORTED = "ABORTED"
+    OUT_OF_RANGE = "OUT_OF_RANGE"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+    UNAVAILABLE = "UNAVAILABLE"
+    DATA_LOSS = "DATA_LOSS"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+
+
+class RpcError(Exception):
+    """A call failed with a status; raised by clients, and by handlers to choose the status."""
+
+    def __init__(self, code: StatusCode, details: str = "") -> None:
+        super().__init__(code, details)
+        self.code = code
+        self.details = details
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.details}" if self.details else self.code.name
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a handler knows about the call it serves."""
+
+    method: str
+    #: The verified sender; None only on servers that do not require authentication.
+    peer_id: PeerId | None
+    #: The transport address as gRPC reports it (e.g. "ipv4:127.0.0.1:5555").
+    peer: str
+
+
+class RpcObserver(Protocol):
+    """Receives per-call figures; node/metrics.py implements it (protocol must not import node)."""
+
+    def on_served(self, method: str, code: str, duration_s: float) -> None: ...
+
+    def on_bytes(self, method: str, sent: int, received: int) -> None: ...
+
+
+class NullObserver:
+    def on_served(self, method: str, code: str, duration_s: float) -> None:
+        pass
+
+    def on_bytes(self, method: str, sent: int, received: int) -> None:
+        pass
+
+
+def to_rpc_error(exc: BaseException) -> RpcError:
+    if isinstance(exc, RpcError):
+        return exc
+    if isinstance(exc, AuthError):
+        return RpcError(StatusCode.UNAUTHENTICATED, str(exc))
+    if isinstance(exc, ProtocolError):
+        return RpcError(StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, trio.TooSlowError):
+        return RpcError(StatusCode.DEADLINE_EXCEEDED, "handler timed out")
+    return RpcError(StatusCode.INTERNAL, f"{type(exc).__name__} in handler")

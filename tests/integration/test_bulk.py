@@ -1,0 +1,191 @@
+"""The bulk data plane (swarmd/protocol/bulk.py) between real processes: tensors take it when
+both ends have it, it checks what gRPC checks, and clients fall back to gRPC without it."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import time
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from swarmd.node.peer import GET_TENSOR, PUT_TENSOR
+from swarmd.protocol import bulk, rpc
+from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol.framing import TensorMeta, header_frame
+from swarmd.protocol.identity import Identity
+from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
+from tests.helpers import ProcessGroup, rpc_server_cmd, swarmd_cmd
+
+SINK = "/swarmd.test.Test/Sink"
+
+
+def bulk_port_of(address: str) -> int:
+    async def ask() -> int:
+        client = rpc.RpcClient(Identity.generate())
+        try:
+            info = await client.unary(
+                address, rpc.GET_BULK_INFO, pb.BulkInfoRequest(), pb.BulkInfo, timeout=5
+            )
+        finally:
+            client.close()
+        return int(info.port)
+
+    return trio.run(ask)
+
+
+def exchange(port: int, request: bytes, payload: bytes = b"") -> tuple[int, bytes]:
+    """One raw bulk call: (status number, data) of the server's answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        with contextlib.suppress(OSError):  # refused early: the answer is on its way
+            conn.sendall(request + payload)
+        head = b""
+        while len(head) < 5:
+            chunk = conn.recv(5 - len(head))
+            assert chunk, "connection closed without an answer"
+            head += chunk
+        status, length = struct.unpack("<BI", head)
+        data = b""
+        while len(data) < length:
+            chunk = conn.recv(length - len(data))
+            assert chunk
+            data += chunk
+        return status, data
+
+
+def put_request(me: Identity, path: str, meta: TensorMeta, **sign: Any) -> bytes:
+    first = header_frame(meta)
+    return bulk.encode_request(bulk.KIND_PUT, path, me.sign_request(path, first, **sign), first, 5)
+
+
+def peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+UNAUTHENTICATED = list(rpc.StatusCode).index(rpc.StatusCode.UNAUTHENTICATED)
+INVALID_ARGUMENT = list(rpc.StatusCode).index(rpc.StatusCode.INVALID_ARGUMENT)
+UNIMPLEMENTED = list(rpc.StatusCode).index(rpc.StatusCode.UNIMPLEMENTED)
+
+
+def test_status_numbers_are_grpcs() -> None:
+    assert [list(rpc.StatusCode).index(c) for c in rpc.StatusCode][:3] == [0, 1, 2]
+    assert UNAUTHENTICATED == 16 and INVALID_ARGUMENT == 3 and UNIMPLEMENTED == 12
+
+
+def test_tensors_take_the_bulk_plane_between_processes(
+    processes: ProcessGroup, tmp_path: Any
+) -> None:
+    peer = processes.start(swarmd_cmd("serve", "--state-dir", str(tmp_path / "peer")))
+    tensor = torch.randn(5000, 1000)  # 20 MB
+    announced = bulk_port_of(peer.address)
+
+    async def main() -> None:
+        client = rpc.RpcClient(Identity.generate())
+        try:
+            meta = tensor_meta(tensor, name="w")
+            ack = await client.put_tensor(
+                peer.address, PUT_TENSOR, meta, tensor_payload(tensor), pb.TensorAck, timeout=20
+            )
+            assert ack.received_bytes == tensor.numel() * 4
+            # The put went over the bulk listener the peer announced, not over gRPC.
+            assert client.bulk_port(peer.address) == announced > 0
+            got, data = await client.get_tensor(
+                peer.address, GET_TENSOR, pb.TensorRequest(name="w"), timeout=20
+            )
+            assert got == meta and torch.equal(tensor_from_bytes(got, data), tensor)
+            with pytest.raises(rpc.RpcError) as info:  # a handler's error crosses intact
+                await client.get_tensor(peer.address, GET_TENSOR, pb.TensorRequest(name="nope"))
+            assert info.value.code is rpc.StatusCode.NOT_FOUND
+        finally:
+            client.close()
+
+    trio.run(main)
+
+
+def test_bulk_requests_are_checked_like_grpc_ones(processes: ProcessGroup) -> None:
+    server = processes.start(rpc_server_cmd())
+    port = bulk_port_of(server.address)
+    me = Identity.generate()
+    meta = TensorMeta("float32", (1000,))
+    payload = bytes(4000)
+
+    good = put_request(me, SINK, meta)
+    status, data = exchange(port, good, payload)
+    assert status == 0 and pb.TensorAck.FromString(data).received_bytes == 4000
+    # The same signed request again: a replay.
+    status, data = exchange(port, good, payload)
+    assert status == UNAUTHENTICATED and b"replayed" in data
+    # Signed by one key, claiming another.
+    forged = bytearray(put_request(me, SINK, meta))
+    at = bulk._PREFIX.size  # the public key follows the fixed prefix
+    forged[at : at + 32] = Identity.generate().public_key
+    status, _ = exchange(port, bytes(forged), payload)
+    assert status == UNAUTHENTICATED
+    # Signed for another method, or with a clock two minutes off.
+    first = header_frame(meta)
+    other = bulk.encode_request(
+        bulk.KIND_PUT, SINK, me.sign_request("/swarmd.test.Test/Other", first), first, 5
+    )
+    assert exchange(port, other, payload)[0] == UNAUTHENTICATED
+    stale = put_request(me, SINK, meta, now=time.time() - 120)
+    assert exchange(port, stale, payload)[0] == UNAUTHENTICATED
+    # Not a bulk request at all, and a method that does not exist.
+    status, data = exchange(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
+    assert status == INVALID_ARGUMENT and b"magic" in data
+    assert exchange(port, put_request(me, "/swarmd.test.Test/Nope", meta), payload)[0] == (
+        UNIMPLEMENTED
+    )
+
+
+def test_oversized_or_truncated_bulk_puts_cost_the_server_nothing(processes: ProcessGroup) -> None:
+    server = processes.start(rpc_server_cmd())
+    pid = int(server.info["pid"])
+    port = bulk_port_of(server.address)
+    me = Identity.generate()
+    before = peak_rss_kib(pid)
+    # A terabyte declared: refused from the header alone, before any buffer exists.
+    status, data = exchange(port, put_request(me, SINK, TensorMeta("float32", (1 << 38,))))
+    assert status == INVALID_ARGUMENT and b"exceeds the limit" in data
+    assert (peak_rss_kib(pid) - before) / 1024 < 64
+    # A sender that dies a third of the way into its payload: the server drops the call.
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(put_request(me, SINK, TensorMeta("uint8", (3 << 20,))) + bytes(1 << 20))
+    # and still serves the next one.
+    ok = put_request(me, SINK, TensorMeta("uint8", (100,)))
+    assert exchange(port, ok, bytes(100))[0] == 0
+
+
+def test_clients_use_grpc_where_there_is_no_bulk_plane(processes: ProcessGroup) -> None:
+    without = processes.start(rpc_server_cmd({"bulk": False}))
+    with_bulk = processes.start(rpc_server_cmd())
+    meta = TensorMeta("uint8", (3 << 20,))
+    payload = bytes(3 << 20)
+
+    async def main() -> None:
+        client = rpc.RpcClient(Identity.generate())
+        try:
+            ack = await client.put_tensor(without.address, SINK, meta, payload, pb.TensorAck)
+            assert ack.received_bytes == len(payload)
+            assert client.bulk_port(without.address) is None  # it said port 0: gRPC it is
+            # A listener that cannot be reached (a firewall, a stale port): gRPC, at once.
+            dead = socket.socket()
+            dead.bind(("127.0.0.1", 0))
+            dead_port = dead.getsockname()[1]
+            dead.close()
+            client._remember_bulk(with_bulk.address, dead_port, 600.0)
+            t0 = time.monotonic()
+            ack = await client.put_tensor(with_bulk.address, SINK, meta, payload, pb.TensorAck)
+            assert ack.received_bytes == len(payload) and time.monotonic() - t0 < 5
+            assert client.bulk_port(with_bulk.address) is None  # not tried again for a while
+        finally:
+            client.close()
+
+    trio.run(main)
