@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ import torch
 import trio
 
 from swarmd.node.allreduce import AllReduceConfig, Averager, Member
+from swarmd.node.cli import THP_ENV
 from swarmd.node.dht.node import open_dht
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.protocol import rpc
@@ -148,6 +150,8 @@ def main() -> None:
         command = [*WORKER_CMD, "--worker", str(i), str(numel), args.codec]
         return subprocess.Popen(
             [sys.executable, *command, str(args.chunk_kib << 10), bootstrap],
+            # Huge pages for torch's large tensors, as `swarmd` sets for itself (cli.THP_ENV).
+            env={**os.environ, THP_ENV: os.environ.get(THP_ENV, "1")},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -108,6 +108,8 @@ class JoinOptions:
     #: that must compare methods on the same data; peers sharing a shard draw the same
     #: batches, so a swarm should leave this unset.
     data_shard: int | None = None
+    #: The bulk data plane's port (0: the OS picks; None: tensors go over gRPC only).
+    bulk_port: int | None = 0
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -118,6 +120,8 @@ class JoinOptions:
             raise ValueError("duration_s must be > 0")
         if self.data_shard is not None and not 0 <= self.data_shard < NUM_SHARDS:
             raise ValueError(f"data_shard must be in [0, {NUM_SHARDS}), got {self.data_shard}")
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
 
 
 class Progress:
@@ -195,7 +199,11 @@ class Peer:
         self.out = Progress(options.log_format)
         self.identity = Identity.load_or_create(options.state_dir)
         self.metrics = Metrics()
-        self.transport = rpc.TransportConfig(max_concurrent_rpcs=32)
+        self.transport = rpc.TransportConfig(
+            max_concurrent_rpcs=32,
+            bulk=options.bulk_port is not None,
+            bulk_port=options.bulk_port or 0,
+        )
         self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
         self.dht = DHTNode(self.identity, self.client)
         self.averager = Averager(

@@ -69,6 +69,8 @@ MAX_PATH_BYTES = 256
 MAX_BODY_BYTES = 64 << 10
 #: A connection must deliver its request header within this, whatever its deadline.
 HEADER_TIMEOUT_S = 10.0
+#: Longest a call may run, whatever deadline its client declares (it holds a server slot).
+MAX_DEADLINE_S = 3600.0
 #: How long a client tries to reach a bulk listener before it uses gRPC for the call.
 CONNECT_TIMEOUT_S = 3.0
 #: Kernel socket buffers: a few MB keep loopback and LAN transfers at line rate with fewer
@@ -262,13 +264,16 @@ class BulkServer:
             with trio.fail_after(HEADER_TIMEOUT_S):
                 req = await _read_request(sock)
             path, received = req.path, req.nbytes
-            timeout = req.timeout_s or self._default_deadline_s
+            timeout = min(req.timeout_s or self._default_deadline_s, MAX_DEADLINE_S)
             with trio.fail_after(timeout):
+                if req.kind == KIND_PUT:
+                    # The declared size first (no allocation): a refused put's payload is
+                    # then read away, so its sender reads the refusal, not a reset.
+                    meta = parse_header_frame(req.body, self._max_tensor_bytes)
+                    payload_left = meta.nbytes
                 ctx = self._authenticate(req.path, req.signed, req.body, peer)
                 if req.kind == KIND_PUT:
                     handler = self._in.get(req.path)
-                    meta = parse_header_frame(req.body, self._max_tensor_bytes)
-                    payload_left = meta.nbytes
                     if handler is None:
                         raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {req.path}")
                     buf = RECEIVE_BUFFERS.take(meta.nbytes)

@@ -99,6 +99,8 @@ class TransportConfig:
                 raise ValueError(f"TransportConfig.{name} must be positive")
         if self.chunk_bytes + 1 > self.max_message_bytes:
             raise ValueError("TransportConfig.chunk_bytes must leave room within max_message_bytes")
+        if not 0 <= self.bulk_port <= 65535:
+            raise ValueError("TransportConfig.bulk_port must be in [0, 65535]")
         if self.default_deadline_s <= 0 or self.max_clock_skew_s <= 0 or self.grace_s < 0:
             raise ValueError("TransportConfig deadlines must be positive")
 
@@ -215,8 +217,8 @@ class RpcServer:
         self._health = health.HealthServicer()
         self.address = Address("", 0)
         self._bulk: bulk.BulkServer | None = None
-        if config.bulk:
-            paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
+        paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
+        if config.bulk and any(m.kind != "unary" for m in paths.values()):
             self._bulk = bulk.BulkServer(
                 tensor_in={p: m.handler for p, m in paths.items() if m.kind == "tensor_in"},
                 tensor_out={

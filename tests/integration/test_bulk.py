@@ -123,6 +123,12 @@ def test_bulk_requests_are_checked_like_grpc_ones(processes: ProcessGroup) -> No
     # The same signed request again: a replay.
     status, data = exchange(port, good, payload)
     assert status == UNAUTHENTICATED and b"replayed" in data
+    # Refused with 48 MB still to come: the sender reads why, not a reset connection.
+    big = TensorMeta("uint8", (48 << 20,))
+    first_big = put_request(me, SINK, big)
+    assert exchange(port, first_big, bytes(48 << 20))[0] == 0
+    status, data = exchange(port, first_big, bytes(48 << 20))
+    assert status == UNAUTHENTICATED and b"replayed" in data
     # Signed by one key, claiming another.
     forged = bytearray(put_request(me, SINK, meta))
     at = bulk._PREFIX.size  # the public key follows the fixed prefix

@@ -106,3 +106,11 @@ def test_join_refuses_a_data_shard_out_of_range(
     argv = ["join", "--run", "r", "--state-dir", str(tmp_path), "--data-shard", "64"]
     assert cli.main(argv) == 2
     assert "data_shard must be in [0, 64), got 64" in capsys.readouterr().err
+
+
+def test_join_refuses_a_bulk_port_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["join", "--run", "r", "--state-dir", str(tmp_path), "--bulk-port", "70000"]
+    assert cli.main(argv) == 2
+    assert "bulk_port must be in [0, 65535], got 70000" in capsys.readouterr().err
