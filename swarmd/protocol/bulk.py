@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import struct
 import time
@@ -69,6 +70,8 @@ MAX_PATH_BYTES = 256
 MAX_BODY_BYTES = 64 << 10
 #: A connection must deliver its request header within this, whatever its deadline.
 HEADER_TIMEOUT_S = 10.0
+#: A put whose sender sends nothing for this long is dropped (it holds a buffer and a slot).
+STALL_S = 30.0
 #: Longest a call may run, whatever deadline its client declares (it holds a server slot).
 MAX_DEADLINE_S = 3600.0
 #: How long a client tries to reach a bulk listener before it uses gRPC for the call.
@@ -95,11 +98,20 @@ def _tune(sock: trio.socket.SocketType) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
 
 
-async def _recv_into(sock: trio.socket.SocketType, view: memoryview) -> None:
-    """Fills ``view`` from the socket; a peer that closes early is UNAVAILABLE."""
+async def _recv_into(
+    sock: trio.socket.SocketType, view: memoryview, stall_s: float = math.inf
+) -> None:
+    """Fills ``view`` from the socket; a peer that closes early, or sends nothing for
+    ``stall_s`` (a trickle holding a buffer and a server slot), is UNAVAILABLE."""
     pos, total = 0, len(view)
     while pos < total:
-        n = await sock.recv_into(view[pos:])
+        n = -1
+        with trio.move_on_after(stall_s):
+            n = await sock.recv_into(view[pos:])
+        if n < 0:
+            raise RpcError(
+                StatusCode.UNAVAILABLE, f"no data for {stall_s:g} s after {pos} of {total} bytes"
+            )
         if n == 0:
             raise RpcError(
                 StatusCode.UNAVAILABLE, f"connection closed after {pos} of {total} bytes"
@@ -223,12 +235,26 @@ class BulkServer:
         self.port = 0
 
     async def start(self, nursery: trio.Nursery, host: str, port: int = 0) -> None:
-        """Listens on ``host`` (every address for "" or 0.0.0.0); serves in ``nursery``."""
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
-        self.port = listeners[0].socket.getsockname()[1]
-        for listener in listeners:
-            _tune(listener.socket)
-        nursery.start_soon(trio.serve_listeners, self._connection, listeners)
+        """Listens where the gRPC server does: on ``host``, or for "" and "::" on every IPv4
+        and IPv6 address through one dual-stack socket (so one port is advertised and both
+        families reach it, as they reach gRPC); serves in ``nursery``."""
+        if host in ("", "::") and socket.has_ipv6:
+            sock = trio.socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            await sock.bind(("::", port))
+            sock.listen(128)
+            listener = trio.SocketListener(sock)
+        else:
+            # A name may resolve to several addresses, each listener with its own port: the
+            # first one is the one advertised, so it is the only one kept.
+            first, *others = await trio.open_tcp_listeners(port, host=host or "0.0.0.0")
+            for other in others:
+                await other.aclose()
+            listener = first
+        self.port = listener.socket.getsockname()[1]
+        _tune(listener.socket)
+        nursery.start_soon(trio.serve_listeners, self._connection, [listener])
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         sock = stream.socket
@@ -263,7 +289,9 @@ class BulkServer:
         try:
             with trio.fail_after(HEADER_TIMEOUT_S):
                 req = await _read_request(sock)
-            path, received = req.path, req.nbytes
+            received = req.nbytes
+            if req.path in self._in or req.path in self._out:
+                path = req.path  # a metrics label: never a string a stranger chose
             timeout = min(req.timeout_s or self._default_deadline_s, MAX_DEADLINE_S)
             with trio.fail_after(timeout):
                 if req.kind == KIND_PUT:
@@ -277,7 +305,7 @@ class BulkServer:
                     if handler is None:
                         raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {req.path}")
                     buf = RECEIVE_BUFFERS.take(meta.nbytes)
-                    await _recv_into(sock, memoryview(buf))
+                    await _recv_into(sock, memoryview(buf), STALL_S)
                     payload_left = 0
                     received += meta.nbytes
                     response = await handler(meta, buf, ctx)

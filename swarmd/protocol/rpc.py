@@ -156,6 +156,8 @@ BULK_INFO_TTL_S = 600.0
 #: After a bulk listener could not be reached, calls to that peer use gRPC this long.
 BULK_RETRY_S = 60.0
 BULK_INFO_TIMEOUT_S = 5.0
+#: After asking a peer for its bulk port failed, how long its calls use gRPC without asking.
+BULK_INFO_RETRY_S = 10.0
 GET_BULK_INFO = f"/{TRANSPORT_SERVICE}/GetBulkInfo"
 
 
@@ -567,9 +569,12 @@ class RpcClient:
                 )
             except RpcError as exc:
                 if exc.code is not StatusCode.UNIMPLEMENTED:
-                    return None  # the call itself will say what is wrong with the peer
+                    # The call itself will say what is wrong with the peer; meanwhile its
+                    # other calls do not each pay for asking again.
+                    self._remember_bulk(address, None, BULK_INFO_RETRY_S)
+                    return None
                 info = pb.BulkInfo(port=0)  # a peer without the bulk plane
-            port = info.port or None
+            port = info.port if 0 < info.port <= 65535 else None
             self._remember_bulk(address, port, BULK_INFO_TTL_S)
         if port is None:
             return None
@@ -599,6 +604,8 @@ class RpcClient:
         """One bulk call: connect, send the signed request, let ``exchange`` do the rest.
         None if the listener cannot be reached (the caller then uses gRPC)."""
         assert self._identity is not None
+        if len(first) > bulk.MAX_BODY_BYTES or len(path.encode()) > bulk.MAX_PATH_BYTES:
+            return None
         t = self._timeout(timeout)
         try:
             with trio.fail_after(t):
@@ -672,6 +679,15 @@ class RpcClient:
         self._observer.on_bytes(path, len(body), len(raw))
         return _parse_response(response_type, raw, address)
 
+    @contextlib.contextmanager
+    def _deadline(self, timeout: float | None) -> Iterator[None]:
+        """One deadline for a whole call, bulk attempt and gRPC fallback together."""
+        try:
+            with trio.fail_after(self._timeout(timeout)):
+                yield
+        except trio.TooSlowError:
+            raise RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+
     async def put_tensor(
         self,
         address: str,
@@ -683,6 +699,18 @@ class RpcClient:
         timeout: float | None = None,
     ) -> M:
         """Streams a tensor to ``path``; the server's handler gets it whole, already validated."""
+        with self._deadline(timeout):
+            return await self._put_tensor(address, path, meta, payload, response_type, timeout)
+
+    async def _put_tensor(
+        self,
+        address: str,
+        path: str,
+        meta: TensorMeta,
+        payload: Payload,
+        response_type: type[M],
+        timeout: float | None,
+    ) -> M:
         target = await self._bulk_target(address, timeout)
         if target is not None:
             segments = payload_segments(payload)
@@ -730,6 +758,17 @@ class RpcClient:
         max_bytes: int | None = None,
     ) -> tuple[TensorMeta, bytearray]:
         """Fetches a tensor stream; raises FramingError if the peer's stream is malformed."""
+        with self._deadline(timeout):
+            return await self._get_tensor(address, path, request, timeout, max_bytes)
+
+    async def _get_tensor(
+        self,
+        address: str,
+        path: str,
+        request: Message,
+        timeout: float | None,
+        max_bytes: int | None,
+    ) -> tuple[TensorMeta, bytearray]:
         body = request.SerializeToString()
         limit = self._cfg.max_tensor_bytes if max_bytes is None else max_bytes
         target = await self._bulk_target(address, timeout)
