@@ -137,7 +137,8 @@ def main() -> None:
     parser.add_argument("--codec", choices=["fp32", "fp16", "int8"], default="fp32")
     parser.add_argument(
         "--rounds", type=int, default=5,
-        help="rounds to time; the first one or two pay for first-touch allocations (a daemon pays them once), the median is reported",
+        help="rounds to time (the median is reported); the first one or two pay for "
+        "first-touch allocations, which a daemon pays once",
     )
     parser.add_argument("--chunk-kib", type=int, default=1024, help="stream frame size")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
