@@ -19,6 +19,10 @@ STREAMING_RUN = (
     + 'algo = "streaming-diloco"\nfragments = 2\noverlap_steps = 1\nmix_alpha = 0.5\n'
 )
 
+#: For the tests that need every turn averaged by all three: with min_group_size = 2 the first
+#: two peers up can finish all 8 turns (~1.2 s) before the third has started training (seen:
+#: it started 1.4 s after the others, then deferred every turn alone).
+STREAMING_RUN_OF_3 = STREAMING_RUN.replace("min_group_size = 2", "min_group_size = 3")
 #: Seconds for the processes to import torch and listen (several start at once on 2 cores).
 START_S = 120.0
 
@@ -45,7 +49,7 @@ def _summary(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
 
 
 def test_streaming_peers_overlap_and_agree(processes: ProcessGroup, tmp_path: Path) -> None:
-    (tmp_path / "run.toml").write_text(STREAMING_RUN)
+    (tmp_path / "run.toml").write_text(STREAMING_RUN_OF_3)
     boot = start_bootstrap(processes, tmp_path)
     peers = processes.start_many(
         [
@@ -103,7 +107,7 @@ def test_eager_peers_do_not_wait_and_still_agree(processes: ProcessGroup, tmp_pa
     """Eager updates: a late round's outer step uses the peer's own pseudo-gradient and the
     trainer goes on; the stand-in is replaced when the average comes, before the state is
     published, so peers that averaged together still publish the same state."""
-    (tmp_path / "run.toml").write_text(STREAMING_RUN + "eager = true\n")
+    (tmp_path / "run.toml").write_text(STREAMING_RUN_OF_3 + "eager = true\n")
     boot = start_bootstrap(processes, tmp_path)
     peers = processes.start_many(
         [
