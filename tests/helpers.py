@@ -142,3 +142,12 @@ def random_batches(
         x = torch.randint(0, 256, (batch, block + 1), generator=g)
         out.append((x[:, :-1], x[:, 1:]))
     return out
+
+
+def peak_rss_kib(pid: int) -> int:
+    """A process's peak resident memory (VmHWM), in KiB."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")

@@ -19,7 +19,7 @@ from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.framing import TensorMeta, header_frame
 from swarmd.protocol.identity import Identity
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import ProcessGroup, rpc_server_cmd, swarmd_cmd
+from tests.helpers import ProcessGroup, peak_rss_kib, rpc_server_cmd, swarmd_cmd
 
 SINK = "/swarmd.test.Test/Sink"
 
@@ -60,14 +60,6 @@ def exchange(port: int, request: bytes, payload: bytes = b"") -> tuple[int, byte
 def put_request(me: Identity, path: str, meta: TensorMeta, **sign: Any) -> bytes:
     first = header_frame(meta)
     return bulk.encode_request(bulk.KIND_PUT, path, me.sign_request(path, first, **sign), first, 5)
-
-
-def peak_rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM")
 
 
 UNAUTHENTICATED = list(rpc.StatusCode).index(rpc.StatusCode.UNAUTHENTICATED)

@@ -19,7 +19,7 @@ from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.framing import TAG_DATA, TensorMeta, header_frame
 from swarmd.protocol.identity import Identity
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import Proc, ProcessGroup, rpc_server_cmd, swarmd_cmd
+from tests.helpers import Proc, ProcessGroup, peak_rss_kib, rpc_server_cmd, swarmd_cmd
 
 TEST = "/swarmd.test.Test"
 
@@ -38,14 +38,6 @@ def peer(processes: ProcessGroup, tmp_path: Any) -> Proc:
 @pytest.fixture
 def test_server(processes: ProcessGroup) -> Proc:
     return processes.start(rpc_server_cmd())
-
-
-def peak_rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmHWM")
 
 
 def test_round_trip_between_processes(peer: Proc) -> None:
