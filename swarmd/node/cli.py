@@ -456,6 +456,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except BaseExceptionGroup as group:  # from a command's trio.run
+        from swarmd.node.errors import innermost
+        from swarmd.protocol.errors import ListenError
+
+        leaf = innermost(group)
+        if isinstance(leaf, ListenError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
 
 
 def cmd_version(args: argparse.Namespace) -> int:

@@ -45,7 +45,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 
 from swarmd.protocol.calls import CallContext, RpcError, RpcObserver, StatusCode, to_rpc_error
-from swarmd.protocol.errors import FramingError, ProtocolError
+from swarmd.protocol.errors import FramingError, ListenError, ProtocolError
 from swarmd.protocol.faults import FaultInjector
 from swarmd.protocol.framing import (
     RECEIVE_BUFFERS,
@@ -238,12 +238,29 @@ class BulkServer:
         """Listens where the gRPC server does: on ``host``, or for "" and "::" on every IPv4
         and IPv6 address through one dual-stack socket (so one port is advertised and both
         families reach it, as they reach gRPC); serves in ``nursery``."""
+        try:
+            listener = await self._listen(host, port)
+        except OSError as exc:
+            raise ListenError(
+                f"cannot listen on {host or '*'}:{port} for tensors (the bulk plane): "
+                f"{exc.strerror or exc}; choose another --bulk-port, or --no-bulk"
+            ) from None
+        self.port = listener.socket.getsockname()[1]
+        _tune(listener.socket)
+        nursery.start_soon(trio.serve_listeners, self._connection, [listener])
+
+    @staticmethod
+    async def _listen(host: str, port: int) -> trio.SocketListener:
         if host in ("", "::") and socket.has_ipv6:
             sock = trio.socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            await sock.bind(("::", port))
-            sock.listen(128)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                await sock.bind(("::", port))
+                sock.listen(128)
+            except OSError:
+                sock.close()
+                raise
             listener = trio.SocketListener(sock)
         else:
             # A name may resolve to several addresses, each listener with its own port: the
@@ -252,9 +269,7 @@ class BulkServer:
             for other in others:
                 await other.aclose()
             listener = first
-        self.port = listener.socket.getsockname()[1]
-        _tune(listener.socket)
-        nursery.start_soon(trio.serve_listeners, self._connection, [listener])
+        return listener
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         sock = stream.socket

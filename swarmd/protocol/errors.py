@@ -17,3 +17,7 @@ class AuthError(ProtocolError):
 
 class IdentityError(Exception):
     """The local identity key cannot be created or loaded safely."""
+
+
+class ListenError(OSError):
+    """This peer cannot listen where it was told to (the port is taken, the host not local)."""

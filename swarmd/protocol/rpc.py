@@ -42,7 +42,7 @@ from swarmd.protocol.calls import NullObserver, to_rpc_error
 from swarmd.protocol.calls import RpcError as RpcError
 from swarmd.protocol.calls import RpcObserver as RpcObserver
 from swarmd.protocol.calls import StatusCode as StatusCode
-from swarmd.protocol.errors import FramingError, ProtocolError
+from swarmd.protocol.errors import FramingError, ListenError, ProtocolError
 from swarmd.protocol.framing import (
     DEFAULT_CHUNK_BYTES,
     Payload,
@@ -277,9 +277,9 @@ class RpcServer:
         try:
             bound = server.add_insecure_port(bind)
         except RuntimeError as exc:
-            raise OSError(f"cannot listen on {bind}: {exc}") from None
+            raise ListenError(f"cannot listen on {bind}: {exc}") from None
         if bound == 0:
-            raise OSError(f"cannot listen on {bind} (address in use or not local)")
+            raise ListenError(f"cannot listen on {bind} (address in use or not local)")
         server.start()
         self._grpc = server
         self.address = Address(host, bound)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import subprocess
 import time
 from typing import Any
 
@@ -187,3 +188,25 @@ def test_clients_use_grpc_where_there_is_no_bulk_plane(processes: ProcessGroup) 
             client.close()
 
     trio.run(main)
+
+
+def test_a_taken_port_is_a_clear_error_not_a_traceback(tmp_path: Any) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        for args in (
+            ["join", "--run", "r", "--bulk-port", str(port)],
+            ["serve", "--listen", f"127.0.0.1:{port}"],
+        ):
+            done = subprocess.run(
+                swarmd_cmd(*args, "--state-dir", str(tmp_path / args[0])),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 2, done.stderr
+            assert "cannot listen on" in done.stderr and "Traceback" not in done.stderr
+    finally:
+        taken.close()
