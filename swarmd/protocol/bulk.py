@@ -349,11 +349,14 @@ class BulkServer:
                     answering = True
                     sent += await _send_all(sock, [head, *segments], self._faults)
         except Exception as exc:
-            err = (
-                RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed")
-                if isinstance(exc, trio.TooSlowError)
-                else to_rpc_error(exc)
-            )
+            if isinstance(exc, trio.TooSlowError):
+                err = RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed")
+            elif isinstance(exc, OSError | trio.BrokenResourceError | trio.ClosedResourceError):
+                # The client went away mid-call (it died, or gave up): not a handler failure.
+                log.info("bulk call %s from %s ended: %s", path, peer, exc)
+                err = RpcError(StatusCode.UNAVAILABLE, f"connection lost: {exc}")
+            else:
+                err = to_rpc_error(exc)
             if err.code is StatusCode.INTERNAL:
                 log.exception("bulk handler for %s failed", path)
             self._observer.on_served(path, err.code.name, time.perf_counter() - start)

@@ -210,3 +210,48 @@ def test_a_taken_port_is_a_clear_error_not_a_traceback(tmp_path: Any) -> None:
             assert "cannot listen on" in done.stderr and "Traceback" not in done.stderr
     finally:
         taken.close()
+
+
+def test_a_client_that_dies_mid_download_costs_the_server_no_traceback(
+    processes: ProcessGroup, tmp_path: Any
+) -> None:
+    peer = processes.start(swarmd_cmd("serve", "--state-dir", str(tmp_path / "peer")))
+    port = bulk_port_of(peer.address)
+    tensor = torch.randn(16 << 20)  # 64 MB: far more than the socket buffers hold
+    me = Identity.generate()
+
+    async def put() -> None:
+        client = rpc.RpcClient(me)
+        try:
+            meta = tensor_meta(tensor, name="w")
+            await client.put_tensor(
+                peer.address, PUT_TENSOR, meta, tensor_payload(tensor), pb.TensorAck, timeout=20
+            )
+        finally:
+            client.close()
+
+    trio.run(put)
+    body = pb.TensorRequest(name="w").SerializeToString()
+    for _ in range(3):  # a reader that takes a little of the stream, then vanishes
+        request = bulk.encode_request(
+            bulk.KIND_GET, GET_TENSOR, me.sign_request(GET_TENSOR, body), body, 10
+        )
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        conn.sendall(request)
+        assert len(conn.recv(1 << 16)) > 0
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, as a SIGKILLed process leaves
+    time.sleep(1.0)
+
+    async def get() -> None:
+        client = rpc.RpcClient(me)
+        try:
+            _, data = await client.get_tensor(
+                peer.address, GET_TENSOR, pb.TensorRequest(name="w"), timeout=20
+            )
+            assert len(data) == tensor.numel() * 4
+        finally:
+            client.close()
+
+    trio.run(get)  # still serving
+    assert not any("Traceback" in line for line in peer.stderr_tail), "".join(peer.stderr_tail)
