@@ -85,6 +85,8 @@ PACED_SEND_BYTES = 64 << 10
 #: the refusal instead of a reset connection.
 DRAIN_S = 1.0
 _STATUS_BY_NUMBER = list(StatusCode)  # declared in gRPC's numeric order: OK is 0
+#: What a connection raises when its other end is gone (died, gave up, reset).
+_GOING_AWAY = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 TensorInHandler = Callable[[TensorMeta, bytearray, CallContext], Awaitable[Message]]
 TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, Payload]]]
@@ -281,7 +283,7 @@ class BulkServer:
         try:
             self._limiter.acquire_nowait()
         except trio.WouldBlock:
-            with trio.move_on_after(1.0), _quiet():
+            with trio.move_on_after(1.0), contextlib.suppress(*_GOING_AWAY):
                 await _send_all(
                     sock, [_response(StatusCode.RESOURCE_EXHAUSTED, b"bulk server busy")], None
                 )
@@ -291,7 +293,7 @@ class BulkServer:
             await self._serve(sock, peer)
         finally:
             self._limiter.release()
-            with _quiet():
+            with contextlib.suppress(*_GOING_AWAY):
                 await stream.aclose()
 
     async def _serve(self, sock: trio.socket.SocketType, peer: str) -> None:
@@ -351,7 +353,7 @@ class BulkServer:
         except Exception as exc:
             if isinstance(exc, trio.TooSlowError):
                 err = RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed")
-            elif isinstance(exc, OSError | trio.BrokenResourceError | trio.ClosedResourceError):
+            elif isinstance(exc, _GOING_AWAY):
                 # The client went away mid-call (it died, or gave up): not a handler failure.
                 log.info("bulk call %s from %s ended: %s", path, peer, exc)
                 err = RpcError(StatusCode.UNAVAILABLE, f"connection lost: {exc}")
@@ -368,7 +370,7 @@ class BulkServer:
         self._observer.on_bytes(path, sent, received)
 
     async def _refuse(self, sock: trio.socket.SocketType, err: RpcError, payload_left: int) -> None:
-        with trio.move_on_after(DRAIN_S), _quiet():
+        with trio.move_on_after(DRAIN_S), contextlib.suppress(*_GOING_AWAY):
             await _send_all(sock, [_response(err.code, err.details.encode()[:4096])], None)
             sock.shutdown(socket.SHUT_WR)
             # A put's payload may still be on its way: read it away, so that the client reads
@@ -381,19 +383,7 @@ class BulkServer:
                 payload_left -= n
 
 
-class _quiet:
-    """Suppresses the errors of a connection that is already going away."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
-        return typ is not None and issubclass(
-            typ, OSError | trio.BrokenResourceError | trio.ClosedResourceError | RpcError
-        )
-
-
-async def _connect(host: str, port: int) -> trio.SocketStream | None:
+async def connect(host: str, port: int) -> trio.SocketStream | None:
     """A connection to a bulk listener, or None if it cannot be reached quickly."""
     with trio.move_on_after(CONNECT_TIMEOUT_S):
         try:
@@ -463,5 +453,3 @@ async def get(
         raise RpcError(StatusCode.UNAVAILABLE, f"bulk connection failed: {exc}") from None
     return meta, buf, received + meta.nbytes
 
-
-connect = _connect
