@@ -42,9 +42,18 @@ _CHUNK_ELEMENTS = 1 << 18
 @dataclass(frozen=True)
 class Int8Config:
     """`block_size` values share one scale: smaller is more accurate, larger compresses more
-    (ratio vs fp32 = 4 / (1 + 4 / block_size); 256 gives 3.94)."""
+    (ratio vs fp32 = 4 / (1 + 4 / block_size); 256 gives 3.94).
+
+    `bits` < 8 narrows the codes to ±(2**(bits-1) - 1) (4 bits: -7..7), still one byte each.
+    The payload is the same size and decodes the same way (code × scale: receivers need not
+    know), but its codes then carry about `bits` - 0.5 bits of entropy, which a zstd frame
+    around it turns into bytes saved: measured on Gaussian blocks of 4096, 7.2 bits per value
+    at 8 bits and 3.6 at 4, for a step (and error) 18x coarser, which error feedback carries
+    into the next round. Without zstd, fewer bits only lose precision.
+    """
 
     block_size: int = 256
+    bits: int = 8
 
     def __post_init__(self) -> None:
         b = self.block_size
@@ -52,6 +61,14 @@ class Int8Config:
             raise ValueError(
                 f"Int8Config.block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {b!r}"
             )
+        bits = self.bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+            raise ValueError(f"Int8Config.bits must be an int in [2, 8], got {bits!r}")
+
+    @property
+    def qmax(self) -> int:
+        """The largest code magnitude."""
+        return (1 << (self.bits - 1)) - 1
 
 
 def _largest_safe_scale() -> float:
@@ -77,17 +94,18 @@ def _quantize_rows(
     scales_out: torch.Tensor,
     buf: torch.Tensor,
     residual_out: torch.Tensor | None = None,
+    qmax: int = QMAX,
 ) -> None:
     torch.abs(blocks, out=buf)
     torch.amax(buf, dim=1, out=absmax_out)
-    torch.div(absmax_out, QMAX, out=scales_out)
+    torch.div(absmax_out, qmax, out=scales_out)
     scales_out.clamp_(SCALE_MIN, SCALE_MAX)
     torch.div(blocks, scales_out.unsqueeze(1), out=buf)
     buf.round_()
     q_out.copy_(buf)
     if residual_out is not None:
         # What the receiver decodes is code * scale in float32 (see _dequantize_rows); the codes
-        # are the rounded values in `buf` exactly (|code| <= 127), so this is bit-identical.
+        # are the rounded values in `buf` exactly (|code| <= qmax), so this is bit-identical.
         buf.mul_(scales_out.unsqueeze(1))
         torch.sub(blocks, buf, out=residual_out)
 
@@ -100,8 +118,9 @@ def quantize_int8_chunks(
     *,
     codes: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    qmax: int = QMAX,
 ) -> None:
-    """Quantise `flat` (1-D float32, contiguous) chunk by chunk.
+    """Quantise `flat` (1-D float32, contiguous) chunk by chunk, to codes in [-qmax, qmax].
 
     Fills `scales` (one per block) and either writes the int8 codes into `codes` (1-D, same
     length as `flat`) or hands each chunk's codes, in order, to `emit` (a reused scratch
@@ -126,7 +145,7 @@ def quantize_int8_chunks(
             span = slice(r0 * block_size, r1 * block_size)
             q = codes[span].view(r1 - r0, block_size) if codes is not None else scratch[: r1 - r0]
             res = residual[span].view(r1 - r0, block_size) if residual is not None else None
-            _quantize_rows(main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0], res)
+            _quantize_rows(main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0], res, qmax)
             if emit is not None:
                 emit(q.view(-1))
     rem = n - nfull * block_size
@@ -135,7 +154,9 @@ def quantize_int8_chunks(
         tail[0, :rem] = flat[nfull * block_size :]
         qtail = torch.empty(1, block_size, dtype=torch.int8)
         rtail = torch.empty(1, block_size, dtype=torch.float32) if residual is not None else None
-        _quantize_rows(tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail), rtail)
+        _quantize_rows(
+            tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail), rtail, qmax
+        )
         if codes is not None:
             codes[nfull * block_size :] = qtail[0, :rem]
         if emit is not None:
@@ -203,7 +224,7 @@ class Int8Codec:
         ):
             raise CompressionError("residual must be contiguous float32 of the input's size")
         res = None if residual is None else residual.view(-1)
-        quantize_int8_chunks(flat, block, scales, codes=codes, residual=res)
+        quantize_int8_chunks(flat, block, scales, codes=codes, residual=res, qmax=self.config.qmax)
         header = pack_header(
             CodecId.INT8, VERSION, tensor.dtype, tuple(tensor.shape), _PARAMS.pack(block)
         )

@@ -102,13 +102,13 @@ def _decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.T
     return decode(data, limits), data
 
 
-def make_codec(name: CodecName, int8_block_size: int = 256) -> Codec:
+def make_codec(name: CodecName, int8_block_size: int = 256, int8_bits: int = 8) -> Codec:
     if name == "fp32":
         return RawCodec()
     if name == "fp16":
         return HalfCodec(HalfConfig("float16"))
     if name == "int8":
-        return Int8Codec(Int8Config(int8_block_size))
+        return Int8Codec(Int8Config(int8_block_size, int8_bits))
     raise ValueError(f"unknown codec {name!r}")
 
 
@@ -175,6 +175,8 @@ class AllReduceConfig:
     #: pseudo-gradient: 256 → 3.94x vs fp32, 4096 with zstd → 4.35x), at a coarser step that
     #: error feedback carries into the next round.
     int8_block_size: int = 256
+    #: int8: code range in bits (see Int8Config.bits): below 8 only pays with ``zstd_level``.
+    int8_bits: int = 8
     #: zstd level for a lossless frame around every lossy-coded part (int8 and fp16), or None.
     #: Costs about 3 ms per MB at level 3; fp32 parts are never framed (mantissas are noise).
     zstd_level: int | None = None
@@ -196,7 +198,7 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         if self.codec not in _BYTES_PER_VALUE:
             raise ValueError(f"unknown codec {self.codec!r}; expected fp32, fp16 or int8")
-        Int8Config(self.int8_block_size)  # raises ValueError with the reason
+        Int8Config(self.int8_block_size, self.int8_bits)  # raises ValueError with the reason
         if self.zstd_level is not None:
             ZstdConfig(self.zstd_level)
         if not 0 < self.min_deadline_s <= self.max_deadline_s:
@@ -281,7 +283,7 @@ class _Round:
         self, group: Group, me: int, numel: int, config: AllReduceConfig, codec: CodecName
     ) -> None:
         self.codec_name = codec
-        self.codec = make_codec(codec, config.int8_block_size)
+        self.codec = make_codec(codec, config.int8_block_size, config.int8_bits)
         self.zstd_level = None if codec == "fp32" else config.zstd_level
         self.group = group
         self.me = me

@@ -502,6 +502,7 @@ class Peer:
         self.averager.config = dataclasses.replace(
             self.averager.config,
             int8_block_size=config.int8_block_size,
+            int8_bits=config.int8_bits,
             zstd_level=ZSTD_LEVEL if config.zstd else None,
         )
         nursery.start_soon(self._heartbeat, config)
@@ -512,11 +513,12 @@ class Peer:
             if isinstance(diloco, StreamingDiLoCo)
             else ""
         )
+        int8_detail = f" (block {config.int8_block_size}, {config.int8_bits} bits)"
         self.out.event(
             "training",
             f"training {diloco.numel / 1e6:.2f}M parameters with {config.algo}, "
             f"H={config.inner_steps}{streaming}, codec {config.codec}"
-            f"{f' (block {config.int8_block_size})' if config.codec == 'int8' else ''}"
+            f"{int8_detail if config.codec == 'int8' else ''}"
             f"{' + zstd' if config.zstd else ''}, data shard "
             f"{shard}/{config.data_shards} ({origin} start)",
             params=diloco.numel,
