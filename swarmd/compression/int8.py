@@ -95,6 +95,7 @@ def _quantize_rows(
     buf: torch.Tensor,
     residual_out: torch.Tensor | None = None,
     qmax: int = QMAX,
+    decoded_out: torch.Tensor | None = None,
 ) -> None:
     torch.abs(blocks, out=buf)
     torch.amax(buf, dim=1, out=absmax_out)
@@ -103,11 +104,14 @@ def _quantize_rows(
     torch.div(blocks, scales_out.unsqueeze(1), out=buf)
     buf.round_()
     q_out.copy_(buf)
-    if residual_out is not None:
+    if residual_out is not None or decoded_out is not None:
         # What the receiver decodes is code * scale in float32 (see _dequantize_rows); the codes
         # are the rounded values in `buf` exactly (|code| <= qmax), so this is bit-identical.
         buf.mul_(scales_out.unsqueeze(1))
-        torch.sub(blocks, buf, out=residual_out)
+        if residual_out is not None:
+            torch.sub(blocks, buf, out=residual_out)
+        if decoded_out is not None:  # last: it may be `blocks` itself
+            decoded_out.copy_(buf)
 
 
 def quantize_int8_chunks(
@@ -119,6 +123,7 @@ def quantize_int8_chunks(
     codes: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     qmax: int = QMAX,
+    decoded: torch.Tensor | None = None,
 ) -> None:
     """Quantise `flat` (1-D float32, contiguous) chunk by chunk, to codes in [-qmax, qmax].
 
@@ -126,7 +131,8 @@ def quantize_int8_chunks(
     length as `flat`) or hands each chunk's codes, in order, to `emit` (a reused scratch
     buffer: `emit` must copy it). With `residual` (1-D float32, same length), also writes
     `flat - decode(codes)` there while each chunk is still in cache: error feedback gets what
-    the receivers will lose without decoding the payload again.
+    the receivers will lose without decoding the payload again. With `decoded` (the same
+    shape; `flat` itself is allowed), also writes what the receivers will decode.
     """
     if (codes is None) == (emit is None):
         raise ValueError("give exactly one of codes and emit")
@@ -145,7 +151,10 @@ def quantize_int8_chunks(
             span = slice(r0 * block_size, r1 * block_size)
             q = codes[span].view(r1 - r0, block_size) if codes is not None else scratch[: r1 - r0]
             res = residual[span].view(r1 - r0, block_size) if residual is not None else None
-            _quantize_rows(main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0], res, qmax)
+            dec = decoded[span].view(r1 - r0, block_size) if decoded is not None else None
+            _quantize_rows(
+                main[r0:r1], q, absmax[r0:r1], scales[r0:r1], buf[: r1 - r0], res, qmax, dec
+            )
             if emit is not None:
                 emit(q.view(-1))
     rem = n - nfull * block_size
@@ -154,8 +163,9 @@ def quantize_int8_chunks(
         tail[0, :rem] = flat[nfull * block_size :]
         qtail = torch.empty(1, block_size, dtype=torch.int8)
         rtail = torch.empty(1, block_size, dtype=torch.float32) if residual is not None else None
+        dtail = torch.empty(1, block_size, dtype=torch.float32) if decoded is not None else None
         _quantize_rows(
-            tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail), rtail, qmax
+            tail, qtail, absmax[nfull:], scales[nfull:], torch.empty_like(tail), rtail, qmax, dtail
         )
         if codes is not None:
             codes[nfull * block_size :] = qtail[0, :rem]
@@ -163,6 +173,8 @@ def quantize_int8_chunks(
             emit(qtail[0, :rem])
         if residual is not None and rtail is not None:
             residual[nfull * block_size :] = rtail[0, :rem]
+        if decoded is not None and dtail is not None:
+            decoded[nfull * block_size :] = dtail[0, :rem]
     # amax propagates NaN and inf, so one check on the per-block maxima covers every element.
     if absmax.numel() and not bool(torch.isfinite(absmax).all()):
         raise CompressionError("INT8 input contains NaN or infinity (or exceeds float32 range)")
@@ -209,22 +221,35 @@ class Int8Codec:
         return b"".join(self.encode_segments(tensor))
 
     def encode_segments(
-        self, tensor: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        tensor: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        decoded: torch.Tensor | None = None,
     ) -> list[bytes | memoryview]:
         """The payload in pieces (header, scales, codes), with no copy to join them; with
-        `residual` (float32, tensor's element count), also writes `tensor - decoded` there."""
+        `residual` (float32, tensor's element count), also writes `tensor - decoded` there;
+        with `decoded` (the same; `tensor` itself is allowed), what a receiver decodes: a
+        reducer gets its own copy of the result without joining and decoding the payload."""
         check_float_input(tensor)
         flat = flat_float32(tensor)
         block = self.config.block_size
         n = flat.numel()
         scales = torch.empty(-(-n // block), dtype=torch.float32)
         codes = torch.empty(n, dtype=torch.int8)
-        if residual is not None and not (
-            residual.numel() == n and residual.dtype == torch.float32 and residual.is_contiguous()
-        ):
-            raise CompressionError("residual must be contiguous float32 of the input's size")
-        res = None if residual is None else residual.view(-1)
-        quantize_int8_chunks(flat, block, scales, codes=codes, residual=res, qmax=self.config.qmax)
+        for name, target in (("residual", residual), ("decoded", decoded)):
+            if target is not None and not (
+                target.numel() == n and target.dtype == torch.float32 and target.is_contiguous()
+            ):
+                raise CompressionError(f"{name} must be contiguous float32 of the input's size")
+        quantize_int8_chunks(
+            flat,
+            block,
+            scales,
+            codes=codes,
+            residual=None if residual is None else residual.view(-1),
+            qmax=self.config.qmax,
+            decoded=None if decoded is None else decoded.view(-1),
+        )
         header = pack_header(
             CodecId.INT8, VERSION, tensor.dtype, tuple(tensor.shape), _PARAMS.pack(block)
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
+from swarmd.node.heap import settle_heap
 from swarmd.protocol.address import Address, parse_address
 
 EXIT_OK = 0
@@ -510,6 +511,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from swarmd.node.peer import PeerConfig, run_peer
 
     config = PeerConfig(listen=args.listen, state_dir=args.state_dir, metrics=args.metrics)
+    settle_heap()
     try:
         trio.run(run_peer, config)
     except OSError as exc:
@@ -530,6 +532,7 @@ def cmd_dht(args: argparse.Namespace) -> int:
     options = DHTNodeOptions(
         listen=args.listen, peers=peers, state_dir=args.state_dir, log_interval_s=args.log_interval
     )
+    settle_heap()
     try:
         trio.run(run_dht_node, options)
     except BootstrapError as exc:

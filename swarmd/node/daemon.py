@@ -37,6 +37,7 @@ from swarmd.node.allreduce import AllReduceConfig, AllReduceResult, Averager, Me
 from swarmd.node.catchup import state_to_take
 from swarmd.node.dht import BootstrapError, DHTNode, KeyReader
 from swarmd.node.errors import innermost
+from swarmd.node.heap import settle_heap
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.metrics import Metrics, MetricsServer
 from swarmd.node.peer import Scratch, announce, peer_service
@@ -947,6 +948,7 @@ class Peer:
 
 def run_join(options: JoinOptions) -> int:
     torch.set_num_threads(1)
+    settle_heap()
     try:
         trio.run(Peer(options).run)
     except BaseExceptionGroup as group:

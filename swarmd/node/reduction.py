@@ -66,10 +66,22 @@ def l2_norm(value: torch.Tensor) -> float:
 _CHUNK = 1 << 16
 
 
-def weighted_mean(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+def _output(n: int, out: torch.Tensor | None) -> torch.Tensor:
+    """`out` checked to be a float32 vector of n values, or a fresh one."""
+    if out is None:
+        return torch.empty(n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (n,) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 vector of {n} values")
+    return out
+
+
+def weighted_mean(
+    values: list[torch.Tensor], weights: list[float], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum(w_i x_i) / sum(w_i) accumulated in float64, rounded once to float32: the correctly
     rounded mean, whatever the order (so a test can check it exactly). Chunked so that the
-    float64 temporaries stay in cache: 3.5x faster than whole-tensor float64 arithmetic."""
+    float64 temporaries stay in cache: 3.5x faster than whole-tensor float64 arithmetic.
+    Written into `out` when given (it must not be one of `values`)."""
     total = sum(weights)
     if len(values) != len(weights):
         raise ValueError("one weight per value")
@@ -77,7 +89,7 @@ def weighted_mean(values: list[torch.Tensor], weights: list[float]) -> torch.Ten
     # costs several times a multiplication.
     inverse = 1.0 / total if math.frexp(total)[0] == 0.5 else None
     n = values[0].numel()
-    out = torch.empty(n, dtype=torch.float32)
+    out = _output(n, out)
     acc = torch.empty(min(n, _CHUNK), dtype=torch.float64)
     tmp = torch.empty_like(acc)
     for start in range(0, n, _CHUNK):
@@ -97,7 +109,9 @@ def weighted_mean(values: list[torch.Tensor], weights: list[float]) -> torch.Ten
     return out
 
 
-def weighted_mean_fp32(values: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+def weighted_mean_fp32(
+    values: list[torch.Tensor], weights: list[float], out: torch.Tensor | None = None
+) -> torch.Tensor:
     """sum(w_i x_i) / sum(w_i) in float32: for contributions that a lossy codec already
     rounded (int8's error is about absmax/254 per block), float32's 1e-7 relative summation
     error is invisible, and skipping the float64 conversions makes this 3-4x faster."""
@@ -105,7 +119,7 @@ def weighted_mean_fp32(values: list[torch.Tensor], weights: list[float]) -> torc
         raise ValueError("one weight per value")
     total = sum(weights)
     n = values[0].numel()
-    out = torch.empty(n, dtype=torch.float32)
+    out = _output(n, out)
     for start in range(0, n, _CHUNK):
         end = min(n, start + _CHUNK)
         a = out[start:end]
@@ -148,13 +162,16 @@ def aggregate(
     config: ReductionConfig,
     *,
     exact: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reduced part, float32. The plain mean is `weighted_mean` (correctly rounded), or
-    with ``exact=False`` `weighted_mean_fp32`, for values a lossy codec already rounded."""
+    with ``exact=False`` `weighted_mean_fp32`, for values a lossy codec already rounded. The
+    plain mean is written into `out` when given; the robust ones return a fresh tensor."""
     if not values:
         raise ValueError("nothing to aggregate")
     if config.aggregation == "mean" or len(values) < 3:
-        return weighted_mean(values, weights) if exact else weighted_mean_fp32(values, weights)
+        mean = weighted_mean if exact else weighted_mean_fp32
+        return mean(values, weights, out)
     stacked = torch.stack(values)
     if config.aggregation == "trimmed_mean":
         k = int(config.trim_fraction * len(values))

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import pytest
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member, allreduce_named
+from swarmd.node.allreduce import (
+    AllReduceConfig,
+    Averager,
+    CodecName,
+    Group,
+    Member,
+    allreduce_named,
+)
 from swarmd.node.dht import DHTConfig
 from swarmd.node.dht.node import open_dht
 from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
@@ -210,6 +220,57 @@ def test_zstd_framed_int8_parts_shrink_and_average_within_the_int8_bound() -> No
     # 2 phases x 3 peers x 2 parts of ~13,333 values at ~1 byte each, unframed.
     assert sent[None] >= 6 * 2 * 13_000
     assert sent[3] < 0.8 * sent[None]
+
+
+async def _average_all(
+    peers: list[Peer],
+    key: str,
+    values: list[torch.Tensor],
+    codec: CodecName,
+    outs: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """One all-reduce round of all `peers` (a group formed under `key`): their results."""
+    groups = await _form_all(peers, key, dataclasses.replace(FAST, target_group_size=len(peers)))
+    group = groups[0]
+    assert group is not None and all(g == group for g in groups)
+    results: list[torch.Tensor] = [torch.empty(0)] * len(peers)
+
+    async def reduce(i: int) -> None:
+        out = None if outs is None else outs[i]
+        res = await peers[i].averager.allreduce(
+            group, values[i], 1.0, key=key, codec=codec, out=out
+        )
+        assert res.ok and not res.dropped
+        assert out is None or res.tensor is out
+        results[i] = res.tensor
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(peers)):
+            nursery.start_soon(reduce, i)
+    return results
+
+
+def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round() -> None:
+    """`out=` (a buffer a caller reuses every round) holds exactly the bytes a fresh result
+    would, for int8 (whose reducer then quantises in place) and fp32; a buffer of the wrong
+    size or dtype, or one overlapping the input, is refused before anything is sent."""
+    values = [torch.randn(30_001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    async def main() -> None:
+        async with swarm(3, AllReduceConfig(codec="int8")) as peers:
+            for r, codec in enumerate(("int8", "fp32")):
+                # Separate keys: no error-feedback residual carries from one round to the other.
+                fresh = await _average_all(peers, round_key("run", 10 + 2 * r), values, codec)
+                reused = [torch.full((30_001,), math.nan) for _ in range(3)]
+                await _average_all(peers, round_key("run", 11 + 2 * r), values, codec, reused)
+                for i in range(3):
+                    assert torch.equal(fresh[i], fresh[0]) and torch.equal(reused[i], fresh[0])
+            group = Group(b"x" * 32, [p.member for p in peers])
+            for bad in (torch.empty(30_000), values[0], torch.empty(30_001, dtype=torch.float64)):
+                with pytest.raises(ValueError, match="out must"):
+                    await peers[0].averager.allreduce(group, values[0], 1.0, out=bad)
+
+    trio.run(main)
 
 
 def test_a_latecomer_does_not_group_with_peers_already_committed() -> None:

@@ -221,6 +221,23 @@ def test_segments_and_fused_residual_match_a_decode(n: int, block: int) -> None:
         codec.encode_segments(x, torch.empty(n + 1))
 
 
+@pytest.mark.parametrize("n", [1, 255, 70_001])
+def test_decoded_is_what_a_receiver_decodes_even_in_place(n: int) -> None:
+    """`decoded=` gets exactly decode(encode(x)), also when it is the input itself (how a
+    reducer turns its reduced part into the shared result without decoding the payload)."""
+    codec = Int8Codec(Int8Config(block_size=64, bits=6))
+    x = torch.randn(n) * torch.linspace(1e-3, 50.0, n)
+    expected = codec.decode(codec.encode(x), DecodeLimits.for_tensor(x))
+    target, residual = torch.full((n,), math.nan), torch.empty(n)
+    assert b"".join(codec.encode_segments(x, residual, decoded=target)) == codec.encode(x)
+    assert torch.equal(target, expected) and torch.equal(residual, x - expected)
+    in_place = x.clone()
+    assert b"".join(codec.encode_segments(in_place, decoded=in_place)) == codec.encode(x)
+    assert torch.equal(in_place, expected)
+    with pytest.raises(CompressionError, match="decoded must be"):
+        codec.encode_segments(x, decoded=torch.empty(n + 1))
+
+
 def test_decode_into_writes_the_decoded_values_in_place() -> None:
     codec = Int8Codec()
     x = torch.randn(10_000)

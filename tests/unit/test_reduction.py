@@ -44,6 +44,18 @@ def test_inexact_mean_for_lossy_parts_is_within_float32_rounding() -> None:
     assert not torch.equal(got, truth.float())  # it really is the cheaper, inexact sum
 
 
+@pytest.mark.parametrize("exact", [True, False])
+def test_mean_into_out_is_the_same_mean(exact: bool) -> None:
+    xs = [torch.randn(70_001) for _ in range(3)]
+    ws = [1.0, 2.0, 3.0]
+    out = torch.full((70_001,), math.nan)
+    got = aggregate(xs, ws, ReductionConfig(), exact=exact, out=out)
+    assert got is out and torch.equal(out, aggregate(xs, ws, ReductionConfig(), exact=exact))
+    for bad in (torch.empty(70_000), torch.empty(70_001, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="out must be"):
+            aggregate(xs, ws, ReductionConfig(), exact=exact, out=bad)
+
+
 def test_trimmed_mean_ignores_one_extreme_peer() -> None:
     honest = [torch.full((100,), float(v)) for v in (1.0, 2.0, 3.0, 4.0)]
     liar = torch.full((100,), 1e9)
