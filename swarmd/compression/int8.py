@@ -111,7 +111,9 @@ def _quantize_rows(
         if residual_out is not None:
             torch.sub(blocks, buf, out=residual_out)
         if decoded_out is not None:  # last: it may be `blocks` itself
-            decoded_out.copy_(buf)
+            # From the codes, as receivers decode: `buf` holds -0.0 where a small negative value
+            # rounded to code 0, which decodes to +0.0 (equal, but not the same bytes).
+            torch.mul(q_out, scales_out.unsqueeze(1), out=decoded_out)
 
 
 def quantize_int8_chunks(

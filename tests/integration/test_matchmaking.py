@@ -255,6 +255,8 @@ def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round()
     would, for int8 (whose reducer then quantises in place) and fp32; a buffer of the wrong
     size or dtype, or one overlapping the input, is refused before anything is sent."""
     values = [torch.randn(30_001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for v in values:
+        v[::5] = -1e-9  # averages that round to int8 code 0: +0.0 everywhere, not -0.0 at one
 
     async def main() -> None:
         async with swarm(3, AllReduceConfig(codec="int8")) as peers:
@@ -263,8 +265,11 @@ def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round()
                 fresh = await _average_all(peers, round_key("run", 10 + 2 * r), values, codec)
                 reused = [torch.full((30_001,), math.nan) for _ in range(3)]
                 await _average_all(peers, round_key("run", 11 + 2 * r), values, codec, reused)
+                # The same bytes (torch.equal would let -0.0 pass for 0.0).
+                first = fresh[0].view(torch.int32)
                 for i in range(3):
-                    assert torch.equal(fresh[i], fresh[0]) and torch.equal(reused[i], fresh[0])
+                    assert torch.equal(fresh[i].view(torch.int32), first)
+                    assert torch.equal(reused[i].view(torch.int32), first)
             group = Group(b"x" * 32, [p.member for p in peers])
             for bad in (torch.empty(30_000), values[0], torch.empty(30_001, dtype=torch.float64)):
                 with pytest.raises(ValueError, match="out must"):
