@@ -227,17 +227,25 @@ class Int8Codec:
         tensor: torch.Tensor,
         residual: torch.Tensor | None = None,
         decoded: torch.Tensor | None = None,
+        codes: torch.Tensor | None = None,
     ) -> list[bytes | memoryview]:
         """The payload in pieces (header, scales, codes), with no copy to join them; with
         `residual` (float32, tensor's element count), also writes `tensor - decoded` there;
         with `decoded` (the same; `tensor` itself is allowed), what a receiver decodes: a
-        reducer gets its own copy of the result without joining and decoding the payload."""
+        reducer gets its own copy of the result without joining and decoding the payload.
+        `codes` (int8, contiguous, the element count) is where the codes go, and what the
+        payload views: a caller that sends every round can reuse it once the bytes are sent,
+        instead of fresh memory the kernel zeroes first."""
         check_float_input(tensor)
         flat = flat_float32(tensor)
         block = self.config.block_size
         n = flat.numel()
         scales = torch.empty(-(-n // block), dtype=torch.float32)
-        codes = torch.empty(n, dtype=torch.int8)
+        if codes is None:
+            codes = torch.empty(n, dtype=torch.int8)
+        elif codes.dtype != torch.int8 or codes.numel() != n or not codes.is_contiguous():
+            raise CompressionError(f"codes must be contiguous int8 with {n} elements")
+        codes = codes.view(-1)
         for name, target in (("residual", residual), ("decoded", decoded)):
             if target is not None and not (
                 target.numel() == n and target.dtype == torch.float32 and target.is_contiguous()

@@ -243,6 +243,23 @@ def test_decoded_is_what_a_receiver_decodes_even_in_place(n: int) -> None:
         codec.encode_segments(x, decoded=torch.empty(n + 1))
 
 
+def test_codes_can_go_into_a_reused_buffer() -> None:
+    """`codes=` receives the codes and the payload views it: the same bytes as a fresh
+    encoding, and changing the buffer afterwards changes the payload (so it must not be
+    reused before the bytes are sent)."""
+    codec = Int8Codec(Int8Config(block_size=256))
+    x = torch.randn(10_000)
+    buffer = torch.full((10_000,), 99, dtype=torch.int8)
+    segments = codec.encode_segments(x, codes=buffer)
+    assert b"".join(segments) == codec.encode(x)
+    assert bytes(segments[-1]) == buffer.numpy().tobytes()
+    buffer.zero_()
+    assert bytes(segments[-1]) == bytes(10_000)
+    for bad in (torch.empty(9_999, dtype=torch.int8), torch.empty(10_000, dtype=torch.uint8)):
+        with pytest.raises(CompressionError, match="codes must be"):
+            codec.encode_segments(x, codes=bad)
+
+
 def test_decode_into_writes_the_decoded_values_in_place() -> None:
     codec = Int8Codec()
     x = torch.randn(10_000)
