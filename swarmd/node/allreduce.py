@@ -256,11 +256,6 @@ class _Reduction:
         self.done = trio.Event()
         self.encoded: Encoded | None = None
         self.decoded: torch.Tensor | None = None
-        #: Where the decoded part is written when this peer is assembling its result (its
-        #: slice of the result): no fresh 100 MB tensor per round, whose first touch (the
-        #: kernel zeroing its pages) was half of all-reduce's CPU time. Lossy codecs only:
-        #: fp32's reduced values are what members fetch, and must stay the round's own.
-        self.out: torch.Tensor | None = None
         self.contributors: set[int] = set()
 
     def add(self, index: int, value: torch.Tensor | None, weight: float, why: str = "") -> None:
@@ -629,11 +624,10 @@ class Averager:
         async def reduce(j: int, attempt: int, own: torch.Tensor) -> None:
             red = rnd.reduction(j, attempt)
             s, e = rnd.bounds[j]
-            red.out = result[s:e]  # this peer takes the part into its result from there
             red.add(me, own, weight)
             with trio.move_on_after(phase_deadline):
                 await red.all_arrived.wait()
-            await self._finish_reduction(red, rnd)
+            await self._finish_reduction(red, rnd, result[s:e])
             dropped.update(red.expected - red.contributors)
 
         def decode_part(j: int, blob: bytes | bytearray) -> bool:
@@ -685,7 +679,7 @@ class Averager:
             s, e = rnd.bounds[me]
             nursery.start_soon(reduce, me, 0, to_send[s:e])
 
-        encoded_parts.clear()  # every send has returned: nothing views the codes any more
+        # Every send has returned: the codes can serve the next round of this key.
         self._sent_codes.update(((key, j), codes) for j, codes in sent_codes.items())
         if residual is not None:
             s, e = rnd.bounds[me]
@@ -777,8 +771,12 @@ class Averager:
                 nursery.start_soon(ask, i)
         return found[0] if found else None
 
-    async def _finish_reduction(self, red: _Reduction, rnd: _Round) -> None:
-        """Drops outliers, aggregates, encodes once; every member gets exactly these bytes."""
+    async def _finish_reduction(self, red: _Reduction, rnd: _Round, out: torch.Tensor) -> None:
+        """Drops outliers, aggregates, encodes once; every member gets exactly these bytes.
+
+        `out` is this peer's slice of its result for the part: lossy codecs aggregate and
+        decode there (no fresh 100 MB tensor per round, whose first touch, the kernel zeroing
+        its pages, was half of all-reduce's CPU time), and `red.decoded` is then `out`."""
         if red.done.is_set():
             return
         values = dict(red.values)
@@ -801,32 +799,29 @@ class Averager:
                     exact=rnd.codec_name == "fp32",
                     # fp32's encoding is a view of `reduced`, served to members after this
                     # peer's round ends: it must not be the caller's result.
-                    out=None if rnd.codec_name == "fp32" else red.out,
+                    out=None if rnd.codec_name == "fp32" else out,
                 )
             )
-            in_place = isinstance(rnd.codec, Int8Codec)
             if isinstance(rnd.codec, Int8Codec):
-                # Quantised in place: `reduced` (this round's, or the result slice) becomes what
-                # members decode, with no joined copy of the payload and no decoding pass.
+                # Quantised in place: `reduced` (`out`, or a robust reduction's own tensor)
+                # becomes what members decode, with no joined copy and no decoding pass.
                 encode = functools.partial(rnd.codec.encode_segments, reduced, decoded=reduced)
                 encoded = await trio.to_thread.run_sync(encode)
                 red.decoded = reduced
             else:
                 encoded = await trio.to_thread.run_sync(encode_segments, rnd.codec, reduced)
+                if rnd.codec_name == "fp32":
+                    red.decoded = reduced  # lossless: what members decode is exactly this
+                else:
+                    # `reduced` is encoded: overwrite `out` with what members decode (from the
+                    # bytes before the lossless zstd frame: no need to inflate them).
+                    blob = b"".join(encoded)
+                    limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
+                    await trio.to_thread.run_sync(decode_into, blob, limits, out)
+                    red.decoded = out
             red.encoded = encoded
             if rnd.zstd_level is not None:
                 red.encoded = await trio.to_thread.run_sync(zstd_framed, encoded, rnd.zstd_level)
-            if rnd.codec_name == "fp32":
-                red.decoded = reduced  # lossless: what members decode is exactly this
-            elif not in_place:
-                # From the bytes before the (lossless) zstd frame: no need to inflate them.
-                blob = b"".join(encoded)
-                limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
-                if red.out is None:
-                    red.decoded = await trio.to_thread.run_sync(decode, blob, limits)
-                else:  # `reduced` (possibly red.out itself) is encoded: overwrite it
-                    await trio.to_thread.run_sync(decode_into, blob, limits, red.out)
-                    red.decoded = red.out
         red.contributors = set(order)
         # The contributions are never read again (relays serve the encoded result): free them.
         # `values` too: fp32 contributions are views of their receive buffers, and a buffer

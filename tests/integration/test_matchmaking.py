@@ -252,7 +252,7 @@ async def _average_all(
 
 def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round() -> None:
     """`out=` (a buffer a caller reuses every round) holds exactly the bytes a fresh result
-    would, for int8 (whose reducer then quantises in place) and fp32; a buffer of the wrong
+    would, for int8 (whose reducer then quantises in place), fp16 and fp32; a buffer of the wrong
     size or dtype, or one overlapping the input, is refused before anything is sent."""
     values = [torch.randn(30_001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     for v in values:
@@ -260,7 +260,7 @@ def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round()
 
     async def main() -> None:
         async with swarm(3, AllReduceConfig(codec="int8")) as peers:
-            for r, codec in enumerate(("int8", "fp32")):
+            for r, codec in enumerate(("int8", "fp16", "fp32")):
                 # Separate keys: no error-feedback residual carries from one round to the other.
                 fresh = await _average_all(peers, round_key("run", 10 + 2 * r), values, codec)
                 reused = [torch.full((30_001,), math.nan) for _ in range(3)]
