@@ -26,27 +26,28 @@ def run_chaos(out: Path, *args: str, timeout: float) -> subprocess.CompletedProc
 
 def digest(out: Path) -> str:
     """What a failed run's peers did, round by round, and what they logged: CI keeps no
-    files, and a liveness race under faults cannot be studied from the report alone."""
-    lines = []
+    files, and a liveness race under faults cannot be studied from the report alone. Each
+    part keeps its own tail, so a long soak's logs do not push the final rounds out."""
+    events = []
     jsonl = out / "chaos.jsonl"
     if jsonl.is_file():
         for line in jsonl.read_text().splitlines():
             r = json.loads(line)
             if r["type"] == "peer" and r["event"] == "outer_step":
-                lines.append(
+                events.append(
                     f"t={r['t']:.1f} peer{r['peer']} round {r['round']} {r['status']} "
                     f"group {r['group_size']} dropped {r['dropped']} wait {r['wait_s']}s "
                     f"{r['state_hash'][:8]}"
                 )
             elif r["type"] != "peer" or r["event"] not in ("progress", "validation"):
-                lines.append(f"t={r['t']:.1f} {line[:160]}")
-    for log in sorted((out / "logs").glob("*.log")):
-        lines += [
-            f"{log.stem}: {line}"
-            for line in log.read_text(errors="replace").splitlines()
-            if "serving state" not in line
-        ]
-    return "\n".join(lines[-400:])
+                events.append(f"t={r['t']:.1f} {line[:160]}")
+    logged = [
+        f"{log.stem}: {line}"
+        for log in sorted((out / "logs").glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "serving state" not in line
+    ]
+    return "\n".join(events[-300:] + logged[-150:])
 
 
 def check_outputs(done: subprocess.CompletedProcess[str], out: Path) -> dict[str, str]:
