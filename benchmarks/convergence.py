@@ -50,7 +50,7 @@ import torch
 from swarmd.node.children import EventChild as Child
 from swarmd.node.children import stop_all
 from swarmd.node.daemon import NUM_SHARDS
-from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
+from swarmd.workloads import GPT, DeviceError, GPTConfig, evaluate, load_source, resolve_device
 
 HERE = Path(__file__).resolve().parent
 
@@ -100,6 +100,11 @@ def parse_args() -> argparse.Namespace:
         "1.8961 and 1.8721 on the whole split",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device", default="auto",
+        help="where every peer and worker trains (swarmd join --device; default: auto, the "
+        "first CUDA GPU if torch sees one)",
+    )  # fmt: skip
     p.add_argument("--fragments", "-P", type=int, default=4, help="streaming: fragments")
     p.add_argument("--overlap-steps", type=int, default=5, help="streaming: τ")
     p.add_argument("--mix-alpha", type=float, default=0.5, help="streaming: α")
@@ -131,6 +136,10 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--keep", type=Path, help="keep logs and states in this directory")
     a = p.parse_args()
+    try:
+        resolve_device(a.device)
+    except DeviceError as exc:
+        p.error(str(exc))
     if a.data_shards is None:
         a.data_shards = min(a.peers, NUM_SHARDS)
     if not 1 <= a.data_shards <= NUM_SHARDS:
@@ -203,7 +212,7 @@ def run_ddp(a: argparse.Namespace, root: Path, timeout: float) -> Outcome:
                 "--eval-batches", "1", "--shard", str(a.shard_list[i]),
                 "--data-shards", str(a.data_shards), "--lr-schedule", a.lr_schedule,
                 "--warmup-steps", str(a.warmup_steps), "--decay-steps", str(a.steps),
-                "--save", str(root / f"ddp{i}.pt"),
+                "--save", str(root / f"ddp{i}.pt"), "--device", a.device,
             ]  # fmt: skip
             workers.append(Child.spawn(f"ddp{i}", argv, root))
         started += workers
@@ -294,7 +303,8 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
             argv = swarmd(
                 "join", "--run", "convergence", "--peers", address, "--log-format", "json",
                 "--state-dir", str(root / f"peer{i}"), "--max-steps", str(a.steps),
-                "--progress-interval", "10", "--data-shard", str(a.shard_list[i]), *extra,
+                "--progress-interval", "10", "--data-shard", str(a.shard_list[i]),
+                "--device", a.device, *extra,
             )  # fmt: skip
             child = Child.spawn(f"peer{i}", argv, root, env)
             started.append(child)

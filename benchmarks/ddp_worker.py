@@ -37,7 +37,7 @@ from swarmd.optim import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
-from swarmd.workloads import GPT, GPTConfig, evaluate, load_source
+from swarmd.workloads import GPT, GPTConfig, evaluate, load_source, resolve_device
 from swarmd.workloads.data import shard_for_peer
 
 
@@ -66,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decay-steps", type=int, default=0, help="cosine: steps to the lowest lr")
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--save", type=Path, help="write the final parameters here (torch.save)")
+    p.add_argument("--device", default="auto", help="where the model trains (swarmd join's)")
     return p.parse_args()
 
 
@@ -79,7 +80,9 @@ class Trainer:
             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
             block_size=args.block_size,
         )  # fmt: skip
-        self.model = GPT(gpt, seed=args.seed)  # the same initial weights on every worker
+        self.device = resolve_device(args.device)
+        # The same initial weights on every worker (built on the CPU, whatever the device).
+        self.model = GPT(gpt, seed=args.seed).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         cfg = DiLoCoConfig()  # the very AdamW settings DiLoCo's inner optimiser uses
         self.clip = cfg.grad_clip
@@ -97,11 +100,12 @@ class Trainer:
             self.shard, a.data_shards, a.batch_size, a.block_size, a.seed, step
         )
         self.model.train()
-        _, loss = self.model(x, y)
+        _, loss = self.model(x.to(self.device), y.to(self.device))
         assert loss is not None
         self.opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
+        grads = [p.grad.reshape(-1) for p in self.params if p.grad is not None]
+        flat = torch.cat(grads).to(device="cpu", dtype=torch.float32)  # what the wire carries
         return flat, float(loss.detach())
 
     def apply(self, mean: torch.Tensor, step: int) -> None:
@@ -125,7 +129,7 @@ class Trainer:
     def param_hash(self) -> str:
         h = hashlib.sha256()
         for p in self.params:
-            h.update(p.detach().numpy().tobytes())
+            h.update(p.detach().cpu().numpy().tobytes())
         return h.hexdigest()
 
 
@@ -193,7 +197,7 @@ async def main(args: argparse.Namespace, state_dir: Path) -> None:
                     )  # fmt: skip
             val = await trio.to_thread.run_sync(trainer.validate)
             if args.save is not None:
-                torch.save(trainer.model.state_dict(), args.save)
+                torch.save({k: v.cpu() for k, v in trainer.model.state_dict().items()}, args.save)
             emit(
                 "done", val_loss=val, param_hash=trainer.param_hash(),
                 sent_bytes=metrics.sent_total, received_bytes=metrics.received_total,

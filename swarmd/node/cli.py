@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --create-run: the run's algorithm (overrides the file's `algo`); without "
         "it: refuse to join a run that uses another one",
     )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model trains: auto (the first CUDA GPU if torch sees one, else the "
+        "CPU), cpu, cuda, cuda:N or mps (default: auto). A peer's own choice: peers on GPUs "
+        "and CPUs train the same run, and what they exchange is the same fp32 CPU vector",
+    )
     p.add_argument("--max-steps", type=_positive_int, default=None, help="stop after N steps")
     p.add_argument(
         "--data-shard",
@@ -581,6 +588,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             algo=args.algo,
             data_shard=args.data_shard,
             bulk_port=None if args.no_bulk else args.bulk_port,
+            device=args.device,
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None

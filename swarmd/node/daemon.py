@@ -58,6 +58,7 @@ from swarmd.workloads import (
     evaluate,
     load_model,
     load_source,
+    resolve_device,
     shard_for_peer,
 )
 
@@ -111,6 +112,8 @@ class JoinOptions:
     data_shard: int | None = None
     #: The bulk data plane's port (0: the OS picks; None: tensors go over gRPC only).
     bulk_port: int | None = 0
+    #: Where the model trains (swarmd/workloads/device.py): a peer's own choice.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -123,6 +126,7 @@ class JoinOptions:
             raise ValueError(f"data_shard must be in [0, {NUM_SHARDS}), got {self.data_shard}")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
+        resolve_device(self.device)  # a missing GPU is a usage error, said before joining
 
 
 class Progress:
@@ -368,6 +372,7 @@ class Peer:
                 model = load_model(config.model)
             except ModelLoadError as exc:
                 raise JoinError(str(exc)) from None
+        model.to(resolve_device(self.opts.device))
         opt: Optimizer
         if config.algo == "streaming-diloco":
             try:

@@ -268,13 +268,14 @@ def flat_from_state(
 def inner_state_dict(
     names: Sequence[str], params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
-    """Local parameters and the inner optimiser's per-parameter tensors, by name (copies)."""
+    """Local parameters and the inner optimiser's per-parameter tensors, by name (CPU copies,
+    so a peer may restart on another device than the one it saved from)."""
     out: dict[str, torch.Tensor] = {}
     for name, p in zip(names, params, strict=True):
-        out[f"local.{name}"] = p.detach().clone()
+        out[f"local.{name}"] = p.detach().to("cpu", copy=True)
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
-                out[f"inner.{key}.{name}"] = value.detach().clone()
+                out[f"inner.{key}.{name}"] = value.detach().to("cpu", copy=True)
     return out
 
 
@@ -297,7 +298,12 @@ def load_inner_state(
             if k.startswith(prefix) and k.endswith(suffix) and "." not in k[6 : -len(suffix)]
         }
         if entries:
-            inner[p] = {k: v.detach().clone() for k, v in entries.items()}
+            # Moments go where the parameter is; Adam's `step` counter stays a CPU scalar, as
+            # torch's own Optimizer.load_state_dict leaves it for the default implementations.
+            inner[p] = {
+                k: v.detach().to("cpu" if k == "step" else p.device, copy=True)
+                for k, v in entries.items()
+            }
     with torch.no_grad():
         for name, p in zip(names, params, strict=True):
             p.copy_(state[f"local.{name}"])

@@ -14,6 +14,7 @@ from swarmd.workloads.data import (
     shard_for_peer,
     text_source,
 )
+from swarmd.workloads.device import DeviceError, resolve_device
 from swarmd.workloads.evaluate import evaluate
 from swarmd.workloads.gpt import GPT, GPTConfig, lm_loss
 from swarmd.workloads.registry import ModelLoadError, check_model, load_model
@@ -22,6 +23,7 @@ __all__ = [
     "BYTE_VOCAB",
     "GPT",
     "DataError",
+    "DeviceError",
     "GPTConfig",
     "ModelLoadError",
     "TokenSource",
@@ -32,6 +34,7 @@ __all__ = [
     "lm_loss",
     "load_model",
     "load_source",
+    "resolve_device",
     "shard_for_peer",
     "text_source",
 ]

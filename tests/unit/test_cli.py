@@ -114,3 +114,14 @@ def test_join_refuses_a_bulk_port_out_of_range(
     argv = ["join", "--run", "r", "--state-dir", str(tmp_path), "--bulk-port", "70000"]
     assert cli.main(argv) == 2
     assert "bulk_port must be in [0, 65535], got 70000" in capsys.readouterr().err
+
+
+def test_join_refuses_a_device_it_does_not_know(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["join", "--run", "r", "--state-dir", str(tmp_path), "--device", "gpu"]
+    assert cli.main(argv) == 2
+    assert "unknown device 'gpu'; use auto, cpu, cuda, cuda:N or mps" in capsys.readouterr().err
+    monkeypatch.setenv("SWARMD_DEVICE", "tpu")  # the environment reaches the same check
+    assert cli.main(argv[:-2]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err

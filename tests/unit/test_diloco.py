@@ -232,6 +232,24 @@ def test_state_round_trip_resumes_bit_identically() -> None:
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_local_state_is_a_cpu_copy() -> None:
+    """Saved local state must not alias the live tensors (the daemon writes it to disk while
+    training goes on) and is on the CPU, so a peer can restart on another device."""
+    opt = DiLoCo(GPT(TINY, seed=0), DiLoCoConfig(inner_steps=5))
+    _train(opt, _batches(2, seed=1))
+    saved = opt.local_state_dict()
+    before = {k: v.clone() for k, v in saved.items()}
+    assert all(v.device.type == "cpu" for v in saved.values())
+    _train(opt, _batches(2, seed=2))  # moves the parameters and the AdamW moments
+    assert all(torch.equal(saved[k], before[k]) for k in saved)
+    restored = DiLoCo(GPT(TINY, seed=3), DiLoCoConfig(inner_steps=5))
+    restored.load_state_dict(opt.state_dict())
+    restored.load_local_state_dict(saved)
+    for p in restored.model.parameters():
+        state = restored.inner_optimizer.state[p]
+        assert state["exp_avg"].device == p.device and state["step"].device.type == "cpu"
+
+
 def test_joiner_adopts_the_global_state() -> None:
     config = DiLoCoConfig(inner_steps=2, inner_lr=3e-3)
     donor = DiLoCo(GPT(TINY, seed=0), config)
