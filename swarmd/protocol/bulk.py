@@ -452,4 +452,3 @@ async def get(
     except OSError as exc:
         raise RpcError(StatusCode.UNAVAILABLE, f"bulk connection failed: {exc}") from None
     return meta, buf, received + meta.nbytes
-

@@ -218,9 +218,7 @@ class FaultInjector:
         plan = self.plan()
         if plan.isolated:
             return "fault injection: this peer is isolated from the network"
-        if plan.blocked and (
-            address in plan.blocked or address.rpartition(":")[0] in plan.blocked
-        ):
+        if plan.blocked and (address in plan.blocked or address.rpartition(":")[0] in plan.blocked):
             return f"fault injection: {address} is partitioned from this peer"
         if plan.loss and self._rng.random() < plan.loss:
             return "fault injection: connection lost"

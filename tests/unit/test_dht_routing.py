@@ -153,4 +153,3 @@ def test_failures_during_one_back_off_count_once() -> None:
     clock.now += 2.01
     assert not table.in_backoff(p)
     assert table.seen(p, "127.0.0.1:5000")
-

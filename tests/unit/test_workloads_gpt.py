@@ -46,9 +46,10 @@ def test_weight_tying() -> None:
     assert model.head.lm_head.weight is model.embed.wte.weight
     untied = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, tie_weights=False))
     assert untied.head.lm_head.weight is not untied.embed.wte.weight
-    assert untied.num_params() == GPT(
-        GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
-    ).num_params() + 256 * 32
+    assert (
+        untied.num_params()
+        == GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)).num_params() + 256 * 32
+    )
 
 
 def test_default_size_and_speed() -> None:
