@@ -9,6 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import trio
+
+import swarmd
+from swarmd.node.dht.node import open_dht
+from swarmd.node.runconfig import CONFIG_TTL_S, RunConfig, config_key
+from swarmd.protocol.identity import Identity
 from tests.helpers import Proc, ProcessGroup, swarmd_cmd
 
 # Six rounds of H=5 are too few for the paper's outer momentum 0.9 to warm up: it overshoots
@@ -163,6 +169,31 @@ def test_unknown_run_is_a_clear_error(processes: ProcessGroup, tmp_path: Path) -
     assert peer.process.returncode == 2
     time.sleep(0.2)
     assert "no run named 't'" in "".join(peer.stderr_tail)
+
+
+def test_a_run_made_by_another_swarmd_version_is_refused(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """A properly signed config in the real DHT, but from another version: no training."""
+    boot = start_bootstrap(processes, tmp_path)
+    raw = json.loads(RunConfig(name="t").to_json())
+    raw["version"] = "0.0.1"
+
+    async def publish() -> int:
+        identity = Identity.load_or_create(tmp_path / "creator")
+        async with open_dht(identity, bootstrap=[boot]) as (node, _server):
+            return await node.store(
+                config_key("t"), json.dumps(raw).encode(), node.now() + CONFIG_TTL_S
+            )
+
+    assert trio.run(publish) >= 1  # the bootstrap node holds it after this node leaves
+    peer = processes.start(join_cmd(tmp_path, "p0", boot, "--join-timeout", "20"))
+    peer.process.wait(timeout=60)
+    assert peer.process.returncode == 2
+    time.sleep(0.2)  # the stderr pump
+    stderr = "".join(peer.stderr_tail)
+    assert f"created with swarmd 0.0.1, this is swarmd {swarmd.__version__}" in stderr
+    assert not (tmp_path / "p0" / "state.pt").exists()
 
 
 def test_a_data_shard_beyond_the_runs_shards_is_refused(
