@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inner-steps", "-H", default="50", help="round lengths, the last repeats")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW lr (baseline and inner)")
     p.add_argument("--lr-schedule", default="cosine", choices=SCHEDULES)
-    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     p.add_argument("--outer-lr", type=float, default=0.5)
     p.add_argument("--outer-momentum", type=float, default=0.75)
     p.add_argument(
@@ -69,6 +69,8 @@ def parse_args() -> argparse.Namespace:
         p.error("-H lengths, --steps and --peers must be positive")
     if not 0 <= a.bits <= 8 or a.bits == 1:
         p.error("--bits must be 0 or in [2, 8]")
+    if a.warmup_steps is None:
+        a.warmup_steps = a.steps // 20
     try:
         lr_schedule(a)
     except ValueError as exc:
