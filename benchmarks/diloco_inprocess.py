@@ -5,7 +5,7 @@ compression, bytes counted by the transport. This script asks a narrower questio
 enough to sweep: how close can DiLoCo's *optimisation* come to data-parallel training at the
 same token budget, whatever the bytes? It runs K replicas of the built-in GPT in lockstep with
 swarmd's own `DiLoCo` (inner AdamW, Nesterov outer step), averages their pseudo-gradients in
-memory (optionally rounded like the int8 codec, with error feedback), and compares with one
+memory (optionally sent through the int8 codec with error feedback first), and compares with one
 model trained on the K replicas' batches concatenated (what an fp32 all-reduce of gradients
 computes). Same data, shards, batches and initial weights as convergence.py at the same seed.
 
@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from swarmd.compression.error_feedback import ErrorFeedback
+from swarmd.compression.int8 import Int8Codec, Int8Config
 from swarmd.optim import DiLoCoConfig
 from swarmd.optim.diloco import DiLoCo, build_inner_optimizer, train_step
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
@@ -47,8 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.75)
     p.add_argument(
         "--bits", type=int, default=0,
-        help="round each pseudo-gradient like the int8 codec at this many bits (blocks of "
-        "4096, absmax scale, error feedback); 0: exact fp32 mean",
+        help="send each pseudo-gradient through swarmd's int8 codec with error feedback, codes "
+        "of this many bits in blocks of 4096 (the daemon's path); 0: exact fp32 mean",
     )  # fmt: skip
     p.add_argument(
         "--stripe", type=int, default=0,
@@ -104,16 +106,6 @@ def lr_schedule(a: argparse.Namespace) -> LrSchedule:
     return LrSchedule(a.lr_schedule, a.warmup_steps, a.steps if a.lr_schedule == "cosine" else 0)
 
 
-def round_like_int8(values: torch.Tensor, bits: int, block: int = 4096) -> torch.Tensor:
-    """Blockwise absmax rounding to ±(2**(bits-1) - 1) levels, as the int8 codec does."""
-    qmax = (1 << (bits - 1)) - 1
-    n = values.numel()
-    rows = torch.cat([values, values.new_zeros((-n) % block)]).view(-1, block)
-    scale = rows.abs().amax(1, keepdim=True) / qmax
-    scale[scale == 0] = 1.0
-    return ((rows / scale).round().clamp(-qmax, qmax) * scale).view(-1)[:n]
-
-
 def run_ddp(
     a: argparse.Namespace, gpt: GPTConfig, batches: Batches, point: Callable[[int, GPT], None]
 ) -> GPT:
@@ -154,7 +146,9 @@ def main() -> None:
             outer_momentum=a.outer_momentum, lr_schedule=schedule,
         )  # fmt: skip
         replicas = [DiLoCo(GPT(gpt, seed=a.seed), cfg) for _ in range(a.peers)]
-        residual = [torch.zeros(replicas[0].numel) for _ in replicas]
+        # One error-feedback encoder per replica, as each daemon keeps its own residual.
+        codec = Int8Config(4096, a.bits) if a.bits else None
+        senders = [ErrorFeedback(Int8Codec(codec)) for _ in replicas] if codec else []
         step = 0
         while step < a.steps:
             h = min(a.rounds[min(syncs, len(a.rounds) - 1)], a.steps - step)
@@ -165,17 +159,15 @@ def main() -> None:
                     train_step(rep.model, rep._params, rep.inner_optimizer, cfg.grad_clip,
                                batches(i, step))  # fmt: skip
                 step += 1
-            sent = []
-            for i, rep in enumerate(replicas):
-                pg = rep.pseudo_gradient()
-                if a.bits:
-                    carried = pg + residual[i]
-                    pg = round_like_int8(carried, a.bits)
-                    residual[i] = carried - pg
-                sent.append(pg)
+            pgs = [rep.pseudo_gradient() for rep in replicas]
+            sent = pgs
+            if a.bits:
+                sent = [
+                    f.encode_with_decoded("pg", pg)[1] for f, pg in zip(senders, pgs, strict=True)
+                ]
             mean = torch.stack(sent).mean(0)
-            for rep in replicas:
-                rep.apply_outer(rep.pseudo_gradient(), mean)
+            for rep, pg in zip(replicas, pgs, strict=True):
+                rep.apply_outer(pg, mean)
             syncs += 1
             if a.curve and syncs % a.curve == 0:
                 point(step, replicas[0].model)
