@@ -1,9 +1,9 @@
 """Butterfly all-reduce between separate processes on loopback, against a raw-socket bound.
 
 Each of P worker processes holds M million random fp32 values (seeded by its index) and runs
-rounds of swarmd's all-reduce (swarmd/node/allreduce.py) with the others. The group is given
-formed each round through the DHT (swarmd/node/matchmaking.py, every worker runs a DHT node),
-and that time is reported separately as matchmaking_s, not included in round_s.
+rounds of swarmd's all-reduce (swarmd/node/averaging/allreduce.py) with the others. The group
+is formed each round through the DHT (swarmd/node/averaging/matchmaking.py, every worker runs a
+DHT node), and that time is reported separately as matchmaking_s, not included in round_s.
 
 bound_s is the bytes-on-wire lower bound: the bytes that must cross loopback in one round
 (every peer sends (P-1)/P of its vector in each of the two phases, at the codec's size) divided
@@ -28,11 +28,11 @@ import time
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Member
-from swarmd.node.cli import THP_ENV
+from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Member
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.cli.app import THP_ENV
 from swarmd.node.dht.node import open_dht
-from swarmd.node.heap import settle_heap
-from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.runtime.heap import settle_heap
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
 

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 import trio
 
-from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member
-from swarmd.node.daemon import NUM_SHARDS
+from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Group, Member
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
+from swarmd.node.averaging.reduction import ReductionConfig
 from swarmd.node.dht import DHTNode
-from swarmd.node.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.metrics import Metrics
-from swarmd.node.reduction import ReductionConfig
+from swarmd.node.training.daemon import NUM_SHARDS
 from swarmd.optim import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.protocol import rpc

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from swarmd.node.children import stop_all
+from swarmd.node.runtime.children import stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,7 @@ import torch
 import trio
 
 from swarmd.compression.codec import Codec
-from swarmd.node.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
+from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 

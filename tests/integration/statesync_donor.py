@@ -18,7 +18,7 @@ import signal
 import torch
 import trio
 
-from swarmd.node.statesync import DonorConfig, StateDonor, StateSnapshot
+from swarmd.node.statesync.download import DonorConfig, StateDonor, StateSnapshot
 from swarmd.protocol import rpc
 
 

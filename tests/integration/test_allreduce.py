@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.allreduce import PUT_PART, part_bounds
+from swarmd.node.averaging.allreduce import PUT_PART, part_bounds
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta

@@ -100,7 +100,7 @@ def test_no_answering_bootstrap_peer_is_a_clear_error(tmp_path: Path) -> None:
 def test_a_dht_only_node_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import swarmd.node.cli, swarmd.node.dht, swarmd.node.dht.main\n"
+        "import swarmd.node.cli.app, swarmd.node.dht, swarmd.node.dht.main\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('swarmd'))))\n"
     )

@@ -13,7 +13,7 @@ import trio
 
 import swarmd
 from swarmd.node.dht.node import open_dht
-from swarmd.node.runconfig import CONFIG_TTL_S, RunConfig, config_key
+from swarmd.node.training.runconfig import CONFIG_TTL_S, RunConfig, config_key
 from swarmd.protocol.identity import Identity
 from tests.helpers import Proc, ProcessGroup, swarmd_cmd
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.allreduce import (
+from swarmd.node.averaging.allreduce import (
     AllReduceConfig,
     Averager,
     CodecName,
@@ -19,9 +19,9 @@ from swarmd.node.allreduce import (
     Member,
     allreduce_named,
 )
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.dht import DHTConfig
 from swarmd.node.dht.node import open_dht
-from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc

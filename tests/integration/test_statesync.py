@@ -25,7 +25,7 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.statesync import (
+from swarmd.node.statesync.download import (
     GET_CHUNK,
     GET_MANIFEST,
     DonorConfig,

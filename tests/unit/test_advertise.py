@@ -1,8 +1,8 @@
-"""The address a peer advertises when it listens on every interface (swarmd.node.advertise)."""
+"""The address a peer advertises when it listens on every interface (node.server.advertise)."""
 
 from __future__ import annotations
 
-from swarmd.node.advertise import advertised_address
+from swarmd.node.server.advertise import advertised_address
 from swarmd.protocol.address import Address
 
 

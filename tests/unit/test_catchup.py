@@ -1,10 +1,10 @@
-"""Which advertised state a peer takes instead of its own (swarmd.node.catchup)."""
+"""Which advertised state a peer takes instead of its own (swarmd.node.statesync.catchup)."""
 
 from __future__ import annotations
 
-from swarmd.node.catchup import state_to_take
-from swarmd.node.statesync_donor import StateAdvert
-from swarmd.node.statesync_snapshot import HASH_BYTES
+from swarmd.node.statesync.catchup import state_to_take
+from swarmd.node.statesync.donor import StateAdvert
+from swarmd.node.statesync.snapshot import HASH_BYTES
 
 
 def h(name: str) -> bytes:

@@ -13,7 +13,7 @@ import torch
 import trio
 from torch import nn
 
-from swarmd.node.allreduce import AllReduceResult
+from swarmd.node.averaging.allreduce import AllReduceResult
 from swarmd.optim import DiLoCo, DiLoCoConfig, OuterStepReport
 from swarmd.workloads import GPT, GPTConfig, builtin_corpus, evaluate
 from tests.helpers import random_batches

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from swarmd.node.matchmaking import MatchmakingConfig, _Waits
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, _Waits
 
 
 def test_polls_back_off_to_the_cap() -> None:

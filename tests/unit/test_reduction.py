@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from swarmd.node.reduction import (
+from swarmd.node.averaging.reduction import (
     ReductionConfig,
     aggregate,
     check_contribution,

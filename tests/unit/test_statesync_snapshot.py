@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarmd.node.statesync import (
+from swarmd.node.statesync.download import (
     AdvertError,
     DonorConfig,
     Manifest,
@@ -20,7 +20,7 @@ from swarmd.node.statesync import (
     SyncConfig,
     choose_donors,
 )
-from swarmd.node.statesync_snapshot import ALIGN, TensorEntry, chunk_hash
+from swarmd.node.statesync.snapshot import ALIGN, TensorEntry, chunk_hash
 from swarmd.protocol import statesync_pb2 as pb
 
 

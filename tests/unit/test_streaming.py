@@ -18,9 +18,9 @@ import torch
 import trio
 import trio.testing
 
-from swarmd.node.catchup import state_to_take
-from swarmd.node.statesync_donor import StateAdvert
-from swarmd.node.statesync_snapshot import StateSnapshot
+from swarmd.node.statesync.catchup import state_to_take
+from swarmd.node.statesync.donor import StateAdvert
+from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.optim import (
     DiLoCo,
     DiLoCoConfig,

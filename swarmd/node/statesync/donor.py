@@ -17,13 +17,12 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from swarmd.node.statesync.snapshot import HASH_BYTES, MAX_STATE_BYTES, StateSnapshot
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb
 from swarmd.protocol.address import parse_address
 from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.framing import TensorMeta
-
-from .statesync_snapshot import HASH_BYTES, MAX_STATE_BYTES, StateSnapshot
 
 log = logging.getLogger("swarmd.statesync")
 

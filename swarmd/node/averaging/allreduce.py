@@ -56,14 +56,14 @@ from swarmd.compression import (
     zstd_compress,
 )
 from swarmd.compression.codec import Codec
-from swarmd.node.metrics import Metrics
-from swarmd.node.reduction import (
+from swarmd.node.averaging.reduction import (
     ReductionConfig,
     aggregate,
     check_contribution,
     l2_norm,
     norm_outliers,
 )
+from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import RECEIVE_BUFFERS, TensorMeta, payload_nbytes

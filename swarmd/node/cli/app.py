@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
-from swarmd.node.heap import settle_heap
+from swarmd.node.runtime.heap import settle_heap
 from swarmd.protocol.address import Address, parse_address
 
 EXIT_OK = 0
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="FILE",
-        help="publish a new run from this TOML file (keys: see swarmd/node/runconfig.py; "
+        help="publish a new run from this TOML file (keys: see swarmd/node/training/runconfig.py; "
         "'-' for the built-in defaults)",
     )
     p.add_argument(
@@ -465,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BaseExceptionGroup as group:  # from a command's trio.run
-        from swarmd.node.errors import innermost
+        from swarmd.node.runtime.errors import innermost
         from swarmd.protocol.errors import ListenError
 
         leaf = innermost(group)
@@ -507,7 +507,7 @@ def cmd_identity_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ping(args: argparse.Namespace) -> int:
-    from swarmd.node.ping import ping
+    from swarmd.node.cli.ping import ping
 
     return ping(args.address, count=args.count, timeout=args.timeout, state_dir=args.state_dir)
 
@@ -515,7 +515,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from swarmd.node.peer import PeerConfig, run_peer
+    from swarmd.node.server.peer import PeerConfig, run_peer
 
     config = PeerConfig(listen=args.listen, state_dir=args.state_dir, metrics=args.metrics)
     settle_heap()
@@ -557,8 +557,8 @@ def _address_list(text: str) -> tuple[str, ...]:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from swarmd.node.daemon import JoinOptions, run_join
-    from swarmd.node.runconfig import RunConfig, RunConfigError
+    from swarmd.node.training.daemon import JoinOptions, run_join
+    from swarmd.node.training.runconfig import RunConfig, RunConfigError
 
     create = None
     if args.create_run is not None:
@@ -596,17 +596,17 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from swarmd.node.status import status
+    from swarmd.node.cli.status import status
 
     return status(args.run, args.peers, args.json)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.transport_only:
-        from swarmd.node.transport_demo import run_demo as transport_demo
+        from swarmd.node.cli.transport_demo import run_demo as transport_demo
 
         return transport_demo(peers=args.peers, tensor_mib=args.tensor_mib)
-    from swarmd.node.demo import run_demo
+    from swarmd.node.cli.demo import run_demo
 
     return run_demo(peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps)
 

@@ -15,9 +15,9 @@ from typing import Any
 import trio
 
 from swarmd.node.dht import BootstrapError, DHTNode
-from swarmd.node.errors import innermost
-from swarmd.node.runconfig import RunConfig, RunConfigError, config_key, peers_key
-from swarmd.node.statesync_donor import StateAdvert, advert_key
+from swarmd.node.runtime.errors import innermost
+from swarmd.node.statesync.donor import StateAdvert, advert_key
+from swarmd.node.training.runconfig import RunConfig, RunConfigError, config_key, peers_key
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
 

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from swarmd.node.children import EventChild, stop_all
+from swarmd.node.runtime.children import EventChild, stop_all
 
 DEMO_RUN = """\
 n_layer = 2

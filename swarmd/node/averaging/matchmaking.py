@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import trio
 
-from swarmd.node.allreduce import Group, Member
+from swarmd.node.averaging.allreduce import Group, Member
 from swarmd.node.dht import DHTNode, Value
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc

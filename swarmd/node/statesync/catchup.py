@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from swarmd.node.statesync_donor import StateAdvert
+from swarmd.node.statesync.donor import StateAdvert
 
 
 def state_to_take(

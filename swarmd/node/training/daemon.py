@@ -32,19 +32,25 @@ from typing import Any
 import torch
 import trio
 
-from swarmd.node.advertise import advertised_address
-from swarmd.node.allreduce import AllReduceConfig, AllReduceResult, Averager, Member
-from swarmd.node.catchup import state_to_take
+from swarmd.node.averaging.allreduce import AllReduceConfig, AllReduceResult, Averager, Member
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.dht import BootstrapError, DHTNode, KeyReader
-from swarmd.node.errors import innermost
-from swarmd.node.heap import settle_heap
-from swarmd.node.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.metrics import Metrics, MetricsServer
-from swarmd.node.peer import Scratch, announce, peer_service
-from swarmd.node.runconfig import CONFIG_TTL_S, RunConfig, RunConfigError, config_key, peers_key
-from swarmd.node.statesync import StateSyncError, download_state
-from swarmd.node.statesync_donor import StateAdvert, StateDonor, advert_key, choose_donors
-from swarmd.node.statesync_snapshot import StateSnapshot
+from swarmd.node.runtime.errors import innermost
+from swarmd.node.runtime.heap import settle_heap
+from swarmd.node.server.advertise import advertised_address
+from swarmd.node.server.peer import Scratch, announce, peer_service
+from swarmd.node.statesync.catchup import state_to_take
+from swarmd.node.statesync.donor import StateAdvert, StateDonor, advert_key, choose_donors
+from swarmd.node.statesync.download import StateSyncError, download_state
+from swarmd.node.statesync.snapshot import StateSnapshot
+from swarmd.node.training.runconfig import (
+    CONFIG_TTL_S,
+    RunConfig,
+    RunConfigError,
+    config_key,
+    peers_key,
+)
 from swarmd.optim.diloco import DiLoCo
 from swarmd.optim.streaming import FragmentRound, StreamingDiLoCo, state_age
 from swarmd.protocol import rpc

@@ -1,6 +1,6 @@
 """State sync: a joining peer downloads the current global state from the peers that hold it.
 
-Donors (statesync_donor.py) serve a snapshot (statesync_snapshot.py) in hashed chunks. The joiner
+Donors (donor.py) serve a snapshot (snapshot.py) in hashed chunks. The joiner
 here asks every donor for its manifest, picks the state, and fetches chunks from several donors
 at once, checking each chunk against the manifest as it arrives and refetching from another
 donor whatever fails. Every wait is bounded: manifests by a timeout, each chunk by a timeout
@@ -34,11 +34,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from swarmd.protocol import rpc
-from swarmd.protocol import statesync_pb2 as pb
-from swarmd.protocol.errors import ProtocolError
-
-from .statesync_donor import (
+from swarmd.node.statesync.donor import (
     DONOR_SERVICE,
     GET_CHUNK,
     GET_MANIFEST,
@@ -50,7 +46,7 @@ from .statesync_donor import (
     advert_key,
     choose_donors,
 )
-from .statesync_snapshot import (
+from swarmd.node.statesync.snapshot import (
     DEFAULT_CHUNK_BYTES,
     HASH_BYTES,
     MAX_STATE_BYTES,
@@ -59,6 +55,9 @@ from .statesync_snapshot import (
     StateSnapshot,
     chunk_hash,
 )
+from swarmd.protocol import rpc
+from swarmd.protocol import statesync_pb2 as pb
+from swarmd.protocol.errors import ProtocolError
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

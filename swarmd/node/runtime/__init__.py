@@ -1,0 +1,1 @@
+"""Process plumbing every command shares: error unwrapping, heap settings, child processes."""

@@ -1,0 +1,1 @@
+"""Training: the peer lifecycle every algorithm shares, and one strategy per algorithm."""
