@@ -51,7 +51,7 @@ import torch
 
 from swarmd.node.runtime.children import EventChild as Child
 from swarmd.node.runtime.children import stop_all
-from swarmd.node.training.daemon import NUM_SHARDS
+from swarmd.node.training.options import NUM_SHARDS
 from swarmd.optim.schedule import LrSchedule
 from swarmd.workloads import GPT, DeviceError, GPTConfig, evaluate, load_source, resolve_device
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import swarmd
-from swarmd.node.training.daemon import load_saved, save_state
+from swarmd.node.training.localstate import load_saved, save_state
 from swarmd.node.training.runconfig import RunConfig, RunConfigError
 
 

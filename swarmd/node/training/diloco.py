@@ -1,0 +1,88 @@
+"""DiLoCo (Douillard et al. 2023): H inner steps, then the whole trainer waits for one outer
+step: catch up if behind, matchmaking, all-reduce of the pseudo-gradient, outer Nesterov step,
+publish. The optimisation itself is `swarmd.optim.diloco.DiLoCo` (pure torch, no I/O)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import trio
+
+from swarmd.node.training.outer import Averaging, OuterLoopStrategy
+from swarmd.optim.diloco import DiLoCo
+
+
+class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
+    algo = "diloco"
+
+    def make_optimizer(self, model: torch.nn.Module) -> DiLoCo:
+        return DiLoCo(model, self.peer.config.diloco_config())
+
+    async def train(self, nursery: trio.Nursery) -> int:
+        start = await self._begin()
+        step = self.first_step
+        while not self.peer.should_stop(step, start):
+            await self.inner_step(step)
+            step += 1
+            if self.opt.should_sync():
+                await self._outer_step(step)
+        return step
+
+    async def _outer_step(self, step: int) -> None:
+        t0 = time.monotonic()
+        # A peer whose state is not the group's (it missed a round, or the group moved on
+        # while it trained) takes the group's state first; its inner steps of this round are
+        # dropped.
+        if await self.state.catch_up():
+            await self.took_group_state(step, t0)
+            return
+        sent0 = dict(self.peer.metrics.sent_by_method)
+        pg = await trio.to_thread.run_sync(self.opt.pseudo_gradient)
+        # Wait for as many peers as are alive in the run (their heartbeats), not for the
+        # configured maximum: a small run should not sit out the whole gather deadline.
+        live, target = await self.peer.live.group_target()
+        avg = await self.average(
+            self.round_key(self.opt.round), pg, self.opt.weight(), target=target, ef_key="diloco"
+        )
+        # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
+        waited = time.monotonic() - t0
+        sync_by_method = self.peer.metrics.sent_since(sent0)
+        self.peer.clock.wait_s += waited
+        report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, avg.result)
+        self.state.averaged(report.status, avg.group_size, avg.dropped)
+        await self._report(step, t0, report.round, report.status, avg, live, waited, sync_by_method)
+
+    async def _report(
+        self,
+        step: int,
+        t0: float,
+        round_no: int,
+        status: str,
+        avg: Averaging,
+        live: int,
+        waited: float,
+        sync_by_method: dict[str, int],
+    ) -> None:
+        snap = await self.state.publish(step)
+        val = await trio.to_thread.run_sync(self.validate)
+        stats = self.peer.stats
+        stats.round, stats.peers, stats.last_outer = self.opt.round, avg.group_size, status
+        size, dropped = avg.group_size, avg.dropped
+        self.peer.out.event(
+            "outer_step",
+            f"round {round_no}: {status} with {size} peer(s)"
+            f"{f', {dropped} dropped' if dropped else ''}, validation loss {val:.4f}, "
+            f"state {snap.state_hash.hex()[:12]}, {time.monotonic() - t0:.1f}s",
+            round=round_no,
+            status=status,
+            group_size=size,
+            live_peers=live,
+            dropped=dropped,
+            val_loss=val,
+            state_hash=snap.state_hash.hex(),
+            wait_s=round(waited, 3),
+            sync_bytes=sum(sync_by_method.values()),
+            sync_by_method=sync_by_method,
+            seconds=round(self.peer.clock.held(t0), 3),
+        )

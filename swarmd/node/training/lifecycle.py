@@ -1,0 +1,230 @@
+"""`swarmd join`: one peer of a run, from identity to graceful leave, whatever the algorithm.
+
+The daemon is one trio run. Its gRPC server carries every service (peer, DHT, all-reduce, state
+donor); background tasks (DHT upkeep, heartbeat, progress) live in one nursery; the torch work
+runs in worker threads so the event loop keeps serving other peers while it trains.
+
+Lifecycle: join the DHT through --peers; read the run's signed config from the DHT (or publish
+it with --create-run); hand the peer to the run's strategy (strategy.py), which takes the state
+to start from and trains; announce the heartbeat once it has a state; print progress; on
+SIGINT/SIGTERM the strategy stops at its next step boundary, the last state is already saved,
+and the peer leaves (the heartbeat lapses; groups drop it by their deadlines).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import torch
+import trio
+
+from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
+from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.metrics import Metrics, MetricsServer
+from swarmd.node.runtime.errors import innermost
+from swarmd.node.runtime.heap import settle_heap
+from swarmd.node.server.advertise import advertised_address
+from swarmd.node.server.peer import Scratch, announce, peer_service
+from swarmd.node.statesync.donor import StateDonor
+from swarmd.node.training.context import PeerContext
+from swarmd.node.training.membership import LivePeers, heartbeat
+from swarmd.node.training.options import JoinError, JoinOptions
+from swarmd.node.training.progress import Progress, report_progress
+from swarmd.node.training.runconfig import (
+    CONFIG_TTL_S,
+    RunConfig,
+    RunConfigError,
+    config_key,
+)
+from swarmd.node.training.strategies import strategy_for
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity
+
+
+class Peer:
+    """The training peer; `run()` is the whole lifecycle."""
+
+    def __init__(self, options: JoinOptions) -> None:
+        self.opts = options
+        self.out = Progress(options.log_format)
+        self.identity = Identity.load_or_create(options.state_dir)
+        self.metrics = Metrics()
+        self.transport = rpc.TransportConfig(
+            max_concurrent_rpcs=32,
+            bulk=options.bulk_port is not None,
+            bulk_port=options.bulk_port or 0,
+        )
+        self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
+        self.dht = DHTNode(self.identity, self.client)
+        self.averager = Averager(
+            self.client, self.identity.peer_id, AllReduceConfig(), self.metrics
+        )
+        self.donor = StateDonor()
+        self.address = ""
+        #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
+        self.stopping = trio.Event()
+
+    def _services(self) -> list[rpc.Service]:
+        """Every capability a peer serves, whatever the run's algorithm: it is not known until
+        the run config is read, which takes the DHT, which takes the server."""
+        return [
+            peer_service(self.identity, Scratch(1 << 20)),
+            self.dht.service(),
+            self.averager.service(),
+            self.donor.service(),
+        ]
+
+    async def run(self) -> None:
+        opts = self.opts
+        metrics_server = (
+            MetricsServer(self.metrics, opts.metrics.host, opts.metrics.port)
+            if opts.metrics
+            else None
+        )
+        try:
+            async with (
+                rpc.serve(
+                    self._services(),
+                    opts.listen.host,
+                    opts.listen.port,
+                    config=self.transport,
+                    observer=self.metrics,
+                ) as server,
+                trio.open_nursery() as nursery,
+            ):
+                address = await trio.to_thread.run_sync(
+                    advertised_address, server.address, opts.peers
+                )
+                self.address = str(address)
+                announce(
+                    "listening",
+                    address=self.address,
+                    peer_id=str(self.identity.peer_id),
+                    metrics_port=metrics_server.port if metrics_server else None,
+                )
+                nursery.start_soon(self._stop_on_signal)
+                await nursery.start(self.dht.run, server.address.port, list(opts.peers))
+                config = await self._run_config()
+                await self._train(config, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            if metrics_server:
+                metrics_server.close()
+            self.client.close()
+
+    async def _stop_on_signal(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self.out.event("leaving", f"{signal.Signals(signum).name}: leaving the run")
+                self.stopping.set()
+                return
+
+    async def _run_config(self) -> RunConfig:
+        opts = self.opts
+        if opts.create_run is not None:
+            config = opts.create_run
+            await self.dht.store(
+                config_key(config.name), config.to_json(), self.dht.now() + CONFIG_TTL_S
+            )
+            self.out.event(
+                "run_created",
+                f"created run {config.name!r} (config {config.hash})",
+                run=config.name,
+                config_hash=config.hash,
+            )
+            return config
+        with trio.move_on_after(opts.join_timeout_s):
+            while True:
+                value = await self.dht.get_value(config_key(opts.run))
+                if value is not None:
+                    config = self._check_config(value.value)
+                    self.out.event(
+                        "run_joined",
+                        f"joined run {config.name!r} (config {config.hash}, created by "
+                        f"{value.owner.short()})",
+                        run=config.name,
+                        config_hash=config.hash,
+                    )
+                    return config
+                await trio.sleep(1.0)
+        raise JoinError(
+            f"no run named {opts.run!r} was found in the DHT within {opts.join_timeout_s:.0f}s; "
+            "check --run, or create it with --create-run FILE"
+        )
+
+    def _check_config(self, raw: bytes) -> RunConfig:
+        """The run config read from the DHT, if it is the run the user asked for."""
+        try:
+            config = RunConfig.from_json(raw)
+        except RunConfigError as exc:
+            raise JoinError(str(exc)) from None
+        if config.name != self.opts.run:
+            raise JoinError(f"the DHT holds a config for {config.name!r}, not {self.opts.run!r}")
+        if self.opts.algo is not None and config.algo != self.opts.algo:
+            raise JoinError(
+                f"run {config.name!r} trains with {config.algo}, not {self.opts.algo}; "
+                "--algo only chooses the algorithm of a run made with --create-run"
+            )
+        return config
+
+    async def _train(self, config: RunConfig, nursery: trio.Nursery) -> None:
+        peer = PeerContext(
+            opts=self.opts,
+            config=config,
+            identity=self.identity,
+            address=self.address,
+            client=self.client,
+            dht=self.dht,
+            averager=self.averager,
+            donor=self.donor,
+            metrics=self.metrics,
+            out=self.out,
+            live=LivePeers(self.dht, config),
+            stopping=self.stopping,
+        )
+        strategy = strategy_for(config.algo)(peer)
+        await strategy.join()
+        nursery.start_soon(heartbeat, self.dht, config, self.address)
+        nursery.start_soon(
+            report_progress, self.out, peer.stats, self.metrics, self.opts.progress_interval_s
+        )
+        start = time.monotonic()
+        step = await strategy.train(nursery)
+        self._stopped(peer, step, strategy.round, time.monotonic() - start)
+
+    def _stopped(self, peer: PeerContext, step: int, round_no: int, wall: float) -> None:
+        wait_s, metrics = peer.clock.wait_s, self.metrics
+        self.out.event(
+            "stopped",
+            f"stopped after {step} inner steps, sent {metrics.sent_total / 2**20:.1f} MiB, "
+            f"waited {wait_s:.1f}s of {wall:.1f}s for the network",
+            step=step,
+            round=round_no,
+            sent_bytes=metrics.sent_total,
+            received_bytes=metrics.received_total,
+            sent_by_method=dict(sorted(metrics.sent_by_method.items())),
+            wall_s=round(wall, 3),
+            wait_s=round(wait_s, 3),
+            held_s=round(peer.clock.held_s, 3),
+            utilisation=round(1.0 - wait_s / wall, 4) if wall > 0 else None,
+        )
+
+
+def run_join(options: JoinOptions) -> int:
+    """`swarmd join`'s exit code: 0, 2 for what the user must fix, 3 if no peer answered."""
+    torch.set_num_threads(1)
+    settle_heap()
+    try:
+        trio.run(Peer(options).run)
+    except BaseExceptionGroup as group:
+        leaf = innermost(group)
+        if isinstance(leaf, JoinError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return 2
+        if isinstance(leaf, BootstrapError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return 3
+        raise
+    return 0

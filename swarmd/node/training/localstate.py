@@ -1,0 +1,51 @@
+"""This peer's own copy of its state on disk: what it resumes from after a crash or a restart.
+
+Written after every outer step (or fragment round), so a peer that dies loses at most the inner
+steps since; the group's newer state, when one is advertised, still wins over it on restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("swarmd.daemon")
+
+STATE_FILE = "state.pt"
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    """Atomic: a crash leaves the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def load_saved(path: Path, config_hash: str) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        state: dict[str, Any] = torch.load(path, weights_only=True)
+    except Exception as exc:  # a torn or foreign file must not stop the peer: start over
+        log.warning("ignoring unreadable saved state %s: %s", path, exc)
+        return None
+    if state.get("config_hash") != config_hash:
+        log.warning("saved state %s belongs to another run config; ignoring it", path)
+        return None
+    return state

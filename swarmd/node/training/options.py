@@ -1,0 +1,63 @@
+"""What the user of `swarmd join` chooses; the run's own settings are in runconfig.py.
+
+The two are kept apart on purpose: a run config is signed by the run's creator and identical on
+every peer, while these options are one volunteer's (where to listen, which device, when to
+stop) and never cross the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarmd.node.training.runconfig import RunConfig
+from swarmd.protocol.address import Address
+from swarmd.workloads import resolve_device
+
+#: Shards a peer may name with --data-shard (a run cuts its data into `data_shards` <= this).
+NUM_SHARDS = 64
+
+
+class JoinError(Exception):
+    """Joining failed in a way the user must fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    run: str
+    state_dir: Path
+    listen: Address = field(default_factory=lambda: Address("127.0.0.1", 0))
+    peers: tuple[str, ...] = ()
+    metrics: Address | None = None
+    create_run: RunConfig | None = None
+    #: Stop after this many inner steps or seconds (None: run until signalled).
+    max_steps: int | None = None
+    duration_s: float | None = None
+    log_format: str = "text"
+    progress_interval_s: float = 5.0
+    join_timeout_s: float = 60.0
+    #: Advertised bandwidth (bytes/s) for part sizing; the all-reduce measures the real one.
+    bandwidth: float = 1e8
+    #: Refuse to join a run whose config names another algorithm (None: any).
+    algo: str | None = None
+    #: The training shard to read (None: the one the peer id hashes to). For experiments
+    #: that must compare methods on the same data; peers sharing a shard draw the same
+    #: batches, so a swarm should leave this unset.
+    data_shard: int | None = None
+    #: The bulk data plane's port (0: the OS picks; None: tensors go over gRPC only).
+    bulk_port: int | None = 0
+    #: Where the model trains (swarmd/workloads/device.py): a peer's own choice.
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format must be text or json")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1")
+        if self.duration_s is not None and not self.duration_s > 0:
+            raise ValueError("duration_s must be > 0")
+        if self.data_shard is not None and not 0 <= self.data_shard < NUM_SHARDS:
+            raise ValueError(f"data_shard must be in [0, {NUM_SHARDS}), got {self.data_shard}")
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
+        resolve_device(self.device)  # a missing GPU is a usage error, said before joining

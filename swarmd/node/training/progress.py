@@ -1,0 +1,69 @@
+"""What a peer tells its user while it runs: one line per event, text or JSON.
+
+Text goes to stderr for a person; JSON lines go to stdout for scripts, tests and the chaos
+harness, which parse the `event` field (a contract: field names are not renamed lightly).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from swarmd.node.metrics import Metrics
+
+
+class Progress:
+    """Terminal or JSON-lines output of what the peer is doing."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+
+    def event(self, kind: str, text: str, **fields: Any) -> None:
+        if self.fmt == "json":
+            print(json.dumps({"event": kind, "time": round(time.time(), 3), **fields}), flush=True)
+        else:
+            print(f"[swarmd] {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class TrainStats:
+    """The trainer's latest figures, written by the strategy and read by the progress line."""
+
+    step: int = 0
+    round: int = 0
+    loss: float = math.nan
+    #: Size of the last outer round's group (1: alone).
+    peers: int = 1
+    tokens: int = 0
+    #: The last outer step's status ("averaged", "local", ...), "-" before the first.
+    last_outer: str = "-"
+
+
+async def report_progress(
+    out: Progress, stats: TrainStats, metrics: Metrics, interval_s: float
+) -> None:
+    """Every `interval_s`: step, loss, tokens/s since the last line, round and bytes sent."""
+    last_tokens, last_time = 0, time.monotonic()
+    while True:
+        await trio.sleep(interval_s)
+        now = time.monotonic()
+        tokens_per_s = (stats.tokens - last_tokens) / max(now - last_time, 1e-9)
+        last_tokens, last_time = stats.tokens, now
+        sent = metrics.sent_total
+        out.event(
+            "progress",
+            f"step {stats.step} loss {stats.loss:.4f} | {tokens_per_s:.0f} tokens/s | "
+            f"round {stats.round} ({stats.last_outer}, {stats.peers} peers) | "
+            f"sent {sent / 2**20:.1f} MiB",
+            step=stats.step,
+            loss=stats.loss,
+            tokens_per_s=round(tokens_per_s, 1),
+            round=stats.round,
+            sent_bytes=sent,
+        )
