@@ -1,0 +1,163 @@
+"""What each `swarmd` sub-command runs, given its parsed options.
+
+Each imports what it needs when it runs, not at module import: `swarmd dht`, `swarmd ping` and
+`swarmd --help` must not pay for torch, grpc or trio they never use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import swarmd
+from swarmd.node.cli.options import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CliError
+from swarmd.node.runtime.heap import settle_heap
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    print(f"swarmd {swarmd.__version__}")
+    return EXIT_OK
+
+
+def cmd_identity_create(args: argparse.Namespace) -> int:
+    from swarmd.protocol.errors import IdentityError
+    from swarmd.protocol.identity import Identity
+
+    try:
+        identity = Identity.create(args.state_dir, overwrite=args.force)
+    except (IdentityError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"created identity in {args.state_dir}")
+    print(f"peer id: {identity.peer_id}")
+    return EXIT_OK
+
+
+def cmd_identity_show(args: argparse.Namespace) -> int:
+    from swarmd.protocol.errors import IdentityError
+    from swarmd.protocol.identity import Identity
+
+    try:
+        identity = Identity.load(args.state_dir)
+    except (IdentityError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    print(f"peer id: {identity.peer_id}")
+    print(f"public key: {identity.public_key.hex()}")
+    return EXIT_OK
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    from swarmd.node.cli.ping import ping
+
+    return ping(args.address, count=args.count, timeout=args.timeout, state_dir=args.state_dir)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from swarmd.node.server.peer import PeerConfig, run_peer
+
+    config = PeerConfig(listen=args.listen, state_dir=args.state_dir, metrics=args.metrics)
+    settle_heap()
+    try:
+        trio.run(run_peer, config)
+    except OSError as exc:
+        raise CliError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_dht(args: argparse.Namespace) -> int:
+    import trio
+
+    from swarmd.node.dht.main import DHTNodeOptions, parse_peers, run_dht_node
+    from swarmd.node.dht.node import BootstrapError
+
+    try:
+        peers = parse_peers([args.peers])
+    except ValueError as exc:
+        raise CliError(f"bad --peers: {exc}", EXIT_USAGE) from None
+    options = DHTNodeOptions(
+        listen=args.listen, peers=peers, state_dir=args.state_dir, log_interval_s=args.log_interval
+    )
+    settle_heap()
+    try:
+        trio.run(run_dht_node, options)
+    except BootstrapError as exc:
+        raise CliError(str(exc), EXIT_UNREACHABLE) from None
+    except OSError as exc:
+        raise CliError(str(exc)) from None
+    return EXIT_OK
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from swarmd.node.training.daemon import JoinOptions, run_join
+    from swarmd.node.training.runconfig import RunConfig, RunConfigError
+
+    create = None
+    if args.create_run is not None:
+        try:
+            create = (
+                RunConfig(name=args.run)
+                if str(args.create_run) == "-"
+                else RunConfig.from_toml(args.create_run, name=args.run)
+            )
+            if args.algo is not None:
+                create = dataclasses.replace(create, algo=args.algo)
+        except RunConfigError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    try:
+        options = JoinOptions(
+            run=args.run,
+            state_dir=args.state_dir,
+            listen=args.listen,
+            peers=args.peers,
+            metrics=args.metrics,
+            create_run=create,
+            max_steps=args.max_steps,
+            duration_s=args.duration,
+            log_format=args.log_format,
+            progress_interval_s=args.progress_interval,
+            join_timeout_s=args.join_timeout,
+            algo=args.algo,
+            data_shard=args.data_shard,
+            bulk_port=None if args.no_bulk else args.bulk_port,
+            device=args.device,
+        )
+    except ValueError as exc:  # an option out of range (JoinOptions says which)
+        raise CliError(str(exc), EXIT_USAGE) from None
+    return run_join(options)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from swarmd.node.cli.status import status
+
+    return status(args.run, args.peers, args.json)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    if args.transport_only:
+        from swarmd.node.cli.transport_demo import run_demo as transport_demo
+
+        return transport_demo(peers=args.peers, tensor_mib=args.tensor_mib)
+    from swarmd.node.cli.demo import run_demo
+
+    return run_demo(peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from swarmd.node.chaos import ChaosOptions, run_chaos
+    from swarmd.node.chaos.schedule import ScheduleError
+
+    try:
+        options = ChaosOptions(
+            peers=args.peers,
+            duration_s=args.duration,
+            seed=args.seed,
+            out_dir=args.out,
+            schedule_file=args.schedule,
+            inner_steps=args.inner_steps,
+            resume_bound_s=args.resume_bound,
+            liveness_bound_s=args.liveness_bound,
+        )
+        return run_chaos(options)
+    except (ValueError, ScheduleError) as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None

@@ -1,0 +1,326 @@
+"""The `swarmd` argument parser: one builder per sub-command.
+
+Each sub-command's parser carries its handler (`func`) so `main` needs no table of commands;
+the options' order here is the order `--help` lists them in.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeAlias
+
+from swarmd.node.cli import commands
+from swarmd.node.cli.options import (
+    add_listen,
+    add_metrics,
+    add_state_dir,
+    address,
+    address_list,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    usage,
+)
+
+#: The object whose `add_parser` makes a sub-command's parser.
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swarmd",
+        description="swarmd: train one model together with strangers' machines, "
+        "over the internet, without a central server.",
+        epilog="Options also come from --config FILE (TOML) and SWARMD_<OPTION> environment "
+        "variables. Run `swarmd COMMAND --help` for a command's options.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML file with option defaults")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default: %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("version", help="print the swarmd version")
+    p.set_defaults(func=commands.cmd_version)
+    for add in _BUILDERS:
+        add(sub)
+    return parser
+
+
+def _add_identity(sub: Subparsers) -> None:
+    p = sub.add_parser("identity", help="create or show this peer's Ed25519 identity")
+    isub = p.add_subparsers(dest="identity_command", metavar="ACTION")
+    c = isub.add_parser("create", help="create a new identity key (mode 0600)")
+    add_state_dir(c)
+    c.add_argument("--force", action="store_true", help="replace an existing key")
+    c.set_defaults(func=commands.cmd_identity_create)
+    s = isub.add_parser("show", help="print the peer id of the stored identity")
+    add_state_dir(s)
+    s.set_defaults(func=commands.cmd_identity_show)
+    p.set_defaults(func=lambda args: usage(p))
+
+
+def _add_ping(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "ping",
+        help="check a peer: gRPC health, then signed round trips",
+        description="Checks a peer's grpc.health.v1 status, then sends signed Ping requests "
+        "and prints each round-trip time. Exit code 3 if the peer cannot be reached.",
+    )
+    p.add_argument("address", type=address, help="the peer, HOST:PORT")
+    p.add_argument(
+        "--count",
+        type=non_negative_int,
+        default=3,
+        help="round trips after the health check (default: 3; 0: health check only, which "
+        "also suits a DHT node: it serves no Ping)",
+    )
+    p.add_argument(
+        "--timeout", type=positive_float, default=5.0, help="seconds per call (default: 5)"
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="sign with this identity instead of a throw-away one",
+    )
+    p.set_defaults(func=commands.cmd_ping)
+
+
+def _add_serve(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run a bare peer (transport only: ping and tensor put/get)",
+        description="Runs a peer that answers Ping, PutTensor and GetTensor and the gRPC "
+        "health service, until SIGINT or SIGTERM. Prints one JSON line with its address.",
+    )
+    add_listen(p)
+    add_metrics(p)
+    add_state_dir(p)
+    p.set_defaults(func=commands.cmd_serve)
+
+
+def _add_dht(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "dht",
+        help="run a DHT-only node (e.g. a bootstrap node; no training, no torch)",
+        description="Runs a DHT node until SIGINT or SIGTERM: joins through --peers (or starts "
+        "a new DHT without them), prints one JSON line with its address and peer id, then logs "
+        "its routing table size periodically. Exit code 3 if no bootstrap peer answers.",
+    )
+    add_listen(p)
+    p.add_argument(
+        "--peers",
+        default="",
+        help="bootstrap peers, HOST:PORT[,HOST:PORT...]; omit to start a new DHT",
+    )
+    p.add_argument(
+        "--log-interval",
+        type=positive_float,
+        default=30.0,
+        help="seconds between routing table reports (default: 30)",
+    )
+    add_state_dir(p)
+    p.set_defaults(func=commands.cmd_dht)
+
+
+def _add_join(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "join",
+        help="train with a run's peers (DiLoCo)",
+        description="Joins a training run: bootstraps into the DHT through --peers, reads the "
+        "run's configuration from it (or publishes one with --create-run), downloads the "
+        "group's newest state or resumes this peer's saved state, then trains with DiLoCo "
+        "until SIGINT/SIGTERM, --max-steps or --duration. Exit code 2 if the run cannot be "
+        "joined, 3 if no bootstrap peer answers.",
+    )
+    p.add_argument("--run", required=True, help="the run's name")
+    _add_join_network(p)
+    _add_join_run(p)
+    _add_join_limits(p)
+    add_metrics(p)
+    add_state_dir(p)
+    p.set_defaults(func=commands.cmd_join)
+
+
+def _add_join_network(p: argparse.ArgumentParser) -> None:
+    """How `join` reaches its peers and they reach it."""
+    p.add_argument(
+        "--peers",
+        type=address_list,
+        default=(),
+        help="bootstrap peers, HOST:PORT[,HOST:PORT...] (omit only for the first peer)",
+    )
+    add_listen(p)
+    p.add_argument(
+        "--bulk-port",
+        type=int,
+        default=0,
+        help="port of the bulk data plane: tensors (all-reduce parts, state downloads) travel "
+        "there as plain TCP beside the gRPC port, at about half gRPC's CPU cost; 0 lets the OS "
+        "choose (default). Peers learn it over gRPC and fall back to gRPC if it is unreachable",
+    )
+    p.add_argument(
+        "--no-bulk",
+        action="store_true",
+        help="send tensors over the gRPC port only (a host that can open just one port)",
+    )
+
+
+def _add_join_run(p: argparse.ArgumentParser) -> None:
+    """Which run `join` trains, and on what."""
+    p.add_argument(
+        "--create-run",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="publish a new run from this TOML file (keys: see swarmd/node/training/runconfig.py; "
+        "'-' for the built-in defaults)",
+    )
+    p.add_argument(
+        "--algo",
+        choices=["diloco", "streaming-diloco"],
+        default=None,
+        help="with --create-run: the run's algorithm (overrides the file's `algo`); without "
+        "it: refuse to join a run that uses another one",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model trains: auto (the first CUDA GPU if torch sees one, else the "
+        "CPU), cpu, cuda, cuda:N or mps (default: auto). A peer's own choice: peers on GPUs "
+        "and CPUs train the same run, and what they exchange is the same fp32 CPU vector",
+    )
+
+
+def _add_join_limits(p: argparse.ArgumentParser) -> None:
+    """When `join` stops, what data it reads, and how it reports."""
+    p.add_argument("--max-steps", type=positive_int, default=None, help="stop after N steps")
+    p.add_argument(
+        "--data-shard",
+        type=int,
+        default=None,
+        metavar="N",
+        help="read training shard N of 64 instead of the one the peer id picks (for "
+        "experiments on fixed data; peers given the same shard draw the same batches)",
+    )
+    p.add_argument("--duration", type=positive_float, default=None, help="stop after S seconds")
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="text progress on stderr, or JSON lines on stdout (default: text)",
+    )
+    p.add_argument(
+        "--progress-interval", type=positive_float, default=5.0, help="seconds between lines"
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds to wait for the run's config in the DHT (default: 60)",
+    )
+
+
+def _add_status(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "status",
+        help="what the DHT knows of a run: config, live peers, their rounds",
+        description="Joins the DHT as a client only, prints the run's configuration, its live "
+        "peers (heartbeats) with the outer round and state hash each advertises, and the "
+        "current outer round. Exit code 1 if the run is unknown, 3 if no bootstrap answers.",
+    )
+    p.add_argument("--run", required=True, help="the run's name")
+    p.add_argument(
+        "--peers", type=address_list, required=True, help="bootstrap peers, HOST:PORT[,...]"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=commands.cmd_status)
+
+
+def _add_demo(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a real multi-peer training run on this machine",
+        description="Starts a `swarmd dht` bootstrap and several `swarmd join` peers on "
+        "loopback, trains the built-in GPT on the built-in corpus with DiLoCo for a few "
+        "minutes, SIGKILLs one peer and adds a new one midway, then prints a summary (loss "
+        "start -> end, whether the survivors hold identical states, bytes sent vs "
+        "data-parallel, peers joined/left). --transport-only runs the short transport demo.",
+    )
+    p.add_argument("--peers", type=positive_int, default=3, help="peer processes (default: 3)")
+    p.add_argument("--duration", type=positive_float, default=150.0, help="seconds (default: 150)")
+    p.add_argument("--inner-steps", type=positive_int, default=25, help="DiLoCo H (default: 25)")
+    p.add_argument(
+        "--transport-only",
+        action="store_true",
+        help="instead: relay a tensor through peers, ping, forged request (seconds)",
+    )
+    p.add_argument(
+        "--tensor-mib",
+        type=positive_int,
+        default=64,
+        help="transport demo: size of the relayed tensor in MiB (default: 64)",
+    )
+    p.set_defaults(func=commands.cmd_demo)
+
+
+def _add_chaos(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "chaos",
+        help="real peers under a seeded schedule of faults, then check the invariants",
+        description="Starts a `swarmd dht` bootstrap and --peers `swarmd join` processes on "
+        "loopback and, once they train, applies a schedule of faults drawn from --seed (or "
+        "read from --schedule): SIGKILL and restart from the same state dir, SIGSTOP/SIGCONT "
+        "pauses, network partitions, latency/jitter/loss, bandwidth limits and clock skew "
+        "(injected in the transport through SWARMD_FAULTS plan files). Everything is recorded "
+        "in OUT/chaos.jsonl; then the invariants are checked: the live peers hold the same "
+        "state after the final round, validation loss fell, nobody died except on purpose, no "
+        "traceback in any log, restarted peers resumed within --resume-bound, and while a "
+        "group could form an outer round completed at least every --liveness-bound seconds. "
+        "Prints a report, writes OUT/report.txt and OUT/timeline.png; the last line is "
+        "key=value figures. Exit code 1 if an invariant fails. --duration 600 is the soak.",
+    )
+    p.add_argument("--peers", type=positive_int, default=6, help="peer processes (default: 6)")
+    p.add_argument(
+        "--duration",
+        type=positive_float,
+        default=300.0,
+        help="seconds of chaos after all peers train (default: 300)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="schedule seed (default: 0)")
+    p.add_argument("--out", type=Path, default=None, help="directory for JSONL, logs, report, PNG")
+    p.add_argument(
+        "--schedule", type=Path, default=None, help="JSON schedule instead of a seeded one"
+    )
+    p.add_argument("--inner-steps", type=positive_int, default=10, help="DiLoCo H (default: 10)")
+    p.add_argument(
+        "--resume-bound",
+        type=positive_float,
+        default=90.0,
+        help="seconds a restarted peer may take to train again (default: 90)",
+    )
+    p.add_argument(
+        "--liveness-bound",
+        type=positive_float,
+        default=90.0,
+        help="longest wait for an outer round while a group can form (default: 90)",
+    )
+    p.set_defaults(func=commands.cmd_chaos)
+
+
+#: The sub-commands after `version`, in the order `swarmd --help` lists them.
+_BUILDERS: tuple[Callable[[Subparsers], None], ...] = (
+    _add_identity,
+    _add_ping,
+    _add_serve,
+    _add_dht,
+    _add_join,
+    _add_status,
+    _add_demo,
+    _add_chaos,
+)
