@@ -1,13 +1,13 @@
 """State sync: a joining peer downloads the current global state from the peers that hold it.
 
-Donors (donor.py) serve a snapshot (snapshot.py) in hashed chunks. The joiner
-here asks every donor for its manifest, picks the state, and fetches chunks from several donors
-at once, checking each chunk against the manifest as it arrives and refetching from another
-donor whatever fails. Every wait is bounded: manifests by a timeout, each chunk by a timeout
-derived from the throughput measured so far, backoffs by their length, and the whole download
-by ``deadline_s``, after which it raises ``StateSyncError`` saying what failed. A stalled donor
-therefore costs one chunk timeout, never the download (hivemind's state download could hang on a
-donor that stopped answering).
+Donors (donor.py) serve a snapshot (snapshot.py) in hashed chunks. The joiner here asks every
+donor for its manifest, picks the state, and fetches chunks from several donors at once,
+checking each chunk against the manifest as it arrives and refetching from another donor
+whatever fails (which donor is asked, and for how long: donorpool.py). Every wait is bounded:
+manifests by a timeout, each chunk by a timeout derived from the throughput measured so far,
+backoffs by their length, and the whole download by ``deadline_s``, after which it raises
+``StateSyncError`` saying what failed. A stalled donor therefore costs one chunk timeout, never
+the download (hivemind's state download could hang on a donor that stopped answering).
 
 Daemon usage::
 
@@ -46,6 +46,7 @@ from swarmd.node.statesync.donor import (
     advert_key,
     choose_donors,
 )
+from swarmd.node.statesync.donorpool import Donor, DonorPool
 from swarmd.node.statesync.snapshot import (
     DEFAULT_CHUNK_BYTES,
     HASH_BYTES,
@@ -161,20 +162,6 @@ class SyncStats:
         return self.bytes_done / 1e6 / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-@dataclass(eq=False)
-class _Donor:
-    address: str
-    rtt_s: float = 0.0
-    #: Exponential moving average of one stream's throughput from this donor, bytes/s.
-    rate: float | None = None
-    inflight: int = 0
-    failures: int = 0
-    busy: int = 0
-    backoff_until: float = 0.0
-    #: Why this donor is no longer used for this download; None while it is.
-    out: str | None = None
-
-
 class _Abort(Exception):
     """Internal: a fatal condition was recorded; the download nursery is being cancelled."""
 
@@ -197,12 +184,10 @@ class _Download:
         self.on_progress = on_progress
         self.failures: list[str] = []
         self.fatal: str | None = None
-        self.donors: list[_Donor] = []
+        self.pool = DonorPool(config)
         self.manifest: Manifest | None = None
         self.buf = bytearray()
         self.chunk_failures: Counter[int] = Counter()
-        self.failed_on: dict[int, set[str]] = {}
-        self.changed = trio.Event()
         self.started = trio.current_time()
         self.last_log = self.started
 
@@ -251,7 +236,7 @@ class _Download:
         for address, (manifest, rtt) in found.items():
             if manifest.state_hash == chosen:
                 self.manifest = manifest
-                self.donors.append(_Donor(address, rtt_s=rtt))
+                self.pool.add(address, rtt)
         if self.manifest is None:
             raise StateSyncError(f"no donor serves state {chosen.hex()[:16]}", self.failures)
         m = self.manifest
@@ -268,62 +253,16 @@ class _Download:
             chosen.hex()[:16],
             m.total_bytes / 1e6,
             m.n_chunks,
-            len(self.donors),
+            len(self.pool.donors),
             len(self.addresses),
         )
 
     # -- chunks -------------------------------------------------------------------------------
 
-    def _notify(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
     def _abort(self, reason: str) -> _Abort:
         if self.fatal is None:
             self.fatal = reason
         return _Abort(reason)
-
-    def _backoff(self, donor: _Donor, streak: int) -> None:
-        delay = min(self.cfg.backoff_base_s * 2 ** (streak - 1), self.cfg.backoff_max_s)
-        donor.backoff_until = trio.current_time() + delay * random.uniform(0.5, 1.0)
-
-    async def _pick(self, index: int) -> _Donor:
-        """The donor expected to deliver ``index`` soonest; waits (bounded) while all are busy."""
-        while True:
-            live = [d for d in self.donors if d.out is None]
-            if not live:
-                raise self._abort("no donor left that can serve the state")
-            now = trio.current_time()
-            ready = [d for d in live if d.inflight < self.cfg.per_donor and d.backoff_until <= now]
-            # A donor that failed is used only while no healthy donor could take the chunk
-            # soon: waiting for a busy healthy stream beats another timeout on a stalled donor.
-            healthy = [d for d in ready if d.failures == 0]
-            healthy_busy = any(
-                d.failures == 0 and d.backoff_until <= now and d not in ready for d in live
-            )
-            pool = healthy or ([] if healthy_busy else ready)
-            if pool:
-                tried = self.failed_on.get(index, set())
-                untried = [d for d in pool if d.address not in tried] or pool
-                known = [d.rate for d in self.donors if d.rate]
-                default_rate = max(known) if known else 1.0
-                best = min(
-                    untried,
-                    key=lambda d: (d.failures, (d.inflight + 1) / (d.rate or default_rate)),
-                )
-                best.inflight += 1
-                return best
-            # Wake when a donor frees a stream slot or when the earliest backoff ends.
-            wake = min((d.backoff_until for d in live if d.backoff_until > now), default=math.inf)
-            with trio.move_on_at(wake):
-                await self.changed.wait()
-
-    def _timeout(self, donor: _Donor, nbytes: int) -> float:
-        rate = donor.rate or max((d.rate for d in self.donors if d.rate), default=None)
-        if rate is None:
-            return self.cfg.first_chunk_timeout_s
-        predicted = nbytes / rate + 2 * donor.rtt_s
-        return max(self.cfg.min_chunk_timeout_s, self.cfg.timeout_slack * predicted)
 
     def _verify_and_store(self, index: int, data: bytearray) -> bool:
         """Runs in a worker thread: hashing 4 MiB takes milliseconds the event loop needs."""
@@ -334,27 +273,20 @@ class _Download:
         self.buf[start:end] = data
         return True
 
-    def _failed(self, donor: _Donor, index: int, reason: str, *, drop: bool = False) -> None:
+    def _failed(self, donor: Donor, index: int, reason: str, *, drop: bool = False) -> None:
         self.stats.failed_fetches += 1
         self.failures.append(f"{donor.address} chunk {index}: {reason}")
         self.chunk_failures[index] += 1
-        self.failed_on.setdefault(index, set()).add(donor.address)
-        donor.failures += 1
-        if drop or donor.failures >= self.cfg.max_donor_failures:
-            if donor.out is None:
-                donor.out = reason
-                log.warning("state sync: dropping donor %s: %s", donor.address, reason)
-        else:
-            self._backoff(donor, donor.failures)
+        self.pool.failed(donor, index, reason, drop=drop)
         if self.chunk_failures[index] >= self.cfg.max_chunk_failures:
             raise self._abort(f"chunk {index} failed {self.chunk_failures[index]} times")
 
-    async def _fetch(self, index: int, donor: _Donor) -> bool:
+    async def _fetch(self, index: int, donor: Donor) -> bool:
         assert self.manifest is not None
         start, end = self.manifest.chunk_span(index)
         nbytes = end - start
         req = pb.GetChunkRequest(state_hash=self.manifest.state_hash, index=index)
-        timeout = self._timeout(donor, nbytes)
+        timeout = self.pool.timeout(donor, nbytes)
         began = trio.current_time()
         try:
             with trio.fail_after(timeout):
@@ -368,8 +300,7 @@ class _Download:
         except rpc.RpcError as exc:
             if exc.code is rpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.stats.busy_rejections += 1
-                donor.busy += 1
-                self._backoff(donor, donor.busy)
+                self.pool.refused(donor)
                 return False
             gone = exc.code in (rpc.StatusCode.NOT_FOUND, rpc.StatusCode.OUT_OF_RANGE)
             self._failed(donor, index, str(exc), drop=gone)
@@ -391,9 +322,7 @@ class _Download:
             )
             self._failed(donor, index, "sent a chunk whose hash does not match", drop=True)
             return False
-        sample = nbytes / max(elapsed, 1e-6)
-        donor.rate = sample if donor.rate is None else 0.7 * donor.rate + 0.3 * sample
-        donor.failures = donor.busy = 0
+        self.pool.delivered(donor, nbytes, elapsed)
         self.stats.chunks_by_donor[donor.address] = (
             self.stats.chunks_by_donor.get(donor.address, 0) + 1
         )
@@ -426,12 +355,13 @@ class _Download:
         all_done: trio.CancelScope,
     ) -> None:
         async for index in queue:
-            donor = await self._pick(index)
+            donor = await self.pool.pick(index)
+            if donor is None:
+                raise self._abort("no donor left that can serve the state")
             try:
                 ok = await self._fetch(index, donor)
             finally:
-                donor.inflight -= 1
-                self._notify()
+                self.pool.release(donor)
             if not ok:
                 requeue.send_nowait(index)
             elif self.stats.chunks_done == self.stats.chunks_total:
@@ -519,6 +449,6 @@ async def download_state(
     s = job.stats
     raise StateSyncError(
         f"state sync did not finish within its {deadline_s:.1f}s deadline "
-        f"({s.chunks_done}/{s.chunks_total} chunks, {len(job.donors)} donors)",
+        f"({s.chunks_done}/{s.chunks_total} chunks, {len(job.pool.donors)} donors)",
         job.failures,
     )
