@@ -43,16 +43,16 @@ global copy bit-identical, which the daemon needs (peers average only with peers
 same state). A stand-in must be replaced before the next round begins.
 
 Pure torch, no I/O: the caller runs the averaging (see swarmd.node.training.streaming, and the
-in-process driver in tests/unit/test_streaming.py).
+in-process driver in tests/unit/test_streaming.py). How parameters split into fragments is
+fragments.py; the round and report the caller handles are fragment_round.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
@@ -72,11 +72,22 @@ from swarmd.optim.diloco import (
     trainable,
 )
 from swarmd.optim.flat import flatten, views
-from swarmd.optim.outer import Averaged, FlatOuter, OuterSnapshot, read_average
+from swarmd.optim.fragment_round import FragmentReport, FragmentRound, FragmentStatus, StandIn
+from swarmd.optim.fragments import LAYOUTS, Fragment, FragmentLayout, layer_units, split_fragments
+from swarmd.optim.outer import Averaged, read_average
 
-FragmentLayout = Literal["strided", "sequential", "balanced"]
-LAYOUTS: tuple[FragmentLayout, ...] = ("strided", "sequential", "balanced")
-FragmentStatus = Literal["averaged", "partial", "local", "deferred", "eager"]
+__all__ = [
+    "LAYOUTS",
+    "FragmentLayout",
+    "FragmentReport",
+    "FragmentRound",
+    "FragmentStatus",
+    "StreamingConfig",
+    "StreamingDiLoCo",
+    "layer_units",
+    "split_fragments",
+    "state_age",
+]
 
 TURN_KEY = "turn"
 FRAGMENT_ROUND_PREFIX = "fragment_round."
@@ -147,160 +158,6 @@ def state_age(state: Mapping[str, torch.Tensor]) -> int:
     return int(state[TURN_KEY] if TURN_KEY in state else state[ROUND_KEY])
 
 
-def layer_units(names: Sequence[str]) -> list[tuple[str, list[int]]]:
-    """Parameter indices grouped into layers, in model order: a name up to its first numeric
-    component (`blocks.3.attn.qkv.weight` -> `blocks.3`); parameters outside numbered layers
-    are grouped by their top-level module (`embed`, `head`)."""
-    units: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        units.setdefault(_layer_of(name) or name.split(".")[0], []).append(i)
-    return list(units.items())
-
-
-def _layer_of(name: str) -> str | None:
-    parts = name.split(".")
-    for j, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: j + 1])
-    return None
-
-
-def split_fragments(
-    names: Sequence[str], sizes: Sequence[int], fragments: int, layout: FragmentLayout
-) -> list[list[int]]:
-    """Parameter indices of each fragment (each in model order).
-
-    Numbered layers are dealt out strided (or in contiguous runs); parameters outside them
-    (embeddings, the final norm) go one by one, largest first, to the smallest fragment so
-    far. The largest fragment is what a sync puts on the wire at its peak, so it should be
-    close to 1/P of the model: with the built-in 4-layer GPT and P=4, giving the embedding
-    module whole to one fragment made that fragment 29% of the model, balancing it 27%. The
-    "balanced" layout deals single tensors instead (largest first, to the lightest fragment;
-    each fragment still spans many layers): 25.5% there.
-    """
-    if layout == "balanced":
-        return _balanced(sizes, fragments)
-    layers = [(k, m) for k, m in layer_units(names) if _layer_of(names[m[0]]) is not None]
-    placed = {j for _, members in layers for j in members}
-    rest = sorted((j for j in range(len(names)) if j not in placed), key=lambda j: -sizes[j])
-    if len(layers) + len(rest) < fragments:
-        found = ", ".join(k for k, _ in layer_units(names))
-        raise ValueError(
-            f"the model has {len(layers)} layer(s) and {len(rest)} other parameter(s) "
-            f"({found}), too few to split into {fragments} fragments"
-        )
-    out: list[list[int]] = [[] for _ in range(fragments)]
-    load = [0] * fragments
-    # With fewer layers than fragments, the layers take the first ones and the other
-    # parameters fill the rest (the smallest fragment so far is an empty one).
-    span = max(len(layers), fragments)
-    for i, (_, members) in enumerate(layers):
-        f = i % fragments if layout == "strided" else i * fragments // span
-        out[f].extend(members)
-        load[f] += sum(sizes[j] for j in members)
-    _deal_to_lightest(rest, sizes, out, load)
-    return [sorted(f) for f in out]
-
-
-def _deal_to_lightest(
-    order: Sequence[int], sizes: Sequence[int], out: list[list[int]], load: list[int]
-) -> None:
-    """Appends each index in ``order`` to the fragment with the least load so far (the lowest
-    index among equals: deterministic, so every peer derives the same fragments)."""
-    for j in order:
-        f = min(range(len(out)), key=lambda k: load[k])
-        out[f].append(j)
-        load[f] += sizes[j]
-
-
-def _balanced(sizes: Sequence[int], fragments: int) -> list[list[int]]:
-    if len(sizes) < fragments:
-        raise ValueError(
-            f"the model has {len(sizes)} parameter tensor(s), too few to split into "
-            f"{fragments} fragments"
-        )
-    out: list[list[int]] = [[] for _ in range(fragments)]
-    load = [0] * fragments
-    # Largest first, model order among equals.
-    _deal_to_lightest(sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)), sizes, out, load)
-    return [sorted(f) for f in out]
-
-
-class _Fragment:
-    """One fragment: its parameters, its global copy with its own outer SGD, its counters."""
-
-    def __init__(
-        self, index: int, members: list[int], names: list[str], params: list[nn.Parameter],
-        config: DiLoCoConfig,
-    ) -> None:  # fmt: skip
-        self.index = index
-        self.names = [names[i] for i in members]
-        self.params = [params[i] for i in members]
-        self.shapes = [p.shape for p in self.params]
-        self.numel = sum(p.numel() for p in self.params)
-        self.outer = FlatOuter(
-            flatten(self.params), config.outer_lr, config.outer_momentum, config.nesterov
-        )
-        #: Successful outer steps of this fragment.
-        self.round = 0
-        #: Samples trained since this fragment's global copy last moved (its averaging weight).
-        self.samples = 0
-
-    def pseudo_gradient(self) -> torch.Tensor:
-        return self.outer.values - flatten(self.params)
-
-
-@dataclass
-class _StandIn:
-    before: OuterSnapshot
-    after: torch.Tensor
-    samples: int
-
-
-@dataclass
-class FragmentRound:
-    """A fragment's round from `begin_round` until its average is applied.
-
-    The caller averages `pseudo_grad` (weight `weight`) with the peers of the same `turn` and
-    `fragment`, then passes the answer to `finish_round`.
-    """
-
-    fragment: int
-    #: The schedule position (turns completed) when the round began: identical on every peer
-    #: of the group, so it (with the fragment) names the round.
-    turn: int
-    #: The fragment's round counter when the round began.
-    round: int
-    pseudo_grad: torch.Tensor
-    weight: float
-    #: The optimiser's inner step counter when the round began.
-    began_at_step: int
-    _stand_in: _StandIn | None = None
-
-    @property
-    def stand_in_applied(self) -> bool:
-        return self._stand_in is not None
-
-
-@dataclass(frozen=True)
-class FragmentReport:
-    """What one outer step of one fragment did (or what replacing its stand-in did)."""
-
-    fragment: int
-    #: The fragment's round counter and the schedule's turn after the step.
-    round: int
-    turn: int
-    status: FragmentStatus
-    weight: float
-    pseudo_grad_norm: float
-    applied_norm: float
-    #: Inner steps this peer took since the round began (τ unless it waited longer: eager).
-    steps_since_begin: int
-    #: True when this replaces an eager stand-in.
-    replaced_stand_in: bool = False
-    reason: str | None = None
-
-
 class StreamingDiLoCo:
     """One peer's streaming DiLoCo state around `model` (whose parameters are the local copy).
 
@@ -325,7 +182,7 @@ class StreamingDiLoCo:
         sizes = [p.numel() for p in self._params]
         members = split_fragments(self.names, sizes, config.fragments, config.layout)
         self._fragments = [
-            _Fragment(f, m, self.names, self._params, config.diloco) for f, m in enumerate(members)
+            Fragment(f, m, self.names, self._params, config.diloco) for f, m in enumerate(members)
         ]
         self.inner_optimizer = build_inner_optimizer(self._params, config.diloco)
         #: Turns completed: fragment `turn % P` is the one due.
@@ -465,7 +322,7 @@ class StreamingDiLoCo:
         before = frag.outer.snapshot()
         frag.outer.step(rnd.pseudo_grad)
         self._merge(frag)
-        rnd._stand_in = _StandIn(before, frag.outer.values.clone(), frag.samples)
+        rnd._stand_in = StandIn(before, frag.outer.values.clone(), frag.samples)
         frag.round += 1
         frag.samples = 0
         self._next_turn()
@@ -497,7 +354,7 @@ class StreamingDiLoCo:
         report = self._report(rnd, status, applied, reason, rnd.weight)
         return dataclasses.replace(report, replaced_stand_in=True)
 
-    def _merge(self, frag: _Fragment) -> None:
+    def _merge(self, frag: Fragment) -> None:
         """θ_local ← (1 − α)·θ_outer + α·θ_local for the fragment's parameters."""
         alpha = self.config.mix_alpha
         if alpha == 1.0:
