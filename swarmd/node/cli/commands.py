@@ -89,7 +89,8 @@ def cmd_dht(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from swarmd.node.training.daemon import JoinOptions, run_join
+    from swarmd.node.training.lifecycle import run_join
+    from swarmd.node.training.options import JoinOptions
     from swarmd.node.training.runconfig import RunConfig, RunConfigError
 
     create = None
