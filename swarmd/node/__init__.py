@@ -1,1 +1,2 @@
-"""The daemon: CLI, metrics, and (later) DHT, averaging, training."""
+"""The daemon, by capability: dht/, averaging/, statesync/, training/ (the peer lifecycle and
+one strategy per algorithm), server/, runtime/, cli/, chaos/; docs/architecture.md maps them."""
