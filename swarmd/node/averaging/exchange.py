@@ -1,0 +1,299 @@
+"""One all-reduce call as this peer lives it: send every part to its reducer, reduce its own
+part, and obtain every other part (from its reducer, a relay, or a fallback reducer).
+
+An `Exchange` lasts one call; what outlives the call (throughput, error-feedback buffers,
+the rounds other members still read from) stays in the `Averager`, which lends it through a
+`Link`. The failure rules this code implements are in `allreduce`'s docstring.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarmd.compression import (
+    CompressionError,
+    DecodeLimits,
+    Int8Codec,
+    decode,
+    decode_into,
+    encode_segments,
+)
+from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
+from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
+from swarmd.node.averaging.round import Round, finish_reduction
+from swarmd.node.metrics import Metrics
+from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol import rpc
+from swarmd.protocol.framing import TensorMeta, payload_nbytes
+
+log = logging.getLogger("swarmd.allreduce")
+
+SERVICE = "swarmd.averaging.v1.Averager"
+PUT_PART = rpc.method_path(SERVICE, "PutPart")
+GET_PART = rpc.method_path(SERVICE, "GetPart")
+
+
+@dataclass
+class Link:
+    """What every exchange of one averager shares: the client, the measured throughput,
+    metrics, and the int8 code buffers that rounds of the same key reuse."""
+
+    client: rpc.RpcClient
+    config: AllReduceConfig
+    metrics: Metrics | None
+    #: Replaces the codec for this peer's own contributions; tests inject a lying peer.
+    outgoing_encoder: Callable[[torch.Tensor], bytes] | None
+    throughput: Throughput
+    #: Per error-feedback key and part, the int8 codes of the part this peer sent last
+    #: round: every send has finished when a round returns, so the next round reuses them
+    #: (3 x 25 MB of fresh pages per round in the 4 x 100 M benchmark, ~8% of its CPU).
+    sent_codes: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def deadline(self, nbytes: float) -> float:
+        cfg = self.config
+        expected = nbytes / max(self.throughput.value, 1.0)
+        return min(cfg.max_deadline_s, cfg.min_deadline_s + cfg.deadline_slack * expected)
+
+    def count_bytes(self, direction: str, codec: str, nbytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.on_averaging_bytes(direction, codec, nbytes)
+
+
+class Exchange:
+    """This peer's side of one all-reduce round; `run`, then `settle_own_part`, then `result`."""
+
+    def __init__(
+        self,
+        link: Link,
+        rnd: Round,
+        *,
+        local: torch.Tensor,
+        to_send: torch.Tensor,
+        residual: torch.Tensor | None,
+        result: torch.Tensor,
+        weight: float,
+        key: str,
+    ) -> None:
+        """``to_send`` is ``local`` plus the error-feedback residual; ``residual`` receives
+        what this round's encoding loses (None: no error feedback)."""
+        self.link, self.rnd, self.key, self.weight = link, rnd, key, weight
+        self.local, self.to_send, self.residual, self.result = local, to_send, residual, result
+        n = len(rnd.group.members)
+        self.failed: list[int] = []
+        self.recovered: list[int] = []
+        self.dropped: set[int] = set()
+        self.encoded_parts: dict[int, Encoded] = {}
+        self.sent_codes: dict[int, torch.Tensor] = {}
+        self.encoded_ready = {j: trio.Event() for j in range(n)}
+        largest = max(rnd.part_numel(j) for j in range(n))
+        self.bytes_per_part = largest * BYTES_PER_VALUE[rnd.codec_name] + 256
+        self.phase_deadline = link.deadline(self.bytes_per_part * max(n - 1, 1))
+        # int8 hands back what the receivers will lose while it quantises, chunk by chunk.
+        self.fused_ef = (
+            residual is not None
+            and link.outgoing_encoder is None
+            and isinstance(rnd.codec, Int8Codec)
+        )
+
+    async def run(self) -> None:
+        rnd = self.rnd
+        async with trio.open_nursery() as nursery:
+            for j in range(len(rnd.group.members)):
+                if j != rnd.me:
+                    nursery.start_soon(self.prepare, j)
+                    nursery.start_soon(self.send_part, j, 0, j)
+                    nursery.start_soon(self.obtain, j)
+            s, e = rnd.bounds[rnd.me]
+            nursery.start_soon(self.reduce, rnd.me, 0, self.to_send[s:e])
+        # Every send has returned: the codes can serve the next round of this key.
+        self.link.sent_codes.update(((self.key, j), codes) for j, codes in self.sent_codes.items())
+
+    async def settle_own_part(self) -> None:
+        """Serves this peer's reduced part to relays and writes it into the result."""
+        rnd = self.rnd
+        own = rnd.reduction(rnd.me, 0)
+        rnd.direct[rnd.me].encoded = own.encoded
+        rnd.direct[rnd.me].ready.set()
+        s, e = rnd.bounds[rnd.me]
+        if own.decoded is not None:
+            if own.decoded.data_ptr() != self.result[s:e].data_ptr():  # a robust reduction's
+                await trio.to_thread.run_sync(self.result[s:e].copy_, own.decoded)
+        else:
+            self.failed.append(rnd.me)
+            self.result[s:e] = self.local[s:e]
+
+    def outcome(self, duration_s: float) -> AllReduceResult:
+        self.dropped.discard(self.rnd.me)
+        members = self.rnd.group.members
+        return AllReduceResult(
+            tensor=self.result,
+            dropped={members[i].peer_id for i in self.dropped},
+            failed_parts=sorted(self.failed),
+            recovered_parts=sorted(self.recovered),
+            duration_s=duration_s,
+        )
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def encode_part(self, j: int) -> Encoded:
+        """Part j as the bytes its reducer receives; for error feedback, also what it loses,
+        in `residual`."""
+        rnd, residual, to_send = self.rnd, self.residual, self.to_send
+        s, e = rnd.bounds[j]
+        if self.fused_ef:
+            assert isinstance(rnd.codec, Int8Codec) and residual is not None
+            # Taken out for the round (a concurrent round of the same key gets its own) and
+            # given back only once every send has returned.
+            codes = self.link.sent_codes.pop((self.key, j), None)
+            if codes is None or codes.numel() != e - s:
+                codes = torch.empty(e - s, dtype=torch.int8)
+            self.sent_codes[j] = codes
+            fused = rnd.codec.encode_segments(to_send[s:e], residual[s:e], codes=codes)
+            return zstd_framed(fused, rnd.zstd_level)
+        liar = self.link.outgoing_encoder
+        segments: Encoded = (
+            [liar(to_send[s:e])]
+            if liar
+            else zstd_framed(encode_segments(rnd.codec, to_send[s:e]), rnd.zstd_level)
+        )
+        if residual is not None:
+            blob = b"".join(segments)
+            limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
+            try:
+                torch.sub(to_send[s:e], decode(blob, limits), out=residual[s:e])
+            except (CompressionError, RuntimeError):
+                residual[s:e].zero_()  # a deliberately broken payload: nothing to carry
+        return segments
+
+    async def prepare(self, j: int) -> None:
+        self.encoded_parts[j] = await trio.to_thread.run_sync(self.encode_part, j)
+        self.encoded_ready[j].set()
+
+    async def send_part(self, j: int, attempt: int, target: int) -> bool:
+        await self.encoded_ready[j].wait()
+        group = self.rnd.group
+        info = apb.PartInfo(round_id=group.round_id, part=j, weight=self.weight, attempt=attempt)
+        segments = self.encoded_parts[j]
+        nbytes = payload_nbytes(segments)
+        meta = TensorMeta("uint8", (nbytes,), info=info.SerializeToString())
+        t0 = time.monotonic()
+        try:
+            await self.link.client.put_tensor(
+                group.members[target].address,
+                PUT_PART,
+                meta,
+                segments,
+                apb.PartAck,
+                timeout=self.phase_deadline,
+            )
+        except (rpc.RpcError, OSError) as exc:
+            log.info("part %d to member %d failed: %s", j, target, exc)
+            return False
+        self.link.throughput.observe(nbytes, time.monotonic() - t0)
+        self.link.count_bytes("sent", self.rnd.codec_name, nbytes)
+        return True
+
+    # -- reducing ----------------------------------------------------------------------------
+
+    async def reduce(self, j: int, attempt: int, own: torch.Tensor) -> None:
+        rnd = self.rnd
+        red = rnd.reduction(j, attempt)
+        s, e = rnd.bounds[j]
+        red.add(rnd.me, own, self.weight)
+        with trio.move_on_after(self.phase_deadline):
+            await red.all_arrived.wait()
+        await finish_reduction(red, rnd, self.result[s:e], self.link.config.reduction)
+        self.dropped.update(red.expected - red.contributors)
+
+    # -- obtaining ---------------------------------------------------------------------------
+
+    async def fetch(
+        self, target: int, j: int, attempt: int, relay: bool, timeout: float
+    ) -> bytearray | None:
+        rnd = self.rnd
+        req = apb.GetPartRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, relay=relay)
+        t0 = time.monotonic()
+        try:
+            _, data = await self.link.client.get_tensor(
+                rnd.group.members[target].address,
+                GET_PART,
+                req,
+                timeout=timeout,
+                max_bytes=8 * rnd.part_numel(j) + 4096,
+            )
+        except (rpc.RpcError, OSError, ValueError) as exc:
+            log.info(
+                "fetching part %d (attempt %d, relay=%s) from member %d failed: %s",
+                j,
+                attempt,
+                relay,
+                target,
+                exc,
+            )
+            return None
+        self.link.throughput.observe(len(data), time.monotonic() - t0)
+        self.link.count_bytes("received", rnd.codec_name, len(data))
+        return data
+
+    def decode_part(self, j: int, blob: bytes | bytearray) -> bool:
+        """Decodes part j straight into the result; False if it is unusable."""
+        s, e = self.rnd.bounds[j]
+        numel = e - s
+        limits = DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096)
+        try:
+            decode_into(blob, limits, self.result[s:e])
+        except CompressionError:
+            return False
+        return True
+
+    async def obtain(self, j: int) -> None:
+        rnd = self.rnd
+        s, e = rnd.bounds[j]
+        fetch_timeout = 2 * self.phase_deadline + self.link.deadline(self.bytes_per_part)
+        direct = await self.fetch(j, j, 0, False, fetch_timeout)
+        rnd.direct[j].received = direct
+        blob: bytes | bytearray | None = direct
+        rnd.direct[j].ready.set()
+        if blob is None:
+            self.recovered.append(j)
+            blob = await self.from_relays(j, fetch_timeout)
+        attempt = 1
+        while blob is None and attempt < len(rnd.group.members):
+            target = rnd.reducer_of(j, attempt)
+            if target == rnd.me:
+                # The part's own value at the fallback reducer is its uncompressed local one.
+                await self.reduce(j, attempt, self.to_send[s:e])
+                decoded = rnd.reduction(j, attempt).decoded
+                if decoded is not None:
+                    if decoded.data_ptr() != self.result[s:e].data_ptr():
+                        self.result[s:e] = decoded
+                    return
+            elif await self.send_part(j, attempt, target):
+                blob = await self.fetch(target, j, attempt, False, fetch_timeout)
+            attempt += 1
+        if blob is None or not await trio.to_thread.run_sync(self.decode_part, j, blob):
+            self.failed.append(j)
+            self.result[s:e] = self.local[s:e]
+
+    async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
+        """Asks the other members for the copy of part j they got from its reducer."""
+        rnd = self.rnd
+        others = [i for i in range(len(rnd.group.members)) if i not in (j, rnd.me)]
+        found: list[bytes | bytearray] = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask(i: int) -> None:
+                blob = await self.fetch(i, j, 0, True, timeout)
+                if blob is not None and not found:
+                    found.append(blob)
+                    nursery.cancel_scope.cancel()
+
+            for i in others:
+                nursery.start_soon(ask, i)
+        return found[0] if found else None
