@@ -1,0 +1,375 @@
+"""The server half of the transport: gRPC's worker threads hand each call to the trio loop.
+
+gRPC's sync server runs handlers on a bounded thread pool; each handler hops into the daemon's
+trio loop, where the application's async handler runs under a cancel scope whose deadline is the
+client's, and which the client's cancellation cancels.
+
+Requests are authenticated by a signed header in the metadata (see identity.py); the server
+verifies it in the gRPC thread, before trio or the application sees the request. Tensor methods
+are also served over the bulk data plane (bulk.py) where the config enables it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import grpc
+import trio
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from swarmd.protocol import bulk, faults
+from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol._rpc_config import TransportConfig
+from swarmd.protocol._rpc_service import TRANSPORT_SERVICE, Method, Service, method_path, unary
+from swarmd.protocol.address import Address
+from swarmd.protocol.calls import (
+    CallContext,
+    NullObserver,
+    RpcError,
+    RpcObserver,
+    StatusCode,
+    to_rpc_error,
+)
+from swarmd.protocol.errors import ListenError
+from swarmd.protocol.framing import StreamAssembler, iter_frames
+from swarmd.protocol.identity import PeerId, ReplayGuard, SignedHeader
+
+log = logging.getLogger("swarmd.rpc")
+
+M = TypeVar("M", bound=Message)
+T = TypeVar("T")
+
+
+def _parse(request_type: type[M], raw: bytes) -> M:
+    msg = request_type()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError as exc:
+        raise RpcError(
+            StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}"
+        ) from None
+    return msg
+
+
+class _CancelHandle:
+    """Lets a gRPC thread cancel a trio task that may not have started yet (trio thread only)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._scope: trio.CancelScope | None = None
+
+    def attach(self, scope: trio.CancelScope) -> None:
+        self._scope = scope
+        if self.cancelled:
+            scope.cancel()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+
+class RpcServer:
+    """A gRPC server whose handlers run in the caller's trio loop. Create with ``serve()``."""
+
+    def __init__(
+        self,
+        services: Sequence[Service],
+        config: TransportConfig,
+        observer: RpcObserver | None,
+        guard: ReplayGuard | None,
+    ) -> None:
+        self._services = services
+        self._cfg = config
+        self._observer: RpcObserver = observer or NullObserver()
+        #: Injected faults (SWARMD_FAULTS, chaos tests); None in normal operation.
+        self._faults = faults.from_env()
+        self._guard = guard or ReplayGuard(
+            max_skew_s=config.max_clock_skew_s,
+            clock=self._faults.wall_clock if self._faults else time.time,
+        )
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        self._grpc: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self.address = Address("", 0)
+        self._bulk: bulk.BulkServer | None = None
+        paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
+        if config.bulk and any(m.kind != "unary" for m in paths.values()):
+            self._bulk = bulk.BulkServer(
+                tensor_in={p: m.handler for p, m in paths.items() if m.kind == "tensor_in"},
+                tensor_out={
+                    p: (m.request_type, m.handler)
+                    for p, m in paths.items()
+                    if m.kind == "tensor_out" and m.request_type is not None
+                },
+                authenticate=self._authenticate_bulk,
+                observer=self._observer,
+                faults=self._faults,
+                max_tensor_bytes=config.max_tensor_bytes,
+                max_concurrent=config.max_concurrent_rpcs,
+                default_deadline_s=config.default_deadline_s,
+            )
+        self._services = [*services, self._transport_service()]
+
+    @property
+    def bulk_port(self) -> int:
+        """The bulk data plane's port, 0 if this server has none."""
+        return self._bulk.port if self._bulk is not None else 0
+
+    def _transport_service(self) -> Service:
+        async def bulk_info(_: pb.BulkInfoRequest, ctx: CallContext) -> pb.BulkInfo:
+            return pb.BulkInfo(port=self.bulk_port)
+
+        return Service(TRANSPORT_SERVICE, [unary("GetBulkInfo", pb.BulkInfoRequest, bulk_info)])
+
+    async def _start_bulk(self, nursery: trio.Nursery, host: str) -> None:
+        if self._bulk is not None:
+            await self._bulk.start(nursery, host, self._cfg.bulk_port)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _start(self, nursery: trio.Nursery, host: str, port: int) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._nursery = nursery
+        cfg = self._cfg
+        server = grpc.server(
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=cfg.max_concurrent_rpcs, thread_name_prefix="swarmd-rpc"
+            ),
+            options=cfg.grpc_options(),
+            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
+        )
+        for service in self._services:
+            handlers = {m.name: self._rpc_handler(service.name, m) for m in service.methods}
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(service.name, handlers),)
+            )
+            self._health.set(service.name, health_pb2.HealthCheckResponse.SERVING)
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_insecure_port(bind)
+        except RuntimeError as exc:
+            raise ListenError(f"cannot listen on {bind}: {exc}") from None
+        if bound == 0:
+            raise ListenError(f"cannot listen on {bind} (address in use or not local)")
+        server.start()
+        self._grpc = server
+        self.address = Address(host, bound)
+
+    async def _stop(self) -> None:
+        if self._grpc is None:
+            return
+        self._health.enter_graceful_shutdown()
+        server, grace = self._grpc, self._cfg.grace_s
+        self._grpc = None
+        await trio.to_thread.run_sync(lambda: server.stop(grace).wait())
+
+    # -- request path ------------------------------------------------------------------------
+
+    def _authenticate(self, path: str, context: grpc.ServicerContext, body: bytes) -> CallContext:
+        if self._faults is not None and (why := self._faults.incoming()):
+            raise RpcError(StatusCode.UNAVAILABLE, why)
+        metadata = {k: v for k, v in context.invocation_metadata()}
+        peer_id: PeerId | None = None
+        if self._cfg.require_auth or "swarmd-sig-bin" in metadata:
+            peer_id = self._guard.verify(path, SignedHeader.from_metadata(metadata), body)
+        return CallContext(method=path, peer_id=peer_id, peer=context.peer())
+
+    def _authenticate_bulk(
+        self, path: str, signed: SignedHeader, body: bytes, peer: str
+    ) -> CallContext:
+        """The bulk plane's requests pass the same checks as gRPC's (always signed there)."""
+        if self._faults is not None and (why := self._faults.incoming()):
+            raise RpcError(StatusCode.UNAVAILABLE, why)
+        return CallContext(method=path, peer_id=self._guard.verify(path, signed, body), peer=peer)
+
+    def _run_in_trio(
+        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], context: grpc.ServicerContext
+    ) -> T:
+        """Runs ``fn(*args)`` as a task of the server's nursery; blocks this gRPC thread on it."""
+        assert self._token is not None and self._nursery is not None
+        token = self._token
+        remaining = context.time_remaining()
+        timeout = self._cfg.default_deadline_s if remaining is None else max(0.0, remaining)
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        handle = _CancelHandle()
+
+        def on_terminate() -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(handle.cancel)
+
+        try:
+            trio.from_thread.run_sync(
+                self._nursery.start_soon,
+                self._task,
+                fn,
+                args,
+                timeout,
+                handle,
+                done,
+                trio_token=token,
+            )
+        except (trio.RunFinishedError, RuntimeError):
+            raise RpcError(StatusCode.UNAVAILABLE, "server is shutting down") from None
+        if not context.add_callback(on_terminate):
+            on_terminate()
+        return done.result()
+
+    async def _task(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        timeout: float,
+        handle: _CancelHandle,
+        done: concurrent.futures.Future[T],
+    ) -> None:
+        try:
+            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
+                handle.attach(scope)
+                result = await fn(*args)
+            if scope.cancelled_caught:
+                if handle.cancelled:
+                    done.set_exception(RpcError(StatusCode.CANCELLED, "cancelled by the client"))
+                else:
+                    done.set_exception(RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed"))
+            else:
+                done.set_result(result)
+        except trio.Cancelled:
+            done.set_exception(RpcError(StatusCode.UNAVAILABLE, "server is shutting down"))
+            raise
+        except Exception as exc:
+            err = to_rpc_error(exc)
+            if err.code is StatusCode.INTERNAL:
+                log.exception("handler %s failed", getattr(fn, "__qualname__", fn))
+            done.set_exception(err)
+
+    def _rpc_handler(self, service: str, method: Method) -> grpc.RpcMethodHandler:
+        path = method_path(service, method.name)
+        if method.kind == "unary":
+            return grpc.unary_unary_rpc_method_handler(self._unary_behavior(path, method))
+        if method.kind == "tensor_in":
+            return grpc.stream_unary_rpc_method_handler(self._tensor_in_behavior(path, method))
+        return grpc.unary_stream_rpc_method_handler(self._tensor_out_behavior(path, method))
+
+    def _finish(
+        self, path: str, start: float, exc: BaseException | None, context: grpc.ServicerContext
+    ) -> None:
+        """Records the call and, on failure, aborts it with the right status (abort raises)."""
+        if exc is None:
+            self._observer.on_served(path, StatusCode.OK.name, time.perf_counter() - start)
+            return
+        if isinstance(exc, grpc.RpcError):
+            err = RpcError(StatusCode.CANCELLED, "call ended by the client")
+        else:
+            err = to_rpc_error(exc)
+        self._observer.on_served(path, err.code.name, time.perf_counter() - start)
+        context.abort(grpc.StatusCode[err.code.name], err.details)
+
+    def _unary_behavior(self, path: str, method: Method) -> Callable[..., bytes]:
+        assert method.request_type is not None
+        request_type = method.request_type
+
+        def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
+            start = time.perf_counter()
+            try:
+                ctx = self._authenticate(path, context, request)
+                response = self._run_in_trio(
+                    method.handler, (_parse(request_type, request), ctx), context
+                )
+                out: bytes = response.SerializeToString()
+            except Exception as exc:
+                self._finish(path, start, exc, context)
+                raise  # unreachable: abort raised
+            self._observer.on_bytes(path, len(out), len(request))
+            self._finish(path, start, None, context)
+            return out
+
+        return behavior
+
+    def _tensor_in_behavior(self, path: str, method: Method) -> Callable[..., bytes]:
+        def behavior(frames: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+            start = time.perf_counter()
+            received = 0
+            try:
+                first = next(frames, None)
+                if first is None:
+                    raise RpcError(StatusCode.INVALID_ARGUMENT, "empty tensor stream")
+                ctx = self._authenticate(path, context, first)
+                # The assembler checks the declared size against our limit before allocating.
+                asm = StreamAssembler(self._cfg.max_tensor_bytes)
+                asm.feed(first)
+                received = len(first)
+                for frame in frames:
+                    asm.feed(frame)
+                    received += len(frame)
+                meta, data = asm.finish()
+                response = self._run_in_trio(method.handler, (meta, data, ctx), context)
+                out: bytes = response.SerializeToString()
+            except Exception as exc:
+                self._observer.on_bytes(path, 0, received)
+                self._finish(path, start, exc, context)
+                raise
+            self._observer.on_bytes(path, len(out), received)
+            self._finish(path, start, None, context)
+            return out
+
+        return behavior
+
+    def _tensor_out_behavior(self, path: str, method: Method) -> Callable[..., Iterator[bytes]]:
+        assert method.request_type is not None
+        request_type = method.request_type
+
+        def behavior(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+            start = time.perf_counter()
+            sent = 0
+            try:
+                ctx = self._authenticate(path, context, request)
+                meta, payload = self._run_in_trio(
+                    method.handler, (_parse(request_type, request), ctx), context
+                )
+                for frame in iter_frames(meta, payload, self._cfg.chunk_bytes):
+                    if self._faults is not None:
+                        self._faults.pace(len(frame))
+                    sent += len(frame)
+                    yield frame
+            except Exception as exc:
+                self._observer.on_bytes(path, sent, len(request))
+                self._finish(path, start, exc, context)
+                raise
+            self._observer.on_bytes(path, sent, len(request))
+            self._finish(path, start, None, context)
+
+        return behavior
+
+
+@asynccontextmanager
+async def serve(
+    services: Sequence[Service],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    config: TransportConfig | None = None,
+    observer: RpcObserver | None = None,
+    guard: ReplayGuard | None = None,
+) -> AsyncIterator[RpcServer]:
+    """Serves ``services`` (plus grpc.health.v1) until the block exits; port 0 lets the OS pick."""
+    server = RpcServer(services, config or TransportConfig(), observer, guard)
+    async with trio.open_nursery() as nursery:
+        await server._start_bulk(nursery, host)
+        server._start(nursery, host, port)
+        try:
+            yield server
+        finally:
+            with trio.CancelScope(shield=True):
+                await server._stop()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,56 @@
+"""How an application describes what it serves: methods, their kinds, and the paths they answer.
+
+Both sides name a method by its path (``/service/method``); the server registers ``Service``
+objects and the client calls paths, so the description sits below both. The transport's own
+service (GetBulkInfo, which tells a client the bulk data plane's port) is named here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from google.protobuf.message import Message
+
+from swarmd.protocol.calls import CallContext
+from swarmd.protocol.framing import Payload, TensorMeta
+
+UnaryHandler = Callable[[Any, CallContext], Awaitable[Message]]
+TensorInHandler = Callable[[TensorMeta, bytearray, CallContext], Awaitable[Message]]
+#: A tensor_out handler may return its payload in pieces (see framing.Payload).
+TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, Payload]]]
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: Literal["unary", "tensor_in", "tensor_out"]
+    handler: Callable[..., Awaitable[Any]]
+    request_type: type[Message] | None = None
+
+
+def unary(name: str, request_type: type[Message], handler: UnaryHandler) -> Method:
+    return Method(name, "unary", handler, request_type)
+
+
+def tensor_in(name: str, handler: TensorInHandler) -> Method:
+    return Method(name, "tensor_in", handler)
+
+
+def tensor_out(name: str, request_type: type[Message], handler: TensorOutHandler) -> Method:
+    return Method(name, "tensor_out", handler, request_type)
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    methods: Sequence[Method]
+
+
+TRANSPORT_SERVICE = "swarmd.v1.Transport"
+GET_BULK_INFO = f"/{TRANSPORT_SERVICE}/GetBulkInfo"
+
+
+def method_path(service: str, method: str) -> str:
+    return f"/{service}/{method}"
