@@ -4,6 +4,7 @@ Imports torch and the standard library only: the daemon depends on this package,
 never the reverse.
 """
 
+from swarmd.workloads.allowed import AllowedWorkloads, WorkloadNotAllowed
 from swarmd.workloads.data import (
     BYTE_VOCAB,
     DataError,
@@ -22,11 +23,13 @@ from swarmd.workloads.registry import ModelLoadError, check_model, load_model
 __all__ = [
     "BYTE_VOCAB",
     "GPT",
+    "AllowedWorkloads",
     "DataError",
     "DeviceError",
     "GPTConfig",
     "ModelLoadError",
     "TokenSource",
+    "WorkloadNotAllowed",
     "bin_source",
     "builtin_corpus",
     "check_model",

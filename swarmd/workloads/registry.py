@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from importlib.metadata import entry_points
 
 import torch
 from torch import nn
@@ -17,6 +18,10 @@ from torch import nn
 from swarmd.workloads.gpt import GPT, GPTConfig
 
 BUILTIN = "builtin"
+#: Names of the built-in model; anything else is a user's (see allowed.py for who may name one).
+BUILTIN_MODELS = (BUILTIN, "gpt")
+#: The entry-point group a package registers its models under (name = "module:function").
+ENTRY_POINT_GROUP = "swarmd.workloads"
 _PROBE_LEN = 2
 
 
@@ -24,8 +29,14 @@ class ModelLoadError(ValueError):
     """A model spec cannot be resolved or the model it names breaks the model contract."""
 
 
+def installed_models() -> dict[str, str]:
+    """Entry-point name -> its ``module:function``, for the models installed packages offer."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def load_model(spec: str, *, check: bool = True) -> nn.Module:
-    """Resolve `builtin`/`gpt` (the default `GPT`) or `package.module:function`.
+    """Resolve `builtin`/`gpt` (the default `GPT`), an installed workload's name, or
+    `package.module:function`. Imports code: call it only on a name the user allowed.
 
     The function is called with no arguments and must return an `nn.Module` whose
     `forward(idx, targets)` takes int64 token ids (batch, time) and returns `(logits, loss)`
@@ -34,8 +45,9 @@ def load_model(spec: str, *, check: bool = True) -> nn.Module:
     if not isinstance(spec, str) or not spec.strip():
         raise ModelLoadError("model spec must be 'builtin' or 'module:function'")
     spec = spec.strip()
-    if spec in (BUILTIN, "gpt"):
+    if spec in BUILTIN_MODELS:
         return GPT(GPTConfig())
+    spec = installed_models().get(spec, spec)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ModelLoadError(

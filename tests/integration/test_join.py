@@ -183,7 +183,10 @@ def test_a_run_made_by_another_swarmd_version_is_refused(
         identity = Identity.load_or_create(tmp_path / "creator")
         async with open_dht(identity, bootstrap=[boot]) as (node, _server):
             return await node.store(
-                config_key("t"), json.dumps(raw).encode(), node.now() + CONFIG_TTL_S
+                config_key("t"),
+                json.dumps(raw).encode(),
+                node.now() + CONFIG_TTL_S,
+                str(identity.peer_id),  # the creator's own entry (runrecord.py)
             )
 
     # This node and the bootstrap node: the bootstrap keeps it after this node leaves.

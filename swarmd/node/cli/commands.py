@@ -92,6 +92,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     from swarmd.node.training.lifecycle import run_join
     from swarmd.node.training.options import JoinOptions
     from swarmd.node.training.runconfig import RunConfig, RunConfigError
+    from swarmd.workloads import AllowedWorkloads
 
     create = None
     if args.create_run is not None:
@@ -122,6 +123,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             data_shard=args.data_shard,
             bulk_port=None if args.no_bulk else args.bulk_port,
             device=args.device,
+            creator=args.creator,
+            allowed=AllowedWorkloads(tuple(args.model), tuple(args.data)),
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None

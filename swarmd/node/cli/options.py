@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from swarmd.protocol.address import Address, parse_address
+from swarmd.protocol.identity import PeerId
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -116,3 +117,10 @@ def add_metrics(p: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus metrics on HOST:PORT",
     )
+
+
+def peer_id(text: str) -> PeerId:
+    try:
+        return PeerId.from_string(text.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -68,6 +68,12 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
 
 
 def _convert(action: argparse.Action, text: str) -> Any:
+    if isinstance(action, argparse._AppendAction):  # a repeatable option: one value here
+        return [_convert_one(action, text)]
+    return _convert_one(action, text)
+
+
+def _convert_one(action: argparse.Action, text: str) -> Any:
     if action.nargs == 0:  # a flag
         return text.strip().lower() in ("1", "true", "yes", "on")
     if action.type is None:
@@ -80,4 +86,6 @@ def _convert(action: argparse.Action, text: str) -> Any:
 
 
 def _from_file(action: argparse.Action, value: Any) -> Any:
+    if isinstance(action, argparse._AppendAction) and isinstance(value, list):
+        return [_convert_one(action, v if isinstance(v, str) else str(v)) for v in value]
     return _convert(action, value if isinstance(value, str) else str(value))

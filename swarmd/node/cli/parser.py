@@ -19,6 +19,7 @@ from swarmd.node.cli.options import (
     address,
     address_list,
     non_negative_int,
+    peer_id,
     positive_float,
     positive_int,
     usage,
@@ -187,6 +188,30 @@ def _add_join_run(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --create-run: the run's algorithm (overrides the file's `algo`); without "
         "it: refuse to join a run that uses another one",
+    )
+    p.add_argument(
+        "--creator",
+        type=peer_id,
+        default=None,
+        metavar="PEER_ID",
+        help="accept only the run config this key signed (the creator's peer id, printed when "
+        "it created the run); without it, the only config published for --run is taken",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="allow the run to use this model (module:function or an installed workload): "
+        "swarmd never imports code a run config names unless its user allowed it here",
+    )
+    p.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="allow the run to train on this data path of this machine (a run config alone "
+        "never makes swarmd open a local file)",
     )
     p.add_argument(
         "--device",

@@ -17,7 +17,8 @@ import trio
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.statesync.donor import StateAdvert, advert_key
-from swarmd.node.training.runconfig import RunConfig, RunConfigError, config_key, peers_key
+from swarmd.node.training.runconfig import RunConfig, RunConfigError, peers_key
+from swarmd.node.training.runrecord import claims
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
 
@@ -29,19 +30,22 @@ async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(dht.run, 0, list(peers))
-            raw_config = await dht.get_value(config_key(run))
+            found = await claims(dht, run)
             live = await dht.peers(peers_key(run), exhaustive=True)
             adverts = await dht.get_map(advert_key(run), exhaustive=True)
             nursery.cancel_scope.cancel()
     finally:
         client.close()
     report: dict[str, Any] = {"run": run, "config": None, "peers": [], "round": None}
-    if raw_config is not None:
+    if len(found) > 1:
+        keys = ", ".join(str(c.creator) for c in found)
+        report["config"] = {"error": f"{len(found)} keys publish a config for this run: {keys}"}
+    elif found:
         try:
-            config = RunConfig.from_json(raw_config.value)
+            config = RunConfig.from_json(found[0].raw)
             report["config"] = {
                 "hash": config.hash,
-                "creator": str(raw_config.owner),
+                "creator": str(found[0].creator),
                 **json.loads(config.to_json()),
             }
         except RunConfigError as exc:

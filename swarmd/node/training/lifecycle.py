@@ -32,15 +32,12 @@ from swarmd.node.training.context import PeerContext
 from swarmd.node.training.membership import LivePeers, heartbeat
 from swarmd.node.training.options import JoinError, JoinOptions
 from swarmd.node.training.progress import Progress, report_progress
-from swarmd.node.training.runconfig import (
-    CONFIG_TTL_S,
-    RunConfig,
-    RunConfigError,
-    config_key,
-)
+from swarmd.node.training.runconfig import RunConfig, RunConfigError
+from swarmd.node.training.runrecord import choose, claims, publish_config
 from swarmd.node.training.strategies import strategy_for
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
+from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed
 
 
 class Peer:
@@ -125,37 +122,42 @@ class Peer:
         opts = self.opts
         if opts.create_run is not None:
             config = opts.create_run
-            await self.dht.store(
-                config_key(config.name), config.to_json(), self.dht.now() + CONFIG_TTL_S
-            )
+            self._check_allowed(config, opts.allowed.with_own_run(config.model, config.data))
+            await publish_config(self.dht, config)
             self.out.event(
                 "run_created",
-                f"created run {config.name!r} (config {config.hash})",
+                f"created run {config.name!r} (config {config.hash}); others join it with "
+                f"--run {config.name} --creator {self.identity.peer_id}",
                 run=config.name,
                 config_hash=config.hash,
+                creator=str(self.identity.peer_id),
             )
             return config
         with trio.move_on_after(opts.join_timeout_s):
             while True:
-                value = await self.dht.get_value(config_key(opts.run))
-                if value is not None:
-                    config = self._check_config(value.value)
+                claim = choose(await claims(self.dht, opts.run), opts.run, opts.creator)
+                if claim is not None:
+                    config = self._check_config(claim.raw)
+                    pinned = "" if opts.creator else f"; pin it with --creator {claim.creator}"
                     self.out.event(
                         "run_joined",
                         f"joined run {config.name!r} (config {config.hash}, created by "
-                        f"{value.owner.short()})",
+                        f"{claim.creator.short()}{pinned})",
                         run=config.name,
                         config_hash=config.hash,
+                        creator=str(claim.creator),
                     )
                     return config
                 await trio.sleep(1.0)
+        by = f" signed by {opts.creator}" if opts.creator else ""
         raise JoinError(
-            f"no run named {opts.run!r} was found in the DHT within {opts.join_timeout_s:.0f}s; "
-            "check --run, or create it with --create-run FILE"
+            f"no run named {opts.run!r}{by} was found in the DHT within "
+            f"{opts.join_timeout_s:.0f}s; check --run, or create it with --create-run FILE"
         )
 
     def _check_config(self, raw: bytes) -> RunConfig:
-        """The run config read from the DHT, if it is the run the user asked for."""
+        """The run config read from the DHT, if it is the run the user asked for and names
+        only workloads the user allowed."""
         try:
             config = RunConfig.from_json(raw)
         except RunConfigError as exc:
@@ -167,7 +169,16 @@ class Peer:
                 f"run {config.name!r} trains with {config.algo}, not {self.opts.algo}; "
                 "--algo only chooses the algorithm of a run made with --create-run"
             )
+        self._check_allowed(config, self.opts.allowed)
         return config
+
+    @staticmethod
+    def _check_allowed(config: RunConfig, allowed: AllowedWorkloads) -> None:
+        try:
+            allowed.check_model(config.model)
+            allowed.check_data(config.data)
+        except WorkloadNotAllowed as exc:
+            raise JoinError(str(exc)) from None
 
     async def _train(self, config: RunConfig, nursery: trio.Nursery) -> None:
         peer = PeerContext(

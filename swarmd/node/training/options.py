@@ -12,7 +12,8 @@ from pathlib import Path
 
 from swarmd.node.training.runconfig import RunConfig
 from swarmd.protocol.address import Address
-from swarmd.workloads import resolve_device
+from swarmd.protocol.identity import PeerId
+from swarmd.workloads import AllowedWorkloads, resolve_device
 
 #: Shards a peer may name with --data-shard (a run cuts its data into `data_shards` <= this).
 NUM_SHARDS = 64
@@ -48,6 +49,10 @@ class JoinOptions:
     bulk_port: int | None = 0
     #: Where the model trains (swarmd/workloads/device.py): a peer's own choice.
     device: str = "auto"
+    #: The only run config accepted is the one this key signed (None: the only one there is).
+    creator: PeerId | None = None
+    #: Models and data this peer's user allowed beyond the built-ins (--model, --data).
+    allowed: AllowedWorkloads = field(default_factory=AllowedWorkloads)
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,11 @@ from swarmd.optim.diloco import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.optim.streaming import LAYOUTS, StreamingConfig
 
+#: What a model name (builtin, an installed workload's, or module:function) and a data name (a
+#: path) may look like. Neither is ever imported or opened unless the joining user allowed it
+#: (swarmd/workloads/allowed.py).
+_MODEL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
+_DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
 #: The training algorithms a run may use.
 ALGORITHMS = ("diloco", "streaming-diloco")
 #: The DHT keeps records at most a day; the creator re-publishes it while it runs.
@@ -35,8 +41,9 @@ class RunConfigError(ValueError):
 @dataclass(frozen=True)
 class RunConfig:
     name: str
-    #: `builtin` (the GPT below), or `module:function` returning the run's own nn.Module whose
-    #: forward(idx, targets) gives (logits, loss); every peer must be able to import it.
+    #: `builtin` (the GPT below), an installed workload's entry-point name, or `module:function`
+    #: returning the run's own nn.Module whose forward(idx, targets) gives (logits, loss).
+    #: A joiner loads a non-built-in model only if its user allowed it (--model, or installed).
     model: str = "builtin"
     #: Model shape (the built-in GPT); see swarmd.workloads.GPTConfig.
     n_layer: int = 4
@@ -106,10 +113,13 @@ class RunConfig:
                 raise RunConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise RunConfigError("n_embd must be divisible by n_head")
-        if self.model != "builtin" and ":" not in self.model:
+        if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
             raise RunConfigError(
-                f"model must be 'builtin' or 'module:function', got {self.model!r}"
+                "model must be 'builtin', an installed workload's name or 'module:function', "
+                f"got {self.model!r}"
             )
+        if not isinstance(self.data, str) or not _DATA_NAME.fullmatch(self.data):
+            raise RunConfigError(f"data must be 'builtin' or a path, got {self.data!r}")
         if self.codec not in ("int8", "fp16", "fp32"):
             raise RunConfigError(f"codec must be int8, fp16 or fp32, got {self.codec!r}")
         block = self.int8_block_size
