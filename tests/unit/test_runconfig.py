@@ -89,6 +89,11 @@ def test_state_file_is_replaced_atomically_and_checked(tmp_path: Path) -> None:
     assert load_saved(path, "other-config") is None
     path.write_bytes(b"torn")
     assert load_saved(path, "a") is None  # unreadable: start over, do not crash
+    nan = torch.tensor([1.0, float("nan")])
+    save_state(path, {"config_hash": "a", "global": {"x": nan}, "step": 3})
+    assert load_saved(path, "a") is None  # non-finite: refused, never loaded
+    save_state(path, {"config_hash": "a", "global": {"x": torch.ones(2)}, "local": {"m": nan}})
+    assert load_saved(path, "a") is None
 
 
 def test_config_is_frozen() -> None:

@@ -224,6 +224,9 @@ class StateAdvert:
     state_hash: bytes
     address: str
     total_bytes: int
+    #: Who signed the advert (its DHT sub-key, which only that key can write); not on the
+    #: wire, filled in by the reader. Empty when unknown.
+    owner: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.round < 1 << 63:

@@ -51,10 +51,12 @@ from swarmd.node.statesync.snapshot import (
     DEFAULT_CHUNK_BYTES,
     HASH_BYTES,
     MAX_STATE_BYTES,
+    Layout,
     Manifest,
     ManifestError,
     StateSnapshot,
     chunk_hash,
+    layout_mismatch,
 )
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb
@@ -162,6 +164,11 @@ class SyncStats:
         return self.bytes_done / 1e6 / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
+class StateRefused(StateSyncError):
+    """Every donor that answered serves a state that does not fit this peer's model: that
+    state is unusable here, whatever the network does next (a retry would only refetch it)."""
+
+
 class _Abort(Exception):
     """Internal: a fatal condition was recorded; the download nursery is being cancelled."""
 
@@ -175,8 +182,12 @@ class _Download:
         config: SyncConfig,
         stats: SyncStats,
         on_progress: Callable[[int, int], None] | None,
+        expect: Layout | None = None,
     ) -> None:
         self.client = client
+        self.expect = expect
+        #: Donors whose manifest did not fit `expect`.
+        self.misfits = 0
         self.addresses = list(dict.fromkeys(addresses))
         self.parallel = parallel
         self.cfg = config
@@ -218,6 +229,21 @@ class _Download:
                 f"to {manifest.state_hash.hex()[:16]}"
             )
             return
+        why = None if self.expect is None else layout_mismatch(self.expect, manifest.layout)
+        if why is not None:
+            # Checked before anything is allocated: a manifest is the donor's word for how
+            # much memory this peer sets aside (200 GiB declared killed joiners by MemoryError).
+            log.warning(
+                "state sync: refused %s's state %s: it does not fit this run's model (%s, "
+                "%d B declared)",
+                address,
+                manifest.state_hash.hex()[:16],
+                why,
+                manifest.total_bytes,
+            )
+            self.failures.append(f"{address}: state does not fit this model: {why}")
+            self.misfits += 1
+            return
         found[address] = (manifest, trio.current_time() - start)
 
     async def _choose(self, want_hash: bytes | None) -> None:
@@ -231,6 +257,8 @@ class _Download:
             counts = Counter(m.state_hash for m, _ in found.values())
             rounds = {m.state_hash: m.round for m, _ in found.values()}
             if not counts:
+                if self.misfits:
+                    raise StateRefused("no donor's state fits this model", self.failures)
                 raise StateSyncError("no donor answered with a manifest", self.failures)
             chosen = max(counts, key=lambda h: (rounds[h], counts[h], h))
         for address, (manifest, rtt) in found.items():
@@ -238,7 +266,8 @@ class _Download:
                 self.manifest = manifest
                 self.pool.add(address, rtt)
         if self.manifest is None:
-            raise StateSyncError(f"no donor serves state {chosen.hex()[:16]}", self.failures)
+            error = StateRefused if self.misfits else StateSyncError
+            raise error(f"no donor serves state {chosen.hex()[:16]}", self.failures)
         m = self.manifest
         if m.total_bytes > self.cfg.max_state_bytes:
             raise StateSyncError(
@@ -426,8 +455,12 @@ async def download_state(
     config: SyncConfig | None = None,
     stats: SyncStats | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    expect: Layout | None = None,
 ) -> StateSnapshot:
     """Downloads a state from ``donors`` (addresses), verified chunk by chunk, within deadline_s.
+
+    ``expect`` (the model's own `layout_of`) refuses, before allocating, any donor whose
+    manifest lists other tensors, dtypes or shapes than this peer's model has.
 
     Without ``want_hash``, takes the newest round any donor serves (among equal rounds, the
     state most donors agree on). Raises StateSyncError when the deadline passes, no donor can
@@ -442,7 +475,7 @@ async def download_state(
     if not donors:
         raise StateSyncError("no donors given")
     job = _Download(
-        client, donors, parallel, config or SyncConfig(), stats or SyncStats(), on_progress
+        client, donors, parallel, config or SyncConfig(), stats or SyncStats(), on_progress, expect
     )
     with trio.move_on_after(deadline_s):
         return await job.run(want_hash)

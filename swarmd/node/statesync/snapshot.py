@@ -52,6 +52,32 @@ class ManifestError(ProtocolError):
     """A manifest (usually received from a donor) is malformed or inconsistent; it is refused."""
 
 
+#: A state's form without its values: (name, dtype, shape) of every tensor, sorted by name.
+Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
+def layout_of(state: Mapping[str, torch.Tensor]) -> Layout:
+    """The layout a state of these tensors has: what a joiner expects a donor's manifest to say."""
+    return tuple(
+        sorted((name, (m := tensor_meta(t, name)).dtype, m.shape) for name, t in state.items())
+    )
+
+
+def layout_mismatch(expected: Layout, got: Layout) -> str | None:
+    """Why a manifest's layout is not the expected one (its first difference), or None."""
+    if got == expected:
+        return None
+    want, have = dict((n, (d, s)) for n, d, s in expected), dict((n, (d, s)) for n, d, s in got)
+    for name in sorted(want.keys() | have.keys()):
+        if name not in have:
+            return f"it lacks tensor {name!r}"
+        if name not in want:
+            return f"it has a tensor {name!r} this model does not"
+        if want[name] != have[name]:
+            return f"tensor {name!r} is {have[name]}, this model's is {want[name]}"
+    return "its tensors differ"  # unreachable: equal maps give equal sorted layouts
+
+
 def chunk_hash(data: bytes | bytearray | memoryview) -> bytes:
     """BLAKE2b-256 of one chunk (hashlib releases the GIL, so threads hash chunks in parallel)."""
     return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
@@ -180,6 +206,10 @@ class Manifest:
             raise IndexError(f"chunk {index} out of range (state has {self.n_chunks} chunks)")
         start = index * self.chunk_bytes
         return start, min(start + self.chunk_bytes, self.total_bytes)
+
+    @property
+    def layout(self) -> Layout:
+        return tuple(sorted((e.name, e.dtype, e.shape) for e in self.tensors))
 
     @cached_property
     def state_hash(self) -> bytes:

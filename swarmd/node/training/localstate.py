@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from swarmd.node.statesync.vet import nonfinite
+
 log = logging.getLogger("swarmd.daemon")
 
 STATE_FILE = "state.pt"
@@ -48,4 +50,10 @@ def load_saved(path: Path, config_hash: str) -> dict[str, Any] | None:
     if state.get("config_hash") != config_hash:
         log.warning("saved state %s belongs to another run config; ignoring it", path)
         return None
+    for part in ("global", "local"):
+        tensors = state.get(part, {} if part == "local" else None)
+        why = nonfinite(tensors) if isinstance(tensors, dict) else f"no {part} state"
+        if why is not None:  # a NaN state once crashed the peer that loaded it
+            log.warning("ignoring saved state %s: %s", path, why)
+            return None
     return state

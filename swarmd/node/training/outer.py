@@ -211,6 +211,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
                 codec=self.peer.config.codec,  # type: ignore[arg-type]
             )
             out.dropped = len(out.result.dropped)
+            self.state.meet(m.peer_id for m in group.members if m.peer_id not in out.result.dropped)
         return out
 
     async def took_group_state(self, step: int, t0: float, **fields: object) -> None:

@@ -10,8 +10,9 @@ strategy's optimiser (`SyncedState`); this module never looks inside it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -19,11 +20,13 @@ import trio
 
 from swarmd.node.statesync.catchup import state_to_take
 from swarmd.node.statesync.donor import StateAdvert, advert_key, choose_donors
-from swarmd.node.statesync.download import StateSyncError, download_state
-from swarmd.node.statesync.snapshot import StateSnapshot
+from swarmd.node.statesync.download import StateRefused, StateSyncError, download_state
+from swarmd.node.statesync.snapshot import StateSnapshot, layout_of
+from swarmd.node.statesync.vet import nonfinite
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.localstate import STATE_FILE, load_saved, save_state
 from swarmd.optim.streaming import state_age
+from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.daemon")
 
@@ -35,6 +38,8 @@ SYNC_DEADLINE_S = 120.0
 #: that round before it decides whose state to follow (see `_await_adverts_of`), and how
 #: often it looks.
 LONE_WAIT_S = 10.0
+#: States a joiner refuses (unloadable) before it settles for its own; each costs a download.
+MAX_REFUSED_TRIES = 3
 LONE_POLL_S = 0.2
 
 
@@ -68,6 +73,14 @@ class SharedState:
         #: or downloaded); what it did after that it did alone and does not compare with the
         #: group's.
         self.shared_round = 0
+        #: Peers whose state this peer has shared: members it averaged with, donors it took a
+        #: state from. Only their adverts can make a running peer replace its parameters: two
+        #: fresh keys advertising round 1,000,000 once made every honest peer of a run adopt
+        #: their scrambled state (validation loss 3.6 -> 89).
+        self.met: set[str] = set()
+        #: States found unusable (see `_sync_from_group`): never fetched again.
+        self.refused: set[bytes] = set()
+        self.ignored: set[tuple[str, bytes]] = set()
 
     def snapshot(self) -> StateSnapshot:
         return StateSnapshot.build(
@@ -79,6 +92,10 @@ class SharedState:
         else."""
         if status == "averaged" and group_size - dropped > 1:
             self.shared_round = self.opt.age
+
+    def meet(self, peers: Iterable[PeerId]) -> None:
+        """Peers this one just averaged with (the all-reduce's survivors)."""
+        self.met.update(str(p) for p in peers if p != self.peer.identity.peer_id)
 
     async def publish(self, step: int) -> StateSnapshot:
         """Serves the new global state to joiners, advertises it, and saves it to disk."""
@@ -101,40 +118,88 @@ class SharedState:
         await trio.to_thread.run_sync(save_state, peer.opts.state_dir / STATE_FILE, state)
         return snap
 
-    async def adverts(self) -> list[StateAdvert]:
-        """The other peers' state adverts (malformed ones are skipped)."""
+    async def adverts(self, *, known_only: bool = False) -> list[StateAdvert]:
+        """The other peers' state adverts (malformed ones are skipped); ``known_only``: just
+        those of peers this one has met, when it has met any (a peer that never averaged
+        nor downloaded is where a joiner is, and reads them all)."""
         adverts: list[StateAdvert] = []
         me = str(self.peer.identity.peer_id)
-        for peer, value in (await self.peer.dht.get_map(advert_key(self.peer.config.name))).items():
+        entries = await self.peer.dht.get_map(advert_key(self.peer.config.name))
+        for peer, value in entries.items():
             if peer == me:
                 continue
             try:
-                adverts.append(StateAdvert.from_bytes(value.value))
+                advert = StateAdvert.from_bytes(value.value)
             except ValueError:
                 continue
+            if known_only and self.met and peer not in self.met:
+                self._ignore_stranger(peer, advert)
+                continue
+            if advert.state_hash in self.refused:
+                continue
+            adverts.append(dataclasses.replace(advert, owner=peer))
         return adverts
 
     async def _sync_from_group(self, adverts: list[StateAdvert]) -> bool:
-        """Downloads the state most donors advertise and loads it; False if that failed."""
+        """Downloads the state most donors advertise and loads it; False if that failed.
+
+        A state that cannot be loaded (not this model's layout, non-finite values) is refused
+        for good: its hash goes into `refused`, and `adverts` leaves it out from then on."""
         want, donors = choose_donors(adverts)
         try:
             snap = await download_state(
-                self.peer.client, donors, deadline_s=SYNC_DEADLINE_S, want_hash=want
+                self.peer.client,
+                donors,
+                deadline_s=SYNC_DEADLINE_S,
+                want_hash=want,
+                expect=layout_of(self.opt.state_dict()),
             )
+        except StateRefused as exc:
+            self._refuse(want, donors, str(exc))
+            return False
         except StateSyncError as exc:
             log.warning("state sync failed (%s); going on with this peer's state", exc)
             return False
         if snap.meta.get("config") != self.peer.config.hash:
-            log.warning("donors' state belongs to another config; ignoring it")
+            self._refuse(want, donors, "it belongs to another run config")
             return False
-        await trio.to_thread.run_sync(self.opt.load_state_dict, snap.to_state_dict())
+        state = snap.to_state_dict()
+        why = await trio.to_thread.run_sync(nonfinite, state)
+        if why is not None:
+            self._refuse(want, donors, why)
+            return False
+        await trio.to_thread.run_sync(self.opt.load_state_dict, state)
         self.shared_round = self.opt.age
+        self.met.update(a.owner for a in adverts if a.state_hash == want and a.owner)
         self.peer.out.event(
             "state_synced",
             f"downloaded the group's state (round {snap.round}) from {len(donors)} donor(s)",
             round=snap.round,
         )
         return True
+
+    def _ignore_stranger(self, peer: str, advert: StateAdvert) -> None:
+        """Says once per advert that a peer this one never averaged with was not followed."""
+        seen = (peer, advert.state_hash)
+        if seen not in self.ignored and advert.round > self.opt.age:
+            self.ignored.add(seen)
+            log.warning(
+                "ignored the state advert of %s (round %d, state %s, at %s): a running peer "
+                "follows only peers it has averaged with or downloaded from",
+                peer[:10],
+                advert.round,
+                advert.state_hash.hex()[:16],
+                advert.address,
+            )
+
+    def _refuse(self, state_hash: bytes, donors: list[str], why: str) -> None:
+        self.refused.add(state_hash)
+        log.warning(
+            "refused state %s advertised by %s: %s; this peer will not fetch it again",
+            state_hash.hex()[:16],
+            ", ".join(donors),
+            why,
+        )
 
     async def take_initial(self) -> tuple[str, int]:
         """Loads the newest state: the group's, else ours, else the seeded init. Returns where
@@ -150,12 +215,14 @@ class SharedState:
             mine = await trio.to_thread.run_sync(self.snapshot)
             if mine.state_hash == want:
                 return self._started("fresh", 0)
-        if (
-            adverts
-            and max(a.round for a in adverts) > saved_round
-            and await self._sync_from_group(adverts)
-        ):
-            return self._started("group", int(saved.get("step", 0)) if saved else 0)
+        for _ in range(MAX_REFUSED_TRIES):
+            if not adverts or max(a.round for a in adverts) <= saved_round:
+                break
+            if await self._sync_from_group(adverts):
+                return self._started("group", int(saved.get("step", 0)) if saved else 0)
+            if not self.refused & {a.state_hash for a in adverts}:
+                break  # the network failed, not the state: go on with this peer's own
+            adverts = [a for a in adverts if a.state_hash not in self.refused]
         if saved is not None:
             await trio.to_thread.run_sync(self.opt.load_state_dict, saved["global"])
             self.opt.load_local_state_dict(saved["local"])
@@ -179,7 +246,7 @@ class SharedState:
         inner steps of this round are dropped)."""
         if self.last_hash is None:
             return False
-        adverts = await self.adverts()
+        adverts = await self.adverts(known_only=True)
         if self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
         want = state_to_take(adverts, self.opt.age, self.last_hash, self.shared_round)
@@ -207,5 +274,5 @@ class SharedState:
             if sum(a.round >= age for a in adverts) >= others:
                 break
             await trio.sleep(LONE_POLL_S)
-            adverts = await self.adverts()
+            adverts = await self.adverts(known_only=True)
         return adverts
