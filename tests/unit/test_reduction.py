@@ -12,6 +12,7 @@ from swarmd.node.averaging.reduction import (
     aggregate,
     check_contribution,
     norm_outliers,
+    weight_outliers,
 )
 
 
@@ -111,3 +112,19 @@ def test_norm_outliers() -> None:
 def test_config_validation(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         ReductionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_in_a_pair_the_reducers_own_contribution_bounds_the_other() -> None:
+    pair = {0: torch.ones(4), 1: torch.ones(4) * 100}
+    assert set(norm_outliers(pair, ReductionConfig(), own=0)) == {1}
+    assert norm_outliers(pair, ReductionConfig(), own=1) == {}  # smaller than own: fine
+    assert norm_outliers({0: torch.ones(4), 1: torch.ones(4) * 5}, ReductionConfig(), own=0) == {}
+
+
+def test_declared_weights_are_bounded() -> None:
+    config = ReductionConfig(max_weight=1000.0)
+    assert weight_outliers({0: 400.0, 1: 400.0}, config) == {}
+    assert set(weight_outliers({0: 400.0, 1: 1e9}, config)) == {1}  # a pair: the run's bound
+    loose = ReductionConfig()
+    assert set(weight_outliers({0: 400.0, 1: 380.0, 2: 1e9}, loose)) == {2}  # the median's
+    assert weight_outliers({0: 400.0, 1: 380.0, 2: 1500.0}, loose) == {}

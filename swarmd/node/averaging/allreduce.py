@@ -25,6 +25,7 @@ hand-tuned constant: expected transfer time times a slack factor, plus a floor f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -100,6 +101,13 @@ class Averager:
         self._rounds: OrderedDict[bytes, Round] = OrderedDict()
         self._registered: dict[bytes, trio.Event] = {}
         self._stale: OrderedDict[bytes, None] = OrderedDict()
+
+    def limit_weights(self, max_weight: float) -> None:
+        """Bounds the weight a member may declare (the run knows how many samples a round
+        can hold); a member declaring more is dropped from the part, with the evidence logged."""
+        reduction = dataclasses.replace(self.config.reduction, max_weight=max_weight)
+        self.config = dataclasses.replace(self.config, reduction=reduction)
+        self._link.config = self.config
 
     # -- service -----------------------------------------------------------------------------
 

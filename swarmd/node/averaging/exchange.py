@@ -9,6 +9,7 @@ the rounds other members still read from) stays in the `Averager`, which lends i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from swarmd.compression import (
 )
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
+from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
@@ -242,7 +244,14 @@ class Exchange:
         return data
 
     def decode_part(self, j: int, blob: bytes | bytearray) -> bool:
-        """Decodes part j straight into the result; False if it is unusable."""
+        """Decodes part j straight into the result; False if it is unusable.
+
+        Unusable includes implausible: a mean of contributions the reducer should have
+        accepted (each within the outlier factor of the others) cannot be far larger than this
+        peer's own contribution, nor non-finite. A reducer that scaled its part by -20 once
+        took every honest member to loss 41-45; now its part is not applied (this peer keeps
+        its own values there) and the evidence is logged. A sign flip at the same norm
+        passes this check: cross-checks of reducers (BTARD) are what would catch it."""
         s, e = self.rnd.bounds[j]
         numel = e - s
         limits = DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096)
@@ -250,7 +259,21 @@ class Exchange:
             decode_into(blob, limits, self.result[s:e])
         except CompressionError:
             return False
-        return True
+        got, mine = l2_norm(self.result[s:e]), l2_norm(self.to_send[s:e])
+        factor = self.link.config.reduction.norm_outlier_factor
+        if math.isfinite(got) and got <= factor * mine + 1e-6:
+            return True
+        log.warning(
+            "round %s: refused part %d from reducer %s: norm %.3g, this peer's own %.3g "
+            "(bound %g x)",
+            self.rnd.group.round_id.hex()[:12],
+            j,
+            self.rnd.group.members[self.rnd.reducer_of(j, 0)].peer_id.short(),
+            got,
+            mine,
+            factor,
+        )
+        return False
 
     async def obtain(self, j: int) -> None:
         rnd = self.rnd

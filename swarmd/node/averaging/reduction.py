@@ -28,6 +28,13 @@ class ReductionConfig:
     norm_outlier_factor: float = 10.0
     #: Absolute bound on a contribution's L2 norm (inf: none).
     max_norm: float = math.inf
+    #: With >= 3 contributions, a declared weight beyond this multiple of the median weight
+    #: drops the member: weights are samples trained since the last sync, which peers of one
+    #: run (same H, same batch) declare within a small factor of each other. One member that
+    #: declared 1e9 once dragged the mean wherever its update pointed (loss 3.2 -> 23.1).
+    weight_outlier_factor: float = 4.0
+    #: Absolute bound on a declared weight (the run sets it from H x batch; inf: none).
+    max_weight: float = math.inf
 
     def __post_init__(self) -> None:
         if self.aggregation not in ("mean", "trimmed_mean", "centered_clip"):
@@ -40,6 +47,8 @@ class ReductionConfig:
             raise ValueError("norm_outlier_factor must be > 1")
         if not self.max_norm > 0:
             raise ValueError("max_norm must be > 0")
+        if self.weight_outlier_factor <= 1 or not self.max_weight > 0:
+            raise ValueError("weight_outlier_factor must be > 1 and max_weight > 0")
 
 
 def check_contribution(value: torch.Tensor, numel: int) -> str | None:
@@ -129,10 +138,23 @@ def weighted_mean_fp32(
     return out
 
 
-def norm_outliers(values: dict[int, torch.Tensor], config: ReductionConfig) -> dict[int, str]:
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+
+
+def norm_outliers(
+    values: dict[int, torch.Tensor], config: ReductionConfig, own: int | None = None
+) -> dict[int, str]:
     """Contributions with non-finite values, or a norm beyond the absolute bound or far beyond
     the group's. The norm is taken in float64: a finite float32 vector never overflows it, so a
-    non-finite norm means a NaN or infinity inside."""
+    non-finite norm means a NaN or infinity inside.
+
+    With fewer than three contributions there is no majority to compare against; ``own`` (the
+    reducer's own contribution, which it trusts) is then the yardstick, so one member of a
+    pair cannot move the other by more than the outlier factor times its own update (a x100
+    update once took the honest member of a pair from loss 3.25 to 13.1, and states to NaN)."""
     norms = {k: l2_norm(v) for k, v in values.items()}
     bad = {k: "non-finite values" for k, n in norms.items() if not math.isfinite(n)}
     bad.update(
@@ -140,19 +162,34 @@ def norm_outliers(values: dict[int, torch.Tensor], config: ReductionConfig) -> d
         for k, n in norms.items()
         if k not in bad and n > config.max_norm
     )
-    rest = sorted(n for k, n in norms.items() if k not in bad)
+    rest = [n for k, n in norms.items() if k not in bad]
+    factor = config.norm_outlier_factor
     if len(rest) >= 3:
-        median = (
-            rest[len(rest) // 2]
-            if len(rest) % 2
-            else 0.5 * (rest[len(rest) // 2 - 1] + rest[len(rest) // 2])
-        )
-        limit = config.norm_outlier_factor * max(median, 1e-30)
+        median = _median(rest)
         for k, n in norms.items():
-            if k not in bad and n > limit:
-                bad[k] = (
-                    f"norm {n:.3g} > {config.norm_outlier_factor:g} x group median {median:.3g}"
-                )
+            if k not in bad and n > factor * max(median, 1e-30):
+                bad[k] = f"norm {n:.3g} > {factor:g} x group median {median:.3g}"
+    elif own is not None and own in norms and own not in bad:
+        mine = norms[own]
+        for k, n in norms.items():
+            if k not in bad and k != own and n > factor * max(mine, 1e-30):
+                bad[k] = f"norm {n:.3g} > {factor:g} x the reducer's own {mine:.3g}"
+    return bad
+
+
+def weight_outliers(weights: dict[int, float], config: ReductionConfig) -> dict[int, str]:
+    """Declared weights beyond the run's bound, or (three or more) far beyond the median."""
+    bad = {
+        k: f"weight {w:.3g} > bound {config.max_weight:.3g}"
+        for k, w in weights.items()
+        if w > config.max_weight
+    }
+    rest = [w for k, w in weights.items() if k not in bad]
+    if len(rest) >= 3:
+        median, factor = _median(rest), config.weight_outlier_factor
+        for k, w in weights.items():
+            if k not in bad and w > factor * median:
+                bad[k] = f"weight {w:.3g} > {factor:g} x group median {median:.3g}"
     return bad
 
 

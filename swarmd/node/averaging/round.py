@@ -17,7 +17,12 @@ from swarmd.compression import DecodeLimits, Int8Codec, decode_into, encode_segm
 from swarmd.node.averaging.codecs import CodecName, Encoded, make_codec, zstd_framed
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.group import Group, part_bounds
-from swarmd.node.averaging.reduction import ReductionConfig, aggregate, norm_outliers
+from swarmd.node.averaging.reduction import (
+    ReductionConfig,
+    aggregate,
+    norm_outliers,
+    weight_outliers,
+)
 from swarmd.protocol.framing import RECEIVE_BUFFERS
 
 log = logging.getLogger("swarmd.allreduce")
@@ -107,12 +112,19 @@ async def finish_reduction(
     if red.done.is_set():
         return
     values = dict(red.values)
-    for index, why in norm_outliers(values, config).items():
+    for index, why in norm_outliers(values, config, own=rnd.me).items():
+        red.rejected[index] = why
+        del values[index]
+    for index, why in weight_outliers({i: red.weights[i] for i in values}, config).items():
         red.rejected[index] = why
         del values[index]
     for index, why in red.rejected.items():
+        # The evidence a ban needs: who, which round and part, and what was wrong.
         log.warning(
-            "dropped member %s from a part: %s", rnd.group.members[index].peer_id.short(), why
+            "dropped member %s from part of round %s: %s",
+            rnd.group.members[index].peer_id.short(),
+            rnd.group.round_id.hex()[:12],
+            why,
         )
     order = sorted(values)
     if order:

@@ -195,6 +195,7 @@ class Peer:
             live=LivePeers(self.dht, config),
             stopping=self.stopping,
         )
+        self.averager.limit_weights(config.max_weight)
         strategy = strategy_for(config.algo)(peer)
         await strategy.join()
         nursery.start_soon(heartbeat, self.dht, config, self.address)

@@ -239,6 +239,13 @@ class RunConfig:
         return cls.from_mapping(values, name=name)
 
     @property
+    def max_weight(self) -> float:
+        """The most samples an honest peer can declare for one outer step: its H inner steps of
+        one batch each, four times over (a streaming fragment whose round was deferred carries
+        its samples into the next, plus the overlap steps)."""
+        return 4.0 * self.inner_steps * self.batch_size
+
+    @property
     def hash(self) -> str:
         return hashlib.sha256(self.to_json()).hexdigest()[:16]
 

@@ -249,6 +249,8 @@ class SharedState:
         adverts = await self.adverts(known_only=True)
         if self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
+        if not self.met:
+            adverts = held_by_several(adverts)
         want = state_to_take(adverts, self.opt.age, self.last_hash, self.shared_round)
         if want is None:
             return False
@@ -276,3 +278,13 @@ class SharedState:
             await trio.sleep(LONE_POLL_S)
             adverts = await self.adverts(known_only=True)
         return adverts
+
+
+def held_by_several(adverts: list[StateAdvert]) -> list[StateAdvert]:
+    """The adverts of states at least two keys hold: what a peer that has met nobody yet may
+    follow. One stranger alone is not a group (seen: the liar of a pair, dropped from every
+    round, advertised its wrecked state and the honest peer took it on a hash tie-break)."""
+    holders: dict[bytes, set[str]] = {}
+    for a in adverts:
+        holders.setdefault(a.state_hash, set()).add(a.owner)
+    return [a for a in adverts if len(holders[a.state_hash]) >= 2]
