@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from swarmd.node.dht.node import DHTNode, open_dht
+from swarmd.node.dht import DHTNode, open_dht
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 import swarmd
-from swarmd.node.dht.node import open_dht
+from swarmd.node.dht import open_dht
 from swarmd.node.training.runconfig import CONFIG_TTL_S, RunConfig, config_key
 from swarmd.protocol.identity import Identity
 from tests.helpers import Proc, ProcessGroup, swarmd_cmd

@@ -20,8 +20,7 @@ from swarmd.node.averaging.allreduce import (
     allreduce_named,
 )
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
-from swarmd.node.dht import DHTConfig
-from swarmd.node.dht.node import open_dht
+from swarmd.node.dht import DHTConfig, open_dht
 from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from swarmd.node.dht.caller import RttEstimator, TimeoutPolicy, check_proof, make_proof
-from swarmd.node.dht.node import Value, merge
 from swarmd.node.dht.records import sign_record
 from swarmd.node.dht.service import caller_address
+from swarmd.node.dht.values import Value, merge
 from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import Identity
 

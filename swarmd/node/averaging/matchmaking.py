@@ -217,6 +217,29 @@ def round_id_of(key: str, record: bytes) -> bytes:
     return hashlib.sha256(b"swarmd/round/v1\0" + key.encode() + b"\0" + record).digest()
 
 
+async def _lead(
+    dht: DHTNode,
+    key: str,
+    me: Member,
+    info: apb.MemberInfo,
+    members: list[Member],
+    after: float,
+    cfg: MatchmakingConfig,
+) -> Group:
+    """This peer leads: it commits to ``members`` by adding the group to its announcement."""
+    info.group = apb.GroupRecord(
+        members=[
+            apb.GroupMember(peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth)
+            for m in members
+        ]
+    ).SerializeToString()
+    # The same slot as the announcement: a later expiry (than ``after``, the announcement's)
+    # replaces it on every replica.
+    until = max(dht.now() + cfg.ttl_s, after)
+    await dht.store(key, info.SerializeToString(), until, subkey=str(me.peer_id), republish=False)
+    return Group(round_id_of(key, info.group), tuple(members))
+
+
 async def form_group(
     dht: DHTNode,
     key: str,
@@ -268,18 +291,7 @@ async def form_group(
         return None
 
     if candidates[0].peer_id == me.peer_id:
-        info.group = apb.GroupRecord(
-            members=[
-                apb.GroupMember(peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth)
-                for m in candidates
-            ]
-        ).SerializeToString()
-        # The same slot as the announcement: a later expiry replaces it on every replica.
-        until = max(dht.now() + cfg.ttl_s, announced_until + 0.01)
-        await dht.store(
-            key, info.SerializeToString(), until, subkey=str(me.peer_id), republish=False
-        )
-        return Group(round_id_of(key, info.group), tuple(candidates))
+        return await _lead(dht, key, me, info, candidates, announced_until + 0.01, cfg)
 
     fallback: _Commitment | None = None
     waits = _Waits(cfg, cfg.commit_wait_s)

@@ -4,8 +4,11 @@ Peers find each other, the run's configuration, roles and progress only through 
 node.py for the API the rest of the daemon uses (DHTNode.store/get/announce/watch).
 """
 
-from swarmd.node.dht.node import BootstrapError, DHTConfig, DHTNode, KeyReader, Value, open_dht
+from swarmd.node.dht.config import DHTConfig
+from swarmd.node.dht.node import BootstrapError, DHTNode, KeyReader
+from swarmd.node.dht.open import open_dht
 from swarmd.node.dht.records import Record, RecordError, RecordLimits
+from swarmd.node.dht.values import Value
 
 __all__ = [
     "BootstrapError",

@@ -74,114 +74,142 @@ async def lookup(
     known: Sequence[bytes] = (),
 ) -> LookupResult:
     """``known``: fingerprints of records the caller holds; nodes leave those out."""
-    own = caller.identity.peer_id
-    table = caller.table
-    table.touch(target)
-    candidates: dict[PeerId, _Candidate] = {}
+    job = _Lookup(caller, target, key, params, verifier, limits, clock, known)
+    return await job.run()
 
-    def consider(peer_id: PeerId, address: str) -> None:
-        if peer_id == own or peer_id in candidates or table.in_backoff(peer_id):
+
+class _Lookup:
+    """One iterative lookup: its candidates (closest first), what they answered, the result."""
+
+    def __init__(
+        self,
+        caller: Caller,
+        target: int,
+        key: bytes | None,
+        params: LookupParams,
+        verifier: Verifier,
+        limits: RecordLimits,
+        clock: Callable[[], float],
+        known: Sequence[bytes],
+    ) -> None:
+        self.caller, self.target, self.key, self.params = caller, target, key, params
+        self.verifier, self.limits, self.clock, self.known = verifier, limits, clock, known
+        self.own = caller.identity.peer_id
+        self.table = caller.table
+        self.candidates: dict[PeerId, _Candidate] = {}
+        self.result = LookupResult(closest=[])
+        self.send, self.receive = trio.open_memory_channel[
+            tuple[_Candidate, pb.FindResponse | None]
+        ](math.inf)
+
+    async def run(self) -> LookupResult:
+        self.table.touch(self.target)
+        for contact in self.table.closest(self.target, self.params.k):
+            self.consider(contact.peer_id, contact.address)
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(self.params.timeout_s):
+                while not self.finished(self.shortlist()):
+                    self.launch(nursery)
+                    if not any(c.state == "asked" for c in self.candidates.values()):
+                        break  # nothing in flight and nobody left to ask
+                    await self.next_answer()
+            nursery.cancel_scope.cancel()
+        answered = [c for c in self.candidates.values() if c.state == "answered"]
+        answered.sort(key=lambda c: c.distance)
+        self.result.closest = [(c.peer_id, c.address) for c in answered[: self.params.k]]
+        return self.result
+
+    def consider(self, peer_id: PeerId, address: str) -> None:
+        if peer_id == self.own or peer_id in self.candidates or self.table.in_backoff(peer_id):
             return
-        candidates[peer_id] = _Candidate(peer_id, address, node_id(peer_id) ^ target)
+        self.candidates[peer_id] = _Candidate(peer_id, address, node_id(peer_id) ^ self.target)
 
-    for contact in table.closest(target, params.k):
-        consider(contact.peer_id, contact.address)
-    result = LookupResult(closest=[])
-    target_raw = id_to_bytes(target)
-    send, receive = trio.open_memory_channel[tuple[_Candidate, pb.FindResponse | None]](math.inf)
+    def shortlist(self) -> list[_Candidate]:
+        live = [c for c in self.candidates.values() if c.state != "failed"]
+        live.sort(key=lambda c: c.distance)
+        return live[: self.params.k]
 
-    async def ask(c: _Candidate) -> None:
+    def finished(self, short: list[_Candidate]) -> bool:
+        if all(c.state == "answered" for c in short):
+            return True
+        quorum, holders = self.params.quorum, self.result.holders
+        if quorum is None or not holders:
+            return False
+        if holders >= quorum:
+            return True
+        return all(c.state == "answered" for c in short[:quorum])
+
+    def launch(self, nursery: trio.Nursery) -> None:
+        """Asks the closest unasked candidates, α in flight at a time."""
+        short = self.shortlist()
+        active = sum(1 for c in self.candidates.values() if c.state == "asked" and not c.stalled)
+        # Once the α closest have answered, the lookup has found the key's neighbourhood: ask
+        # the rest of the k closest at once (Kademlia's final round) instead of α at a time.
+        converged = all(c.state == "answered" for c in short[: self.params.alpha])
+        limit = self.params.k if converged else self.params.alpha
+        for c in short:
+            if active >= limit:
+                break
+            if c.state == "new":
+                c.state, c.asked_at = "asked", trio.current_time()
+                self.result.queried += 1
+                nursery.start_soon(self.ask, c)
+                active += 1
+
+    async def next_answer(self) -> None:
+        """Takes one answer; if none comes in time, stops counting the oldest request
+        against α."""
+        with trio.move_on_after(self.caller.rtt.stall()):
+            c, resp = await self.receive.receive()
+            if resp is None:
+                c.state = "failed"
+                self.result.failed += 1
+            else:
+                c.state = "answered"
+                self.absorb(resp)
+            return
+        waiting = [c for c in self.candidates.values() if c.state == "asked" and not c.stalled]
+        if waiting:
+            min(waiting, key=lambda c: c.asked_at).stalled = True
+
+    async def ask(self, c: _Candidate) -> None:
+        key = self.key
         try:
-            resp = await caller.find(
+            resp = await self.caller.find(
                 c.peer_id,
                 c.address,
-                [target_raw],
+                [id_to_bytes(self.target)],
                 [key] if key else [],
-                known if key else (),
+                self.known if key else (),
                 # A holder ends a quorum-1 lookup: the nodes it would list go unused.
-                nodes_only_if_empty=key is not None and params.quorum == 1,
+                nodes_only_if_empty=key is not None and self.params.quorum == 1,
             )
         except (rpc.RpcError, ProtocolError):
-            send.send_nowait((c, None))
+            self.send.send_nowait((c, None))
             return
-        send.send_nowait((c, resp))
+        self.send.send_nowait((c, resp))
 
-    def absorb(c: _Candidate, resp: pb.FindResponse) -> None:
+    def absorb(self, resp: pb.FindResponse) -> None:
         found = resp.results[0]
-        for node in found.nodes[: params.k]:
+        for node in found.nodes[: self.params.k]:
             try:
                 peer_id = PeerId(node.peer_id)
                 parse_address(node.address)
             except ValueError:
                 continue
-            consider(peer_id, node.address)
-        if key is None or not (found.records or found.omitted):
+            self.consider(peer_id, node.address)
+        if self.key is None or not (found.records or found.omitted):
             return
-        now = clock()
+        now = self.clock()
         held = found.omitted > 0
         for msg in found.records:
             record = Record.from_pb(msg)
-            if record.key != key:
+            if record.key != self.key:
                 continue
             try:
-                verifier.check(record, limits, now)
+                self.verifier.check(record, self.limits, now)
             except RecordError:
                 continue  # a node serving forged or expired records gains nothing
-            result.records.append(record)
+            self.result.records.append(record)
             held = True
-        result.holders += held
-
-    def shortlist() -> list[_Candidate]:
-        live = [c for c in candidates.values() if c.state != "failed"]
-        live.sort(key=lambda c: c.distance)
-        return live[: params.k]
-
-    def finished(short: list[_Candidate]) -> bool:
-        if all(c.state == "answered" for c in short):
-            return True
-        if params.quorum is None or not result.holders:
-            return False
-        if result.holders >= params.quorum:
-            return True
-        return all(c.state == "answered" for c in short[: params.quorum])
-
-    async with trio.open_nursery() as nursery:
-        with trio.move_on_after(params.timeout_s):
-            while True:
-                short = shortlist()
-                if finished(short):
-                    break
-                active = sum(1 for c in candidates.values() if c.state == "asked" and not c.stalled)
-                # Once the α closest have answered, the lookup has found the key's neighbourhood:
-                # ask the rest of the k closest at once (Kademlia's final round) instead of α
-                # at a time.
-                converged = all(c.state == "answered" for c in short[: params.alpha])
-                limit = params.k if converged else params.alpha
-                for c in short:
-                    if active >= limit:
-                        break
-                    if c.state == "new":
-                        c.state, c.asked_at = "asked", trio.current_time()
-                        result.queried += 1
-                        nursery.start_soon(ask, c)
-                        active += 1
-                if not any(c.state == "asked" for c in candidates.values()):
-                    break  # nothing in flight and nobody left to ask
-                with trio.move_on_after(caller.rtt.stall()):
-                    c, resp = await receive.receive()
-                    if resp is None:
-                        c.state = "failed"
-                        result.failed += 1
-                    else:
-                        c.state = "answered"
-                        absorb(c, resp)
-                    continue
-                # Nothing came back in time: stop counting the oldest request against α.
-                waiting = [c for c in candidates.values() if c.state == "asked" and not c.stalled]
-                if waiting:
-                    min(waiting, key=lambda c: c.asked_at).stalled = True
-        nursery.cancel_scope.cancel()
-    answered = [c for c in candidates.values() if c.state == "answered"]
-    answered.sort(key=lambda c: c.distance)
-    result.closest = [(c.peer_id, c.address) for c in answered[: params.k]]
-    return result
+        self.result.holders += held

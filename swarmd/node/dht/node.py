@@ -17,11 +17,11 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import trio
 
-from swarmd.node.dht.caller import Caller, TimeoutPolicy
+from swarmd.node.dht.caller import Caller
+from swarmd.node.dht.config import DHTConfig as DHTConfig
 from swarmd.node.dht.ids import key_id, node_id, random_id_in_bucket
 from swarmd.node.dht.lookup import LookupParams, LookupResult, lookup
 from swarmd.node.dht.records import (
@@ -30,12 +30,14 @@ from swarmd.node.dht.records import (
     Verifier,
     check_shape,
     fingerprint,
-    is_peer_subkey,
     sign_record,
 )
-from swarmd.node.dht.routing import RoutingConfig, RoutingTable
-from swarmd.node.dht.service import MAX_KNOWN, DHTService, ServiceLimits
-from swarmd.node.dht.storage import Storage, StorageLimits
+from swarmd.node.dht.routing import RoutingTable
+from swarmd.node.dht.service import MAX_KNOWN, DHTService
+from swarmd.node.dht.storage import Storage
+from swarmd.node.dht.values import Value as Value
+from swarmd.node.dht.values import announced_peers, key_bytes
+from swarmd.node.dht.values import merge as merge
 from swarmd.protocol import dht_pb2 as pb
 from swarmd.protocol import rpc
 from swarmd.protocol.errors import ProtocolError
@@ -52,94 +54,6 @@ WHOLE_NETWORK_S = 20.0
 
 class BootstrapError(Exception):
     """No bootstrap peer answered; the message lists each one and why."""
-
-
-@dataclass(frozen=True)
-class DHTConfig:
-    #: Replication factor and bucket size.
-    k: int = 20
-    #: Requests in flight per lookup.
-    alpha: int = 3
-    #: A get may stop once this many of the closest nodes answered and records were found.
-    get_quorum: int = 3
-    lookup_timeout_s: float = 5.0
-    bootstrap_timeout_s: float = 5.0
-    #: Buckets not used by a lookup for this long are refreshed with a random lookup.
-    refresh_interval_s: float = 60.0
-    #: Own records are re-stored to the (current) k closest nodes this often while live.
-    republish_interval_s: float = 60.0
-    #: Contacts not heard from for this long are pinged (and evicted if dead).
-    stale_after_s: float = 120.0
-    timeouts: TimeoutPolicy = field(default_factory=TimeoutPolicy)
-    routing: RoutingConfig | None = None
-    storage: StorageLimits = field(default_factory=StorageLimits)
-    service: ServiceLimits = field(default_factory=ServiceLimits)
-
-    def __post_init__(self) -> None:
-        if self.k < 1 or self.alpha < 1 or not 1 <= self.get_quorum <= self.k:
-            raise ValueError("DHTConfig needs k >= 1, alpha >= 1 and 1 <= get_quorum <= k")
-        for name in (
-            "lookup_timeout_s",
-            "bootstrap_timeout_s",
-            "refresh_interval_s",
-            "republish_interval_s",
-            "stale_after_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DHTConfig.{name} must be positive")
-        if self.routing is not None and self.routing.k != self.k:
-            raise ValueError("DHTConfig.routing.k must equal DHTConfig.k")
-
-    def routing_config(self) -> RoutingConfig:
-        return self.routing or RoutingConfig(k=self.k)
-
-
-@dataclass(frozen=True)
-class Value:
-    """A value as read from the DHT, with who signed it and until when it is valid."""
-
-    value: bytes
-    expires: float
-    owner: PeerId
-
-
-def _bytes(text: str | bytes) -> bytes:
-    return text.encode() if isinstance(text, str) else text
-
-
-def _value(record: Record) -> Value:
-    return Value(record.value, record.expires, record.owner)
-
-
-def announced_peers(entries: dict[str, Value]) -> dict[PeerId, Value]:
-    """The entries of a sub-key map that are peers' own announcements (sub-key = signer),
-    less withdrawn ones (empty values, see DHTNode.announce)."""
-    found: dict[PeerId, Value] = {}
-    for subkey, value in entries.items():
-        if not value.value:
-            continue
-        if is_peer_subkey(subkey.encode()) and PeerId.from_string(subkey) == value.owner:
-            found[value.owner] = value
-    return found
-
-
-def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | None:
-    """Newest version of each slot; a key's sub-key map wins over its plain value if it
-    expires later (and the other way round)."""
-    now_ms = int(now * 1000)
-    plain: Record | None = None
-    subs: dict[bytes, Record] = {}
-    for r in records:
-        if r.expires_ms <= now_ms:
-            continue
-        if r.subkey is None:
-            if plain is None or r.supersedes(plain):
-                plain = r
-        elif (old := subs.get(r.subkey)) is None or r.supersedes(old):
-            subs[r.subkey] = r
-    if subs and (plain is None or max(r.expires_ms for r in subs.values()) >= plain.expires_ms):
-        return {k.decode("utf-8", "backslashreplace"): _value(r) for k, r in subs.items()}
-    return _value(plain) if plain is not None else None
 
 
 class DHTNode:
@@ -320,10 +234,10 @@ class DHTNode:
         """
         record = sign_record(
             self.identity,
-            _bytes(key),
+            key_bytes(key),
             value,
             expires,
-            None if subkey is None else _bytes(subkey),
+            None if subkey is None else key_bytes(subkey),
         )
         check_shape(record, self.config.storage.records, self._clock())
         if republish:
@@ -423,7 +337,7 @@ class DHTNode:
         ``local=True`` asks nobody: this node's own records only (after Storage.next_store
         said one arrived).
         """
-        raw = _bytes(key)
+        raw = key_bytes(key)
         held = self.storage.get(raw)
         if local:
             skip = set(known)
@@ -534,49 +448,6 @@ class DHTNode:
         }
 
 
-@asynccontextmanager
-async def open_dht(
-    identity: Identity,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    bootstrap: Sequence[str] = (),
-    config: DHTConfig | None = None,
-    transport: rpc.TransportConfig | None = None,
-    clock: Callable[[], float] = time.time,
-    extra_services: Sequence[rpc.Service] = (),
-) -> AsyncIterator[tuple[DHTNode, rpc.RpcServer]]:
-    """A DHT-only node with its own server and client, joined and running in the block."""
-    transport = transport or rpc.TransportConfig(max_concurrent_rpcs=16, max_inflight_calls=64)
-    client = rpc.RpcClient(identity, transport)
-    node = DHTNode(identity, client, config, clock=clock)
-    try:
-        async with (
-            rpc.serve([node.service(), *extra_services], host, port, config=transport) as server,
-            trio.open_nursery() as nursery,
-        ):
-            await nursery.start(node.run, server.address.port, list(bootstrap))
-            yield node, server
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # The nurseries wrap a failed join; callers want to catch BootstrapError itself.
-        leaf = _single_leaf(group)
-        if isinstance(leaf, BootstrapError):
-            raise leaf from None
-        raise
-    finally:
-        client.close()
-
-
-def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        if len(exc.exceptions) != 1:
-            return None
-        exc = exc.exceptions[0]
-    return exc
-
-
 class KeyReader:
     """Reads one key again and again, transferring only what changed.
 
@@ -587,7 +458,7 @@ class KeyReader:
 
     def __init__(self, node: DHTNode, key: str | bytes) -> None:
         self._node = node
-        self._key = _bytes(key)
+        self._key = key_bytes(key)
         self._held: dict[bytes, Record] = {}
 
     async def records(self, *, light: bool = False, local: bool = False) -> list[Record]:

@@ -1,0 +1,50 @@
+"""What a DHT node is tuned by: replication, parallelism, timeouts, upkeep periods, limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from swarmd.node.dht.caller import TimeoutPolicy
+from swarmd.node.dht.routing import RoutingConfig
+from swarmd.node.dht.service import ServiceLimits
+from swarmd.node.dht.storage import StorageLimits
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    #: Replication factor and bucket size.
+    k: int = 20
+    #: Requests in flight per lookup.
+    alpha: int = 3
+    #: A get may stop once this many of the closest nodes answered and records were found.
+    get_quorum: int = 3
+    lookup_timeout_s: float = 5.0
+    bootstrap_timeout_s: float = 5.0
+    #: Buckets not used by a lookup for this long are refreshed with a random lookup.
+    refresh_interval_s: float = 60.0
+    #: Own records are re-stored to the (current) k closest nodes this often while live.
+    republish_interval_s: float = 60.0
+    #: Contacts not heard from for this long are pinged (and evicted if dead).
+    stale_after_s: float = 120.0
+    timeouts: TimeoutPolicy = field(default_factory=TimeoutPolicy)
+    routing: RoutingConfig | None = None
+    storage: StorageLimits = field(default_factory=StorageLimits)
+    service: ServiceLimits = field(default_factory=ServiceLimits)
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.alpha < 1 or not 1 <= self.get_quorum <= self.k:
+            raise ValueError("DHTConfig needs k >= 1, alpha >= 1 and 1 <= get_quorum <= k")
+        for name in (
+            "lookup_timeout_s",
+            "bootstrap_timeout_s",
+            "refresh_interval_s",
+            "republish_interval_s",
+            "stale_after_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DHTConfig.{name} must be positive")
+        if self.routing is not None and self.routing.k != self.k:
+            raise ValueError("DHTConfig.routing.k must equal DHTConfig.k")
+
+    def routing_config(self) -> RoutingConfig:
+        return self.routing or RoutingConfig(k=self.k)
