@@ -5,8 +5,7 @@ node.py for the API the rest of the daemon uses (DHTNode.store/get/announce/watc
 """
 
 from swarmd.node.dht.config import DHTConfig
-from swarmd.node.dht.node import BootstrapError, DHTNode, KeyReader
-from swarmd.node.dht.open import open_dht
+from swarmd.node.dht.node import BootstrapError, DHTNode, KeyReader, open_dht
 from swarmd.node.dht.records import Record, RecordError, RecordLimits
 from swarmd.node.dht.values import Value
 

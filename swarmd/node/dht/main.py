@@ -16,8 +16,7 @@ from pathlib import Path
 
 import trio
 
-from swarmd.node.dht.config import DHTConfig
-from swarmd.node.dht.open import open_dht
+from swarmd.node.dht.node import DHTConfig, open_dht
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
 

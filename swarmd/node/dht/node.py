@@ -4,6 +4,7 @@ Construct it with the daemon's identity and RpcClient, add ``node.service()`` to
 rpc.serve, then ``await nursery.start(node.run, server.address.port, bootstrap)``: ``run``
 returns control once the node has joined (or raises BootstrapError) and keeps refreshing
 buckets and re-publishing this node's records until its nursery is cancelled.
+Tools, tests and `swarmd dht` use ``open_dht`` instead: a node with its own server and client.
 
 Keys and sub-keys are strings (UTF-8 on the wire), values are bytes; expiry is absolute
 wall-clock seconds (``time.time()`` scale, or the injected clock's).
@@ -22,7 +23,7 @@ import trio
 
 from swarmd.node.dht.caller import Caller
 from swarmd.node.dht.config import DHTConfig as DHTConfig
-from swarmd.node.dht.ids import key_id, node_id, random_id_in_bucket
+from swarmd.node.dht.ids import key_id, random_id_in_bucket
 from swarmd.node.dht.lookup import LookupParams, LookupResult, lookup
 from swarmd.node.dht.records import (
     Record,
@@ -32,13 +33,15 @@ from swarmd.node.dht.records import (
     fingerprint,
     sign_record,
 )
+from swarmd.node.dht.replication import WHOLE_NETWORK_S as WHOLE_NETWORK_S
+from swarmd.node.dht.replication import Replicator
 from swarmd.node.dht.routing import RoutingTable
 from swarmd.node.dht.service import MAX_KNOWN, DHTService
 from swarmd.node.dht.storage import Storage
 from swarmd.node.dht.values import Value as Value
-from swarmd.node.dht.values import announced_peers, key_bytes
+from swarmd.node.dht.values import announced_peers as announced_peers
+from swarmd.node.dht.values import key_bytes
 from swarmd.node.dht.values import merge as merge
-from swarmd.protocol import dht_pb2 as pb
 from swarmd.protocol import rpc
 from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import Identity, PeerId
@@ -47,9 +50,6 @@ log = logging.getLogger("swarmd.dht")
 
 #: Longest a leaving peer spends withdrawing an announcement (see DHTNode.announce).
 WITHDRAW_TIMEOUT_S = 3.0
-#: How long a lookup that found the whole network stands in for stores' lookups (see
-#: DHTNode._closest_nodes).
-WHOLE_NETWORK_S = 20.0
 
 
 class BootstrapError(Exception):
@@ -74,14 +74,15 @@ class DHTNode:
         self.storage = Storage(self.config.storage, clock=clock, verifier=self.verifier)
         self.caller = Caller(identity, client, self.table, self.config.timeouts)
         self._service = DHTService(identity, self.table, self.storage, self.config.service)
+        self._replicator = Replicator(
+            self.config, self.caller, self.table, self.storage, self._find_nodes
+        )
         #: This node's own records, re-published until they expire.
         self._own: dict[tuple[bytes, bytes | None], Record] = {}
         #: When each own record is next re-published (this node's clock).
         self._due: dict[tuple[bytes, bytes | None], float] = {}
         self._own_changed = trio.Event()
         self._bootstrap: list[str] = []
-        #: (when, nodes): the last node lookup that found fewer than k nodes, i.e. all of them.
-        self._whole_network: tuple[float, frozenset[tuple[PeerId, str]]] | None = None
 
     def service(self) -> rpc.Service:
         """The gRPC service to add to the daemon's rpc.serve."""
@@ -180,7 +181,7 @@ class DHTNode:
                 del self._due[slot]
             due = [slot for slot, when in self._due.items() if when <= now]
             if due:
-                await self._replicate([self._own[slot] for slot in due])
+                await self._replicator.replicate([self._own[slot] for slot in due])
                 now = self._clock()
                 for slot in due:
                     if slot in self._own:
@@ -214,6 +215,9 @@ class DHTNode:
             known=known,
         )
 
+    async def _find_nodes(self, target: int) -> LookupResult:
+        return await self._lookup(target, None, None)
+
     async def store(
         self,
         key: str | bytes,
@@ -245,78 +249,7 @@ class DHTNode:
             self._own[slot] = record
             self._due[slot] = self._next_due(record, self._clock())
             self._own_changed.set()
-        return (await self._replicate([record]))[0]
-
-    async def _closest_nodes(self, target: int) -> list[tuple[PeerId, str]]:
-        """The k nodes closest to ``target``, for a store.
-
-        A node lookup that finds fewer than k nodes, every one answering, has found the whole
-        network, and the k closest to any target are then all of it. In a small run (the usual
-        case: a handful of peers) every store used to repeat that lookup, asking every node
-        for its contacts: with each peer storing an announcement, a group record and a state
-        advert per round, that was about half of a streaming fragment sync's DHT bytes. For
-        WHOLE_NETWORK_S after such a lookup, and only while the routing table holds exactly
-        the nodes it found (a node that joined, left or moved shows there first), stores use
-        that set instead.
-        """
-        whole = self._whole_network
-        if whole is not None:
-            at, nodes = whole
-            table = frozenset((c.peer_id, c.address) for c in self.table.contacts())
-            if trio.current_time() - at < WHOLE_NETWORK_S and table == nodes:
-                return sorted(nodes, key=lambda node: node_id(node[0]) ^ target)
-        result = await self._lookup(target, None, None)
-        # Every node asked answered (none timed out or failed), and they were fewer than k.
-        complete = result.queried == len(result.closest) < self.config.k and not result.failed
-        self._whole_network = (trio.current_time(), frozenset(result.closest)) if complete else None
-        return result.closest
-
-    async def _replicate(self, records: list[Record]) -> list[int]:
-        """Stores each record on its k closest nodes; one bulk Store per destination."""
-        keys = sorted({r.key for r in records})
-        closest: dict[bytes, list[tuple[PeerId, str]]] = {}
-
-        async def find(key: bytes) -> None:
-            closest[key] = await self._closest_nodes(key_id(key))
-
-        async with trio.open_nursery() as nursery:
-            for key in keys:
-                nursery.start_soon(find, key)
-        by_node: dict[tuple[PeerId, str], list[int]] = {}
-        counts = [0] * len(records)
-        own_id = self.table.own_id
-        for i, record in enumerate(records):
-            target = key_id(record.key)
-            nodes = closest[record.key]
-            # This node keeps a replica too if it is among the k closest.
-            if len(nodes) < self.config.k or (own_id ^ target) < (node_id(nodes[-1][0]) ^ target):
-                try:
-                    self.storage.put(record)
-                    counts[i] += 1
-                except RecordError as exc:
-                    log.debug("not keeping own record locally: %s", exc)
-            for node in nodes:
-                by_node.setdefault(node, []).append(i)
-
-        async def send(node: tuple[PeerId, str], indices: list[int]) -> None:
-            batch = self.config.service.max_batch
-            for start in range(0, len(indices), batch):
-                chunk = indices[start : start + batch]
-                try:
-                    resp = await self.caller.store(
-                        node[0], node[1], [records[i].to_pb() for i in chunk]
-                    )
-                except (rpc.RpcError, ProtocolError):
-                    return
-                for i, outcome in zip(chunk, resp.outcomes, strict=True):
-                    if outcome != pb.StoreResponse.REFUSED:
-                        counts[i] += 1
-
-        with trio.move_on_after(self.config.lookup_timeout_s):
-            async with trio.open_nursery() as nursery:
-                for node, indices in by_node.items():
-                    nursery.start_soon(send, node, indices)
-        return counts
+        return (await self._replicator.replicate([record]))[0]
 
     # -- get -------------------------------------------------------------------------------
 
@@ -446,6 +379,49 @@ class DHTNode:
             "rtt_ms": round(self.caller.rtt.srtt * 1000, 2),
             "timeout_ms": round(self.caller.rtt.timeout() * 1000, 2),
         }
+
+
+@asynccontextmanager
+async def open_dht(
+    identity: Identity,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    bootstrap: Sequence[str] = (),
+    config: DHTConfig | None = None,
+    transport: rpc.TransportConfig | None = None,
+    clock: Callable[[], float] = time.time,
+    extra_services: Sequence[rpc.Service] = (),
+) -> AsyncIterator[tuple[DHTNode, rpc.RpcServer]]:
+    """A DHT-only node with its own server and client, joined and running in the block."""
+    transport = transport or rpc.TransportConfig(max_concurrent_rpcs=16, max_inflight_calls=64)
+    client = rpc.RpcClient(identity, transport)
+    node = DHTNode(identity, client, config, clock=clock)
+    try:
+        async with (
+            rpc.serve([node.service(), *extra_services], host, port, config=transport) as server,
+            trio.open_nursery() as nursery,
+        ):
+            await nursery.start(node.run, server.address.port, list(bootstrap))
+            yield node, server
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The nurseries wrap a failed join; callers want to catch BootstrapError itself.
+        leaf = _single_leaf(group)
+        if isinstance(leaf, BootstrapError):
+            raise leaf from None
+        raise
+    finally:
+        client.close()
+
+
+def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        if len(exc.exceptions) != 1:
+            return None
+        exc = exc.exceptions[0]
+    return exc
 
 
 class KeyReader:
