@@ -9,11 +9,17 @@ import queue
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import trio
 
 from swarmd.node.runtime.children import stop_all
+from swarmd.protocol import rpc
+from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol.identity import Identity, PeerId
+from swarmd.protocol.session import verify_server_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,3 +157,27 @@ def peak_rss_kib(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise AssertionError("no VmHWM")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a server says about itself: where its bulk plane is and whom to address."""
+
+    port: int
+    peer_id: PeerId
+    kx_public: bytes
+
+
+def hello_of(address: str) -> Hello:
+    async def ask() -> pb.BulkInfo:
+        client = rpc.RpcClient(Identity.generate())
+        try:
+            return await client.unary(
+                address, rpc.GET_BULK_INFO, pb.BulkInfoRequest(), pb.BulkInfo, timeout=5
+            )
+        finally:
+            client.close()
+
+    info = trio.run(ask)
+    peer_id = verify_server_key(info.public_key, info.kx_public, info.kx_signature)
+    return Hello(int(info.port), peer_id, info.kx_public)

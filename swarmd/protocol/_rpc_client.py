@@ -2,13 +2,17 @@
 
 The client issues ``.future`` calls and awaits them from trio, cancelling the call when the
 awaiting scope is cancelled, so a trio timeout on one peer becomes a cancelled handler on the
-other. Tensor calls go over the bulk data plane (bulk.py) when the peer has one, learnt from its
-GetBulkInfo and cached, and over gRPC frame streams otherwise.
+other. Before its first call to an address, a signing client asks the server who it is
+(GetBulkInfo, the hello: its identity, key-exchange share and bulk port, cached), so that every
+request names its recipient and every tensor call's frames are keyed (session.py). Tensor calls
+go over the bulk data plane (bulk.py) when the peer has one, and over gRPC frame streams
+otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -35,18 +39,37 @@ from swarmd.protocol.framing import (
     iter_frames,
     payload_segments,
 )
-from swarmd.protocol.identity import Identity
+from swarmd.protocol.identity import MISADDRESSED, Identity, PeerId, SignedHeader
+from swarmd.protocol.session import (
+    CALLER,
+    SERVER,
+    CallerKey,
+    StreamMac,
+    open_frames,
+    seal_frames,
+    verify_server_key,
+)
 
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
-#: How long a peer's bulk port (or its lack of one) is trusted before it is asked again.
+#: How long a peer's hello (who it is, its bulk port) is trusted before it is asked again.
 BULK_INFO_TTL_S = 600.0
 #: After a bulk listener could not be reached, calls to that peer use gRPC this long.
 BULK_RETRY_S = 60.0
 BULK_INFO_TIMEOUT_S = 5.0
-#: After asking a peer for its bulk port failed, how long its calls use gRPC without asking.
-BULK_INFO_RETRY_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hello:
+    """What a server said about itself: whom to address, how to key frames, where bulk is."""
+
+    peer_id: PeerId
+    kx_public: bytes
+    #: None: no bulk listener, or it could not be reached lately.
+    bulk_port: int | None
+    #: time.monotonic() after which the server is asked again.
+    until: float
 
 
 async def _await_future(fut: grpc.Future) -> Any:
@@ -92,9 +115,9 @@ class RpcClient:
         self._limiter = trio.CapacityLimiter(self._cfg.max_inflight_calls)
         self._channels: OrderedDict[str, grpc.Channel] = OrderedDict()
         self._faults = faults.from_env()
-        #: Per peer address: its bulk listener's port (None: it has none, or it could not be
-        #: reached) and until when that answer is trusted.
-        self._bulk_ports: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
+        self._caller_key = CallerKey() if identity is not None else None
+        #: Per peer address: its last hello.
+        self._hellos: OrderedDict[str, _Hello] = OrderedDict()
 
     async def _inject(self, address: str, nbytes: int) -> None:
         """Applies injected faults (chaos tests) to an outgoing call: delay, or UNAVAILABLE."""
@@ -103,75 +126,115 @@ class RpcClient:
         if why:
             raise RpcError(StatusCode.UNAVAILABLE, why)
 
-    async def _bulk_target(self, address: str, timeout: float | None) -> tuple[str, int] | None:
-        """Where to reach ``address``'s bulk listener, or None to use gRPC for this call."""
-        if not self._cfg.bulk or self._identity is None:
+    async def _hello(self, address: str, timeout: float | None) -> _Hello | None:
+        """Who listens at ``address`` (asked once, then cached); None for an unsigned client."""
+        if self._identity is None:
             return None
-        now = time.monotonic()
-        cached = self._bulk_ports.get(address)
-        if cached is not None and cached[1] > now:
-            port = cached[0]
-        else:
-            try:
-                info = await self.unary(
-                    address,
-                    GET_BULK_INFO,
-                    pb.BulkInfoRequest(),
-                    pb.BulkInfo,
-                    timeout=min(BULK_INFO_TIMEOUT_S, self._timeout(timeout)),
-                )
-            except RpcError as exc:
-                if exc.code is not StatusCode.UNIMPLEMENTED:
-                    # The call itself will say what is wrong with the peer; meanwhile its
-                    # other calls do not each pay for asking again.
-                    self._remember_bulk(address, None, BULK_INFO_RETRY_S)
-                    return None
-                info = pb.BulkInfo(port=0)  # a peer without the bulk plane
-            port = info.port if 0 < info.port <= 65535 else None
-            self._remember_bulk(address, port, BULK_INFO_TTL_S)
-        if port is None:
-            return None
-        return parse_address(address).host, port
+        cached = self._hellos.get(address)
+        if cached is not None and cached.until > time.monotonic():
+            return cached
+        info = await self.unary(
+            address,
+            GET_BULK_INFO,
+            pb.BulkInfoRequest(),
+            pb.BulkInfo,
+            timeout=min(BULK_INFO_TIMEOUT_S, self._timeout(timeout)),
+        )
+        try:
+            peer_id = verify_server_key(info.public_key, info.kx_public, info.kx_signature)
+        except ProtocolError as exc:
+            raise RpcError(StatusCode.UNAUTHENTICATED, f"{address}: {exc}") from None
+        port = info.port if 0 < info.port <= 65535 and self._cfg.bulk else None
+        hello = _Hello(peer_id, info.kx_public, port, time.monotonic() + BULK_INFO_TTL_S)
+        self._remember(address, hello)
+        return hello
+
+    def _remember(self, address: str, hello: _Hello) -> None:
+        self._hellos[address] = hello
+        self._hellos.move_to_end(address)
+        while len(self._hellos) > self._cfg.max_channels:
+            self._hellos.popitem(last=False)
+
+    def _forget_if_misaddressed(self, address: str, exc: RpcError) -> None:
+        """A server that says we addressed someone else is a new peer at that address."""
+        if exc.code is StatusCode.UNAUTHENTICATED and MISADDRESSED in exc.details:
+            self._hellos.pop(address, None)
+
+    async def _await(self, address: str, fut: grpc.Future) -> Any:
+        try:
+            return await _await_future(fut)
+        except RpcError as exc:
+            self._forget_if_misaddressed(address, exc)
+            raise
 
     def bulk_port(self, address: str) -> int | None:
         """The bulk port this client uses for ``address`` now (None: gRPC, or not asked yet)."""
-        cached = self._bulk_ports.get(address)
-        return cached[0] if cached is not None and cached[1] > time.monotonic() else None
+        cached = self._hellos.get(address)
+        return cached.bulk_port if cached is not None and cached.until > time.monotonic() else None
 
-    def _remember_bulk(self, address: str, port: int | None, ttl: float) -> None:
-        self._bulk_ports[address] = (port, time.monotonic() + ttl)
-        self._bulk_ports.move_to_end(address)
-        while len(self._bulk_ports) > self._cfg.max_channels:
-            self._bulk_ports.popitem(last=False)
+    def peer_id(self, address: str) -> PeerId | None:
+        """Who this client believes listens at ``address`` (None: not asked yet)."""
+        cached = self._hellos.get(address)
+        return cached.peer_id if cached is not None else None
+
+    def _sign(
+        self, path: str, body: bytes, to: PeerId | None, server_kx: bytes | None = None
+    ) -> tuple[SignedHeader | None, StreamMac | None]:
+        """The request's signed header, addressed to ``to``, and for a tensor call (one with
+        the server's key share) the key of its frames. (None, None) for an unsigned client."""
+        if self._identity is None:
+            return None, None
+        now = self._faults.wall_clock() if self._faults is not None else None
+        kx = b""
+        if server_kx is not None and self._caller_key is not None:
+            kx = self._caller_key.kx_public
+        signed = self._identity.sign_request(path, body, recipient=to, kx=kx, now=now)
+        mac = None
+        if server_kx is not None and to is not None and self._caller_key is not None:
+            mac = self._caller_key.stream_mac(signed, to, server_kx)
+        return signed, mac
+
+    def _sign_tensor(
+        self, path: str, body: bytes, hello: _Hello | None
+    ) -> tuple[SignedHeader | None, StreamMac | None]:
+        if hello is None:
+            return self._sign(path, body, None)
+        return self._sign(path, body, hello.peer_id, hello.kx_public)
 
     async def _bulk_call(
         self,
         address: str,
-        target: tuple[str, int],
+        hello: _Hello | None,
         kind: int,
         path: str,
         first: bytes,
         timeout: float | None,
-        exchange: Callable[[trio.SocketStream, bytes], Awaitable[T]],
+        exchange: Callable[[trio.SocketStream, bytes, StreamMac], Awaitable[T]],
     ) -> T | None:
         """One bulk call: connect, send the signed request, let ``exchange`` do the rest.
-        None if the listener cannot be reached (the caller then uses gRPC)."""
-        assert self._identity is not None
+        None if the peer has no bulk listener or it cannot be reached (then use gRPC)."""
+        if hello is None or hello.bulk_port is None:
+            return None
         if len(first) > bulk.MAX_BODY_BYTES or len(path.encode()) > bulk.MAX_PATH_BYTES:
             return None
         # Bounded by the caller's _deadline scope, which also covers a gRPC fallback.
         if self._faults is not None:
             await self._inject(address, len(first))
         async with self._limiter:
-            stream = await bulk.connect(*target)
+            stream = await bulk.connect(parse_address(address).host, hello.bulk_port)
             if stream is None:
-                self._remember_bulk(address, None, BULK_RETRY_S)
+                until = time.monotonic() + BULK_RETRY_S
+                self._remember(address, dataclasses.replace(hello, bulk_port=None, until=until))
                 return None
             async with stream:
-                now = self._faults.wall_clock() if self._faults is not None else None
-                signed = self._identity.sign_request(path, first, now=now)
+                signed, mac = self._sign_tensor(path, first, hello)
+                assert signed is not None and mac is not None
                 request = bulk.encode_request(kind, path, signed, first, self._timeout(timeout))
-                return await exchange(stream, request)
+                try:
+                    return await exchange(stream, request, mac)
+                except RpcError as exc:
+                    self._forget_if_misaddressed(address, exc)
+                    raise
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
@@ -186,13 +249,10 @@ class RpcClient:
             old.close()
         return channel
 
-    def _metadata(self, path: str, body: bytes) -> list[tuple[str, str | bytes]]:
+    def _metadata(self, path: str, signed: SignedHeader | None) -> list[tuple[str, str | bytes]]:
         """The signed request headers; their bytes (and the path's) count as sent, so byte
         counters include what a call costs beyond its body, not only tensor payloads."""
-        metadata: list[tuple[str, str | bytes]] = []
-        if self._identity is not None:
-            now = self._faults.wall_clock() if self._faults is not None else None
-            metadata = self._identity.sign_request(path, body, now=now).to_metadata()
+        metadata = signed.to_metadata() if signed is not None else []
         self._observer.on_bytes(path, len(path) + sum(len(k) + len(v) for k, v in metadata), 0)
         return metadata
 
@@ -214,16 +274,23 @@ class RpcClient:
         response_type: type[M],
         *,
         timeout: float | None = None,
+        recipient: PeerId | None = None,
     ) -> M:
+        """One request and its answer. ``recipient``: the peer id the caller expects at
+        ``address`` (the DHT knows its contacts'), which saves asking the server who it is."""
         body = request.SerializeToString()
+        if recipient is None and path != GET_BULK_INFO:
+            hello = await self._hello(address, timeout)
+            recipient = hello.peer_id if hello is not None else None
         if self._faults is not None:
             await self._inject(address, len(body))
+        signed, _ = self._sign(path, body, recipient)
         async with self._limiter:
             call = self._channel(address).unary_unary(path)
             fut = call.future(
-                body, timeout=self._timeout(timeout), metadata=self._metadata(path, body)
+                body, timeout=self._timeout(timeout), metadata=self._metadata(path, signed)
             )
-            raw: bytes = await _await_future(fut)
+            raw: bytes = await self._await(address, fut)
         self._observer.on_bytes(path, len(body), len(raw))
         return _parse_response(response_type, raw, address)
 
@@ -259,30 +326,35 @@ class RpcClient:
         response_type: type[M],
         timeout: float | None,
     ) -> M:
-        target = await self._bulk_target(address, timeout)
-        if target is not None:
-            segments = payload_segments(payload)
-            if sum(v.nbytes for v in segments) != meta.nbytes:
-                raise FramingError(f"payload does not match its header's {meta.nbytes} B")
+        hello = await self._hello(address, timeout)
+        segments = payload_segments(payload)
+        if sum(v.nbytes for v in segments) != meta.nbytes:
+            raise FramingError(f"payload does not match its header's {meta.nbytes} B")
 
-            async def exchange(stream: trio.SocketStream, request: bytes) -> bytes:
-                data, sent, received = await bulk.put(stream, request, segments, self._faults)
-                self._observer.on_bytes(path, sent, received)
-                return data
+        async def exchange(stream: trio.SocketStream, request: bytes, mac: StreamMac) -> bytes:
+            data, sent, received = await bulk.put(stream, request, segments, self._faults, mac)
+            self._observer.on_bytes(path, sent, received)
+            return data
 
-            answer = await self._bulk_call(
-                address, target, bulk.KIND_PUT, path, header_frame(meta), timeout, exchange
-            )
-            if answer is not None:
-                return _parse_response(response_type, answer, address)
-        frames = iter_frames(meta, payload, self._cfg.chunk_bytes)
+        answer = await self._bulk_call(
+            address, hello, bulk.KIND_PUT, path, header_frame(meta), timeout, exchange
+        )
+        if answer is not None:
+            return _parse_response(response_type, answer, address)
+        frames = iter_frames(meta, segments, self._cfg.chunk_bytes)
         first = next(frames)
+        signed, mac = self._sign_tensor(path, first, hello)
+        # The first frame is signed; the others each carry their tag.
+        rest = frames if mac is None else seal_frames(mac, CALLER, frames, 1)
+        sent = len(first)
 
         def all_frames() -> Iterator[bytes]:
+            nonlocal sent
             yield first
-            for frame in frames:
+            for frame in rest:
                 if self._faults is not None:
                     self._faults.pace(len(frame))
+                sent += len(frame)
                 yield frame
 
         if self._faults is not None:
@@ -290,10 +362,10 @@ class RpcClient:
         async with self._limiter:
             call = self._channel(address).stream_unary(path)
             fut = call.future(
-                all_frames(), timeout=self._timeout(timeout), metadata=self._metadata(path, first)
+                all_frames(), timeout=self._timeout(timeout), metadata=self._metadata(path, signed)
             )
-            raw: bytes = await _await_future(fut)
-        self._observer.on_bytes(path, meta.nbytes + len(first), len(raw))
+            raw: bytes = await self._await(address, fut)
+        self._observer.on_bytes(path, sent, len(raw))
         return _parse_response(response_type, raw, address)
 
     async def get_tensor(
@@ -319,32 +391,42 @@ class RpcClient:
     ) -> tuple[TensorMeta, bytearray]:
         body = request.SerializeToString()
         limit = self._cfg.max_tensor_bytes if max_bytes is None else max_bytes
-        target = await self._bulk_target(address, timeout)
-        if target is not None:
+        hello = await self._hello(address, timeout)
 
-            async def exchange(
-                stream: trio.SocketStream, raw_request: bytes
-            ) -> tuple[TensorMeta, bytearray]:
-                meta, data, received = await bulk.get(stream, raw_request, limit)
-                self._observer.on_bytes(path, len(raw_request), received)
-                return meta, data
+        async def exchange(
+            stream: trio.SocketStream, raw_request: bytes, mac: StreamMac
+        ) -> tuple[TensorMeta, bytearray]:
+            meta, data, received = await bulk.get(stream, raw_request, limit, mac)
+            self._observer.on_bytes(path, len(raw_request), received)
+            return meta, data
 
-            got = await self._bulk_call(
-                address, target, bulk.KIND_GET, path, body, timeout, exchange
-            )
-            if got is not None:
-                return got
+        got = await self._bulk_call(address, hello, bulk.KIND_GET, path, body, timeout, exchange)
+        if got is not None:
+            return got
         if self._faults is not None:
             await self._inject(address, len(body))
+        signed, mac = self._sign_tensor(path, body, hello)
         async with self._limiter:
             call = self._channel(address).unary_stream(path)
-            stream = call(body, timeout=self._timeout(timeout), metadata=self._metadata(path, body))
+            stream = call(
+                body, timeout=self._timeout(timeout), metadata=self._metadata(path, signed)
+            )
+            received = 0
+
+            def counted() -> Iterator[bytes]:
+                nonlocal received
+                for frame in stream:
+                    received += len(frame)
+                    yield frame
 
             def read() -> tuple[TensorMeta, bytearray]:
+                frames = counted() if mac is None else open_frames(mac, SERVER, counted(), 0)
                 try:
-                    return assemble(stream, limit)
+                    return assemble(frames, limit)
                 except grpc.RpcError as exc:
-                    raise _from_grpc(exc) from None
+                    err = _from_grpc(exc)
+                    self._forget_if_misaddressed(address, err)
+                    raise err from None
                 except ProtocolError:
                     stream.cancel()
                     raise
@@ -354,7 +436,7 @@ class RpcClient:
             except trio.Cancelled:
                 stream.cancel()
                 raise
-        self._observer.on_bytes(path, len(body), meta.nbytes)
+        self._observer.on_bytes(path, len(body), received)
         return meta, data
 
     async def check_health(

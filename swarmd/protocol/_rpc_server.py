@@ -5,8 +5,12 @@ trio loop, where the application's async handler runs under a cancel scope whose
 client's, and which the client's cancellation cancels.
 
 Requests are authenticated by a signed header in the metadata (see identity.py); the server
-verifies it in the gRPC thread, before trio or the application sees the request. Tensor methods
-are also served over the bulk data plane (bulk.py) where the config enables it.
+verifies it in the gRPC thread, before trio or the application sees the request, and refuses
+requests addressed to another peer. Every server has an identity (its node's, or a throwaway
+one for a bare server) and answers GetBulkInfo, the one unaddressed method, with who it is and
+its key-exchange share, so that callers can address it and key each tensor call's frames
+(session.py). Tensor methods are also served over the bulk data plane (bulk.py) where the
+config enables it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from swarmd.protocol import bulk, faults
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol._rpc_config import TransportConfig
-from swarmd.protocol._rpc_service import TRANSPORT_SERVICE, Method, Service, method_path, unary
+from swarmd.protocol._rpc_service import (
+    GET_BULK_INFO,
+    TRANSPORT_SERVICE,
+    Method,
+    Service,
+    method_path,
+    unary,
+)
 from swarmd.protocol.address import Address
 from swarmd.protocol.calls import (
     CallContext,
@@ -39,7 +50,8 @@ from swarmd.protocol.calls import (
 )
 from swarmd.protocol.errors import ListenError
 from swarmd.protocol.framing import StreamAssembler, iter_frames
-from swarmd.protocol.identity import PeerId, ReplayGuard, SignedHeader
+from swarmd.protocol.identity import Identity, PeerId, ReplayGuard, SignedHeader
+from swarmd.protocol.session import CALLER, SERVER, ServerKey, StreamMac, open_frames, seal_frames
 
 log = logging.getLogger("swarmd.rpc")
 
@@ -85,16 +97,20 @@ class RpcServer:
         config: TransportConfig,
         observer: RpcObserver | None,
         guard: ReplayGuard | None,
+        identity: Identity | None,
     ) -> None:
         self._services = services
         self._cfg = config
         self._observer: RpcObserver = observer or NullObserver()
         #: Injected faults (SWARMD_FAULTS, chaos tests); None in normal operation.
         self._faults = faults.from_env()
+        self._key = ServerKey(identity or Identity.generate())
         self._guard = guard or ReplayGuard(
             max_skew_s=config.max_clock_skew_s,
             clock=self._faults.wall_clock if self._faults else time.time,
         )
+        self._guard.own = self._key.peer_id
+        self._guard.unaddressed = frozenset({GET_BULK_INFO})
         self._token: trio.lowlevel.TrioToken | None = None
         self._nursery: trio.Nursery | None = None
         self._grpc: grpc.Server | None = None
@@ -126,7 +142,13 @@ class RpcServer:
 
     def _transport_service(self) -> Service:
         async def bulk_info(_: pb.BulkInfoRequest, ctx: CallContext) -> pb.BulkInfo:
-            return pb.BulkInfo(port=self.bulk_port)
+            key = self._key
+            return pb.BulkInfo(
+                port=self.bulk_port,
+                public_key=key.public_key,
+                kx_public=key.kx_public,
+                kx_signature=key.kx_signature,
+            )
 
         return Service(TRANSPORT_SERVICE, [unary("GetBulkInfo", pb.BulkInfoRequest, bulk_info)])
 
@@ -176,22 +198,30 @@ class RpcServer:
 
     # -- request path ------------------------------------------------------------------------
 
-    def _authenticate(self, path: str, context: grpc.ServicerContext, body: bytes) -> CallContext:
+    def _authenticate(
+        self, path: str, context: grpc.ServicerContext, body: bytes, *, tensor: bool = False
+    ) -> tuple[CallContext, StreamMac | None]:
+        """The call's context, and for a signed tensor call the key of its frames."""
         if self._faults is not None and (why := self._faults.incoming()):
             raise RpcError(StatusCode.UNAVAILABLE, why)
         metadata = {k: v for k, v in context.invocation_metadata()}
         peer_id: PeerId | None = None
+        mac: StreamMac | None = None
         if self._cfg.require_auth or "swarmd-sig-bin" in metadata:
-            peer_id = self._guard.verify(path, SignedHeader.from_metadata(metadata), body)
-        return CallContext(method=path, peer_id=peer_id, peer=context.peer())
+            signed = SignedHeader.from_metadata(metadata)
+            peer_id = self._guard.verify(path, signed, body)
+            if tensor:
+                mac = self._key.stream_mac(signed)
+        return CallContext(method=path, peer_id=peer_id, peer=context.peer()), mac
 
     def _authenticate_bulk(
         self, path: str, signed: SignedHeader, body: bytes, peer: str
-    ) -> CallContext:
+    ) -> tuple[CallContext, StreamMac]:
         """The bulk plane's requests pass the same checks as gRPC's (always signed there)."""
         if self._faults is not None and (why := self._faults.incoming()):
             raise RpcError(StatusCode.UNAVAILABLE, why)
-        return CallContext(method=path, peer_id=self._guard.verify(path, signed, body), peer=peer)
+        peer_id = self._guard.verify(path, signed, body)
+        return CallContext(method=path, peer_id=peer_id, peer=peer), self._key.stream_mac(signed)
 
     def _run_in_trio(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], context: grpc.ServicerContext
@@ -272,6 +302,8 @@ class RpcServer:
             err = RpcError(StatusCode.CANCELLED, "call ended by the client")
         else:
             err = to_rpc_error(exc)
+        if err.code is StatusCode.UNAUTHENTICATED:  # forged, replayed, misaddressed or altered
+            log.warning("refused call %s from %s: %s", path, context.peer(), err.details)
         self._observer.on_served(path, err.code.name, time.perf_counter() - start)
         context.abort(grpc.StatusCode[err.code.name], err.details)
 
@@ -282,7 +314,7 @@ class RpcServer:
         def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
             start = time.perf_counter()
             try:
-                ctx = self._authenticate(path, context, request)
+                ctx, _ = self._authenticate(path, context, request)
                 response = self._run_in_trio(
                     method.handler, (_parse(request_type, request), ctx), context
                 )
@@ -304,12 +336,14 @@ class RpcServer:
                 first = next(frames, None)
                 if first is None:
                     raise RpcError(StatusCode.INVALID_ARGUMENT, "empty tensor stream")
-                ctx = self._authenticate(path, context, first)
+                ctx, mac = self._authenticate(path, context, first, tensor=True)
                 # The assembler checks the declared size against our limit before allocating.
                 asm = StreamAssembler(self._cfg.max_tensor_bytes)
                 asm.feed(first)
                 received = len(first)
-                for frame in frames:
+                # The first frame is signed; the others each carry their tag.
+                rest = frames if mac is None else open_frames(mac, CALLER, frames, 1)
+                for frame in rest:
                     asm.feed(frame)
                     received += len(frame)
                 meta, data = asm.finish()
@@ -333,11 +367,14 @@ class RpcServer:
             start = time.perf_counter()
             sent = 0
             try:
-                ctx = self._authenticate(path, context, request)
+                ctx, mac = self._authenticate(path, context, request, tensor=True)
                 meta, payload = self._run_in_trio(
                     method.handler, (_parse(request_type, request), ctx), context
                 )
-                for frame in iter_frames(meta, payload, self._cfg.chunk_bytes):
+                frames = iter_frames(meta, payload, self._cfg.chunk_bytes)
+                if mac is not None:
+                    frames = seal_frames(mac, SERVER, frames, 0)
+                for frame in frames:
                     if self._faults is not None:
                         self._faults.pace(len(frame))
                     sent += len(frame)
@@ -361,9 +398,11 @@ async def serve(
     config: TransportConfig | None = None,
     observer: RpcObserver | None = None,
     guard: ReplayGuard | None = None,
+    identity: Identity | None = None,
 ) -> AsyncIterator[RpcServer]:
-    """Serves ``services`` (plus grpc.health.v1) until the block exits; port 0 lets the OS pick."""
-    server = RpcServer(services, config or TransportConfig(), observer, guard)
+    """Serves ``services`` (plus grpc.health.v1) until the block exits; port 0 lets the OS pick.
+    ``identity`` is who callers address (the node's own); None gives a throwaway one."""
+    server = RpcServer(services, config or TransportConfig(), observer, guard, identity)
     async with trio.open_nursery() as nursery:
         await server._start_bulk(nursery, host)
         server._start(nursery, host, port)

@@ -11,39 +11,44 @@ buffer (framing.RECEIVE_BUFFERS) in one copy, all in the trio thread: no frames,
 What is the same as on gRPC, so that a handler cannot tell the two apart: the request carries
 the same signed header (identity.py) over the same bytes (the method path and the first
 frame: the header frame for a put, the request message for a get), verified by the server's
-replay guard; the declared size is checked against the limit before anything is allocated;
-the caller's deadline travels with the request and bounds the handler; fault injection
-(faults.py: partitions, loss, latency, pacing) and the byte counters apply. gRPC still carries
-every control message and tells a client where a peer's bulk listener is (rpc.py, BulkInfo);
-a client that cannot reach it uses gRPC instead.
+replay guard, addressed to the server and carrying the caller's key share; every frame after
+it is authenticated with the call's stream key (session.py); the declared size is checked
+against the limit before anything is allocated; the caller's deadline travels with the
+request and bounds the handler; fault injection (faults.py: partitions, loss, latency, pacing)
+and the byte counters apply. gRPC still carries every control message and tells a client who a
+peer is and where its bulk listener is (the hello, BulkInfo); a client that cannot reach it
+uses gRPC instead.
 
 Wire format, one call per connection (integers little-endian)::
 
-    request   "SWB1" kind:u8 path_len:u16 body_len:u32 timeout_ms:u32 ts_ms:i64
-              key[32] nonce[16] signature[64] path body
-              then, for a put, the payload: exactly the header frame's nbytes
+    request   "SWB2" kind:u8 path_len:u16 body_len:u32 timeout_ms:u32 ts_ms:i64
+              key[32] to[32] kx[32] nonce[16] signature[64] path body
+              then, for a put, the payload: exactly the header frame's nbytes, sealed
     response  status:u8 len:u32 data
-              then, for a get whose status is OK, the payload
+              then, for a get whose status is OK, tag[16] over data, and the payload, sealed
 
-``status`` is the gRPC status code number (0 is OK). ``data`` is the handler's response
+``to`` is the recipient's peer id and ``kx`` the caller's X25519 share. A sealed payload is
+cut into session.MAC_CHUNK_BYTES frames (the last one shorter), each followed by its 16-byte
+tag. ``status`` is the gRPC status code number (0 is OK). ``data`` is the handler's response
 message (put) or the payload's header frame (get) on OK, the error's details otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-import math
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 from google.protobuf.message import DecodeError, Message
 
+from swarmd.protocol._bulk_io import recv_exactly, recv_sealed, send_all, tune
 from swarmd.protocol.calls import CallContext, RpcError, RpcObserver, StatusCode, to_rpc_error
 from swarmd.protocol.errors import FramingError, ListenError, ProtocolError
 from swarmd.protocol.faults import FaultInjector
@@ -56,14 +61,24 @@ from swarmd.protocol.framing import (
     payload_segments,
 )
 from swarmd.protocol.identity import NONCE_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, SignedHeader
+from swarmd.protocol.session import (
+    CALLER,
+    KX_BYTES,
+    SERVER,
+    TAG_BYTES,
+    StreamMac,
+    seal_payload,
+    sealed_nbytes,
+)
 
 log = logging.getLogger("swarmd.bulk")
 
-MAGIC = b"SWB1"
+MAGIC = b"SWB2"
 KIND_PUT = 1
 KIND_GET = 2
 _PREFIX = struct.Struct("<4sBHIIq")
-_AUTH_BYTES = PUBLIC_KEY_BYTES + NONCE_BYTES + SIGNATURE_BYTES
+_PEER_ID_BYTES = 32
+_AUTH_BYTES = PUBLIC_KEY_BYTES + _PEER_ID_BYTES + KX_BYTES + NONCE_BYTES + SIGNATURE_BYTES
 _RESPONSE = struct.Struct("<BI")
 MAX_PATH_BYTES = 256
 #: Header frames and request messages are small; anything larger is refused unread.
@@ -76,11 +91,6 @@ STALL_S = 30.0
 MAX_DEADLINE_S = 3600.0
 #: How long a client tries to reach a bulk listener before it uses gRPC for the call.
 CONNECT_TIMEOUT_S = 3.0
-#: Kernel socket buffers: a few MB keep loopback and LAN transfers at line rate with fewer
-#: wake-ups of the trio thread.
-SOCKET_BUFFER_BYTES = 4 << 20
-#: Largest single send while the uplink is paced (fault injection), so pacing stays smooth.
-PACED_SEND_BYTES = 64 << 10
 #: After refusing a put, read (and drop) its payload for at most this long, so the client sees
 #: the refusal instead of a reset connection.
 DRAIN_S = 1.0
@@ -90,63 +100,9 @@ _GOING_AWAY = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 TensorInHandler = Callable[[TensorMeta, bytearray, CallContext], Awaitable[Message]]
 TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, Payload]]]
-#: (path, signed header, signed body, transport peer) -> the call's context, or raises.
-Authenticate = Callable[[str, SignedHeader, bytes, str], CallContext]
-
-
-def _tune(sock: trio.socket.SocketType) -> None:
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):  # a kernel that caps buffers keeps its own size
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-
-
-async def _recv_into(
-    sock: trio.socket.SocketType, view: memoryview, stall_s: float = math.inf
-) -> None:
-    """Fills ``view`` from the socket; a peer that closes early, or sends nothing for
-    ``stall_s`` (a trickle holding a buffer and a server slot), is UNAVAILABLE."""
-    pos, total = 0, len(view)
-    while pos < total:
-        n = -1
-        with trio.move_on_after(stall_s):
-            n = await sock.recv_into(view[pos:])
-        if n < 0:
-            raise RpcError(
-                StatusCode.UNAVAILABLE, f"no data for {stall_s:g} s after {pos} of {total} bytes"
-            )
-        if n == 0:
-            raise RpcError(
-                StatusCode.UNAVAILABLE, f"connection closed after {pos} of {total} bytes"
-            )
-        pos += n
-
-
-async def _recv_exactly(sock: trio.socket.SocketType, n: int) -> bytes:
-    buf = bytearray(n)
-    await _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-async def _send_all(
-    sock: trio.socket.SocketType,
-    pieces: Sequence[bytes | memoryview],
-    faults: FaultInjector | None,
-) -> int:
-    """Sends every piece, paced by the fault plan's bandwidth if it has one; bytes sent."""
-    sent = 0
-    for piece in pieces:
-        view = memoryview(piece).cast("B")
-        pos = 0
-        while pos < len(view):
-            if faults is not None and faults.plan().bandwidth_bytes_s is not None:
-                end = min(len(view), pos + PACED_SEND_BYTES)
-                await faults.pace_async(end - pos)
-                while pos < end:
-                    pos += await sock.send(view[pos:end])
-            else:
-                pos += await sock.send(view[pos:])
-        sent += len(view)
-    return sent
+#: (path, signed header, signed body, transport peer) -> the call's context and the key of its
+#: frames, or raises.
+Authenticate = Callable[[str, SignedHeader, bytes, str], tuple[CallContext, StreamMac]]
 
 
 def encode_request(
@@ -157,7 +113,10 @@ def encode_request(
         raise ValueError("bulk request path or body too long")
     timeout_ms = max(1, min(int(timeout_s * 1000), 0xFFFFFFFF))
     prefix = _PREFIX.pack(MAGIC, kind, len(raw_path), len(body), timeout_ms, signed.timestamp_ms)
-    return b"".join((prefix, signed.public_key, signed.nonce, signed.signature, raw_path, body))
+    if len(signed.recipient) != _PEER_ID_BYTES or len(signed.kx) != KX_BYTES:
+        raise ValueError("a bulk request names its recipient and carries a key share")
+    auth = (signed.public_key, signed.recipient, signed.kx, signed.nonce, signed.signature)
+    return b"".join((prefix, *auth, raw_path, body))
 
 
 @dataclass(frozen=True)
@@ -172,7 +131,7 @@ class _Request:
 
 async def _read_request(sock: trio.socket.SocketType) -> _Request:
     magic, kind, path_len, body_len, timeout_ms, ts_ms = _PREFIX.unpack(
-        await _recv_exactly(sock, _PREFIX.size)
+        await recv_exactly(sock, _PREFIX.size)
     )
     if magic != MAGIC:
         raise ProtocolError("not a swarmd bulk request (bad magic)")
@@ -180,10 +139,12 @@ async def _read_request(sock: trio.socket.SocketType) -> _Request:
         raise ProtocolError(f"unknown bulk request kind {kind}")
     if path_len > MAX_PATH_BYTES or body_len > MAX_BODY_BYTES:
         raise ProtocolError(f"bulk request header too large (path {path_len} B, body {body_len} B)")
-    rest = await _recv_exactly(sock, _AUTH_BYTES + path_len + body_len)
-    key = rest[:PUBLIC_KEY_BYTES]
-    nonce = rest[PUBLIC_KEY_BYTES : PUBLIC_KEY_BYTES + NONCE_BYTES]
-    sig = rest[PUBLIC_KEY_BYTES + NONCE_BYTES : _AUTH_BYTES]
+    rest = await recv_exactly(sock, _AUTH_BYTES + path_len + body_len)
+    fields, pos = [], 0
+    for size in (PUBLIC_KEY_BYTES, _PEER_ID_BYTES, KX_BYTES, NONCE_BYTES, SIGNATURE_BYTES):
+        fields.append(rest[pos : pos + size])
+        pos += size
+    key, to, kx, nonce, sig = fields
     try:
         path = rest[_AUTH_BYTES : _AUTH_BYTES + path_len].decode()
     except UnicodeDecodeError:
@@ -192,7 +153,7 @@ async def _read_request(sock: trio.socket.SocketType) -> _Request:
     return _Request(
         kind,
         path,
-        SignedHeader(key, ts_ms, nonce, sig),
+        SignedHeader(key, ts_ms, nonce, sig, to, kx),
         body,
         timeout_ms / 1000.0,
         _PREFIX.size + len(rest),
@@ -200,10 +161,10 @@ async def _read_request(sock: trio.socket.SocketType) -> _Request:
 
 
 async def _read_response(sock: trio.socket.SocketType) -> tuple[StatusCode, bytes, int]:
-    number, length = _RESPONSE.unpack(await _recv_exactly(sock, _RESPONSE.size))
+    number, length = _RESPONSE.unpack(await recv_exactly(sock, _RESPONSE.size))
     if number >= len(_STATUS_BY_NUMBER) or length > MAX_BODY_BYTES:
         raise RpcError(StatusCode.INTERNAL, "malformed bulk response")
-    data = await _recv_exactly(sock, length)
+    data = await recv_exactly(sock, length)
     return _STATUS_BY_NUMBER[number], data, _RESPONSE.size + length
 
 
@@ -248,7 +209,7 @@ class BulkServer:
                 f"{exc.strerror or exc}; choose another --bulk-port, or --no-bulk"
             ) from None
         self.port = listener.socket.getsockname()[1]
-        _tune(listener.socket)
+        tune(listener.socket)
         nursery.start_soon(trio.serve_listeners, self._connection, [listener])
 
     @staticmethod
@@ -284,7 +245,7 @@ class BulkServer:
             self._limiter.acquire_nowait()
         except trio.WouldBlock:
             with trio.move_on_after(1.0), contextlib.suppress(*_GOING_AWAY):
-                await _send_all(
+                await send_all(
                     sock, [_response(StatusCode.RESOURCE_EXHAUSTED, b"bulk server busy")], None
                 )
             await stream.aclose()
@@ -299,6 +260,7 @@ class BulkServer:
     async def _serve(self, sock: trio.socket.SocketType, peer: str) -> None:
         start = time.perf_counter()
         path, sent, received = "(bulk)", 0, 0
+        req_path = "(unread)"  # what the caller asked for, for the log only
         payload_left = 0
         #: Set once the first byte of an OK answer may have gone out: after that, an error
         #: can only close the connection (an error response would land inside the payload).
@@ -307,6 +269,7 @@ class BulkServer:
             with trio.fail_after(HEADER_TIMEOUT_S):
                 req = await _read_request(sock)
             received = req.nbytes
+            req_path = repr(req.path[:MAX_PATH_BYTES])
             if req.path in self._in or req.path in self._out:
                 path = req.path  # a metrics label: never a string a stranger chose
             timeout = min(req.timeout_s or self._default_deadline_s, MAX_DEADLINE_S)
@@ -315,41 +278,25 @@ class BulkServer:
                     # The declared size first (no allocation): a refused put's payload is
                     # then read away, so its sender reads the refusal, not a reset.
                     meta = parse_header_frame(req.body, self._max_tensor_bytes)
-                    payload_left = meta.nbytes
-                ctx = self._authenticate(req.path, req.signed, req.body, peer)
+                    payload_left = sealed_nbytes(meta.nbytes)
+                ctx, mac = self._authenticate(req.path, req.signed, req.body, peer)
                 if req.kind == KIND_PUT:
                     handler = self._in.get(req.path)
                     if handler is None:
                         raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {req.path}")
                     buf = RECEIVE_BUFFERS.take(meta.nbytes)
-                    await _recv_into(sock, memoryview(buf), STALL_S)
+                    await recv_sealed(sock, memoryview(buf), mac, CALLER, STALL_S)
                     payload_left = 0
-                    received += meta.nbytes
+                    received += sealed_nbytes(meta.nbytes)
                     response = await handler(meta, buf, ctx)
-                    answering = True
-                    sent += await _send_all(
-                        sock, [_response(StatusCode.OK, response.SerializeToString())], None
-                    )
+                    answer: Iterable[bytes | memoryview] = [
+                        _response(StatusCode.OK, response.SerializeToString())
+                    ]
                 else:
-                    entry = self._out.get(req.path)
-                    if entry is None:
-                        raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {req.path}")
-                    request_type, out_handler = entry
-                    message = request_type()
-                    try:
-                        message.ParseFromString(req.body)
-                    except DecodeError as exc:
-                        raise RpcError(
-                            StatusCode.INVALID_ARGUMENT,
-                            f"malformed {request_type.__name__}: {exc}",
-                        ) from None
-                    meta, payload = await out_handler(message, ctx)
-                    segments = payload_segments(payload)
-                    if sum(v.nbytes for v in segments) != meta.nbytes:
-                        raise FramingError("handler's payload does not match its header")
-                    head = _response(StatusCode.OK, header_frame(meta))
-                    answering = True
-                    sent += await _send_all(sock, [head, *segments], self._faults)
+                    answer = await self._get_answer(req, ctx, mac)
+                answering = True
+                faults = self._faults if req.kind == KIND_GET else None
+                sent += await send_all(sock, answer, faults)
         except Exception as exc:
             if isinstance(exc, trio.TooSlowError):
                 err = RpcError(StatusCode.DEADLINE_EXCEEDED, "deadline passed")
@@ -361,6 +308,8 @@ class BulkServer:
                 err = to_rpc_error(exc)
             if err.code is StatusCode.INTERNAL:
                 log.exception("bulk handler for %s failed", path)
+            elif err.code is StatusCode.UNAUTHENTICATED:  # forged, replayed or altered
+                log.warning("refused bulk call %s from %s: %s", req_path, peer, err.details)
             self._observer.on_served(path, err.code.name, time.perf_counter() - start)
             self._observer.on_bytes(path, sent, received)
             if not answering:  # nothing of an answer went out yet: say why
@@ -369,9 +318,34 @@ class BulkServer:
         self._observer.on_served(path, StatusCode.OK.name, time.perf_counter() - start)
         self._observer.on_bytes(path, sent, received)
 
+    async def _get_answer(
+        self, req: _Request, ctx: CallContext, mac: StreamMac
+    ) -> Iterable[bytes | memoryview]:
+        """Runs a get's handler; what goes back: status, header frame, its tag, sealed payload."""
+        entry = self._out.get(req.path)
+        if entry is None:
+            raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {req.path}")
+        request_type, out_handler = entry
+        message = request_type()
+        try:
+            message.ParseFromString(req.body)
+        except DecodeError as exc:
+            raise RpcError(
+                StatusCode.INVALID_ARGUMENT, f"malformed {request_type.__name__}: {exc}"
+            ) from None
+        meta, payload = await out_handler(message, ctx)
+        segments = payload_segments(payload)
+        if sum(v.nbytes for v in segments) != meta.nbytes:
+            raise FramingError("handler's payload does not match its header")
+        head = header_frame(meta)
+        return itertools.chain(
+            [_response(StatusCode.OK, head), mac.tag(SERVER, 0, head)],
+            seal_payload(mac, SERVER, segments),
+        )
+
     async def _refuse(self, sock: trio.socket.SocketType, err: RpcError, payload_left: int) -> None:
         with trio.move_on_after(DRAIN_S), contextlib.suppress(*_GOING_AWAY):
-            await _send_all(sock, [_response(err.code, err.details.encode()[:4096])], None)
+            await send_all(sock, [_response(err.code, err.details.encode()[:4096])], None)
             sock.shutdown(socket.SHUT_WR)
             # A put's payload may still be on its way: read it away, so that the client reads
             # the refusal rather than a connection reset.
@@ -391,7 +365,7 @@ async def connect(host: str, port: int) -> trio.SocketStream | None:
         except OSError as exc:
             log.debug("bulk listener %s:%d unreachable: %s", host, port, exc)
             return None
-        _tune(stream.socket)
+        tune(stream.socket)
         return stream
     return None
 
@@ -399,8 +373,9 @@ async def connect(host: str, port: int) -> trio.SocketStream | None:
 async def put(
     stream: trio.SocketStream,
     request: bytes,
-    payload: Sequence[memoryview],
+    payload: list[memoryview],
     faults: FaultInjector | None,
+    mac: StreamMac,
 ) -> tuple[bytes, int, int]:
     """Sends a put's request and payload; (response message, bytes sent, bytes received).
 
@@ -421,7 +396,8 @@ async def put(
 
         async def send() -> None:
             try:
-                outcome["sent"] = await _send_all(sock, [request, *payload], faults)
+                pieces = [request, *seal_payload(mac, CALLER, payload)]
+                outcome["sent"] = await send_all(sock, pieces, faults)
             except OSError as exc:
                 outcome["send_error"] = exc
 
@@ -437,18 +413,19 @@ async def put(
 
 
 async def get(
-    stream: trio.SocketStream, request: bytes, max_bytes: int
+    stream: trio.SocketStream, request: bytes, max_bytes: int, mac: StreamMac
 ) -> tuple[TensorMeta, bytearray, int]:
     """Sends a get's request and reads the tensor; (meta, payload, bytes received)."""
     sock = stream.socket
     try:
-        await _send_all(sock, [request], None)
+        await send_all(sock, [request], None)
         status, data, received = await _read_response(sock)
         if status is not StatusCode.OK:
             raise RpcError(status, data.decode(errors="replace"))
+        mac.check(SERVER, 0, data, await recv_exactly(sock, TAG_BYTES))
         meta = parse_header_frame(data, max_bytes)
         buf = RECEIVE_BUFFERS.take(meta.nbytes)
-        await _recv_into(sock, memoryview(buf))
+        await recv_sealed(sock, memoryview(buf), mac, SERVER)
     except OSError as exc:
         raise RpcError(StatusCode.UNAVAILABLE, f"bulk connection failed: {exc}") from None
-    return meta, buf, received + meta.nbytes
+    return meta, buf, received + TAG_BYTES + sealed_nbytes(meta.nbytes)

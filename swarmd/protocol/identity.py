@@ -3,8 +3,10 @@
 A peer is its Ed25519 key. The peer id is a hash of the public key, so anyone holding a request's
 public key can check the id it claims, and nobody can pick an id (which matters for the DHT,
 whose ids derive from peer ids). Every request carries the key, a timestamp, a nonce and a
-signature over (method, timestamp, nonce, digest of the body); the receiver refuses forged,
-replayed and stale requests.
+signature over (method, timestamp, nonce, recipient, key-exchange share, digest of the body);
+the receiver refuses forged, replayed and stale requests, and requests addressed to another
+peer: naming the recipient is what stops a request captured at one server from being replayed
+to another within the freshness window (the nonce only stops replays to the same server).
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ from swarmd.protocol.errors import AuthError, IdentityError
 
 KEY_FILE = "identity.key"
 _PEER_ID_DOMAIN = b"swarmd/peer-id/v1\0"
-_REQUEST_DOMAIN = b"swarmd/request/v1\0"
+_REQUEST_DOMAIN = b"swarmd/request/v2\0"
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 NONCE_BYTES = 16
+#: How a refusal for a request addressed to another peer begins: a caller that sees it
+#: forgets what it believed about the address (a new peer listens there now).
+MISADDRESSED = "request is addressed to peer"
 
 
 @dataclass(frozen=True, order=True)
@@ -140,11 +145,23 @@ class Identity:
     def sign(self, message: bytes) -> bytes:
         return self._key.sign(message)
 
-    def sign_request(self, method: str, body: bytes, *, now: float | None = None) -> SignedHeader:
+    def sign_request(
+        self,
+        method: str,
+        body: bytes,
+        *,
+        recipient: PeerId | None = None,
+        kx: bytes = b"",
+        now: float | None = None,
+    ) -> SignedHeader:
+        """Signs a request to ``recipient`` (None only for the methods a server answers
+        unaddressed: the hello that tells a caller who the server is). ``kx`` is the caller's
+        key-exchange share for the call's stream key (session.py), empty for unary calls."""
         ts_ms = int((time.time() if now is None else now) * 1000)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        sig = self._key.sign(_request_message(method, ts_ms, nonce, body))
-        return SignedHeader(self.public_key, ts_ms, nonce, sig)
+        to = recipient.raw if recipient is not None else b""
+        sig = self._key.sign(_request_message(method, ts_ms, nonce, body, to, kx))
+        return SignedHeader(self.public_key, ts_ms, nonce, sig, to, kx)
 
 
 def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> bool:
@@ -157,7 +174,9 @@ def verify_signature(public_key: bytes, signature: bytes, message: bytes) -> boo
     return True
 
 
-def _request_message(method: str, ts_ms: int, nonce: bytes, body: bytes) -> bytes:
+def _request_message(
+    method: str, ts_ms: int, nonce: bytes, body: bytes, recipient: bytes, kx: bytes
+) -> bytes:
     return b"".join(
         (
             _REQUEST_DOMAIN,
@@ -165,6 +184,10 @@ def _request_message(method: str, ts_ms: int, nonce: bytes, body: bytes) -> byte
             b"\0",
             ts_ms.to_bytes(8, "big", signed=True),
             nonce,
+            len(recipient).to_bytes(1, "big"),
+            recipient,
+            len(kx).to_bytes(1, "big"),
+            kx,
             hashlib.sha256(body).digest(),
         )
     )
@@ -178,14 +201,27 @@ class SignedHeader:
     timestamp_ms: int
     nonce: bytes
     signature: bytes
+    #: The recipient's peer id (32 bytes), or empty for an unaddressed hello.
+    recipient: bytes = b""
+    #: The caller's X25519 share for the call's stream key (32 bytes), or empty.
+    kx: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.recipient) not in (0, 32) or len(self.kx) not in (0, 32):
+            raise AuthError("malformed signed header (recipient or key share length)")
 
     def to_metadata(self) -> list[tuple[str, str | bytes]]:
-        return [
+        metadata: list[tuple[str, str | bytes]] = [
             ("swarmd-key-bin", self.public_key),
             ("swarmd-ts", str(self.timestamp_ms)),
             ("swarmd-nonce-bin", self.nonce),
             ("swarmd-sig-bin", self.signature),
         ]
+        if self.recipient:
+            metadata.append(("swarmd-to-bin", self.recipient))
+        if self.kx:
+            metadata.append(("swarmd-kx-bin", self.kx))
+        return metadata
 
     @classmethod
     def from_metadata(cls, metadata: dict[str, str | bytes]) -> SignedHeader:
@@ -206,7 +242,10 @@ class SignedHeader:
             raise AuthError("malformed request timestamp") from None
         if len(nonce) != NONCE_BYTES:
             raise AuthError(f"request nonce must be {NONCE_BYTES} bytes")
-        return cls(key, ts_ms, nonce, sig)
+        to, kx = metadata.get("swarmd-to-bin", b""), metadata.get("swarmd-kx-bin", b"")
+        if not (isinstance(to, bytes) and isinstance(kx, bytes)):
+            raise AuthError("malformed signed header")
+        return cls(key, ts_ms, nonce, sig, to, kx)
 
 
 class ReplayGuard:
@@ -216,6 +255,10 @@ class ReplayGuard:
     older is refused for staleness anyway, so memory is bounded by the request rate times the
     window. Past ``max_entries`` we refuse rather than forget, because forgetting would let a
     flood open a replay hole.
+
+    A request must name ``own`` as its recipient, except for the ``unaddressed`` methods (the
+    hello a caller uses to learn who listens at an address); a guard without ``own`` (a bare
+    test server) accepts any recipient.
     """
 
     def __init__(
@@ -223,9 +266,14 @@ class ReplayGuard:
         max_skew_s: float = 30.0,
         max_entries: int = 1_000_000,
         clock: Callable[[], float] = time.time,
+        *,
+        own: PeerId | None = None,
+        unaddressed: frozenset[str] = frozenset(),
     ) -> None:
         if max_skew_s <= 0:
             raise ValueError("max_skew_s must be positive")
+        self.own = own
+        self.unaddressed = unaddressed
         self.max_skew_s = max_skew_s
         self.max_entries = max_entries
         self._clock = clock
@@ -240,7 +288,10 @@ class ReplayGuard:
             raise AuthError(
                 f"request timestamp is {skew:.1f}s away from our clock (limit {self.max_skew_s}s)"
             )
-        message = _request_message(method, header.timestamp_ms, header.nonce, body)
+        self._check_recipient(method, header)
+        message = _request_message(
+            method, header.timestamp_ms, header.nonce, body, header.recipient, header.kx
+        )
         if not verify_signature(header.public_key, header.signature, message):
             raise AuthError("request signature does not verify")
         key = header.public_key + header.nonce
@@ -254,6 +305,18 @@ class ReplayGuard:
             # oldest are always at the front.
             self._seen[key] = now + 2 * self.max_skew_s
         return PeerId.from_public_key(header.public_key)
+
+    def _check_recipient(self, method: str, header: SignedHeader) -> None:
+        if self.own is None:
+            return
+        if not header.recipient:
+            if method not in self.unaddressed:
+                raise AuthError("request does not name its recipient")
+        elif header.recipient != self.own.raw:
+            raise AuthError(
+                f"{MISADDRESSED} {PeerId(header.recipient).short()}, not this one "
+                f"({self.own.short()})"
+            )
 
     def _expire(self, now: float) -> None:
         while self._seen:

@@ -65,7 +65,13 @@ class BulkInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkInfo(_message.Message):
-    __slots__ = ("port",)
+    __slots__ = ("port", "public_key", "kx_public", "kx_signature")
     PORT_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    KX_PUBLIC_FIELD_NUMBER: _ClassVar[int]
+    KX_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     port: int
-    def __init__(self, port: _Optional[int] = ...) -> None: ...
+    public_key: bytes
+    kx_public: bytes
+    kx_signature: bytes
+    def __init__(self, port: _Optional[int] = ..., public_key: _Optional[bytes] = ..., kx_public: _Optional[bytes] = ..., kx_signature: _Optional[bytes] = ...) -> None: ...

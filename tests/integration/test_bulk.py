@@ -4,6 +4,7 @@ both ends have it, it checks what gRPC checks, and clients fall back to gRPC wit
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import struct
 import subprocess
@@ -17,26 +18,17 @@ import trio
 from swarmd.node.server.peer import GET_TENSOR, PUT_TENSOR
 from swarmd.protocol import bulk, rpc
 from swarmd.protocol import swarmd_pb2 as pb
-from swarmd.protocol.framing import TensorMeta, header_frame
+from swarmd.protocol.framing import TensorMeta, header_frame, payload_segments
 from swarmd.protocol.identity import Identity
+from swarmd.protocol.session import CALLER, CallerKey, seal_payload
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import ProcessGroup, peak_rss_kib, rpc_server_cmd, swarmd_cmd
+from tests.helpers import Hello, ProcessGroup, hello_of, peak_rss_kib, rpc_server_cmd, swarmd_cmd
 
 SINK = "/swarmd.test.Test/Sink"
 
 
 def bulk_port_of(address: str) -> int:
-    async def ask() -> int:
-        client = rpc.RpcClient(Identity.generate())
-        try:
-            info = await client.unary(
-                address, rpc.GET_BULK_INFO, pb.BulkInfoRequest(), pb.BulkInfo, timeout=5
-            )
-        finally:
-            client.close()
-        return int(info.port)
-
-    return trio.run(ask)
+    return hello_of(address).port
 
 
 def exchange(port: int, request: bytes, payload: bytes = b"") -> tuple[int, bytes]:
@@ -58,9 +50,31 @@ def exchange(port: int, request: bytes, payload: bytes = b"") -> tuple[int, byte
         return status, data
 
 
-def put_request(me: Identity, path: str, meta: TensorMeta, **sign: Any) -> bytes:
+CALLER_KEY = CallerKey()
+
+
+def put_call(
+    me: Identity,
+    to: Hello,
+    path: str,
+    meta: TensorMeta,
+    payload: bytes = b"",
+    *,
+    signed_path: str | None = None,
+    **sign: Any,
+) -> tuple[bytes, bytes]:
+    """A raw put as a client makes it: (signed request, payload sealed with the call's key)."""
     first = header_frame(meta)
-    return bulk.encode_request(bulk.KIND_PUT, path, me.sign_request(path, first, **sign), first, 5)
+    signed = me.sign_request(
+        signed_path or path, first, recipient=to.peer_id, kx=CALLER_KEY.kx_public, **sign
+    )
+    mac = CALLER_KEY.stream_mac(signed, to.peer_id, to.kx_public)
+    sealed = b"".join(bytes(p) for p in seal_payload(mac, CALLER, payload_segments(payload)))
+    return bulk.encode_request(bulk.KIND_PUT, path, signed, first, 5), sealed
+
+
+def put_request(me: Identity, to: Hello, path: str, meta: TensorMeta, **sign: Any) -> bytes:
+    return put_call(me, to, path, meta, **sign)[0]
 
 
 UNAUTHENTICATED = list(rpc.StatusCode).index(rpc.StatusCode.UNAUTHENTICATED)
@@ -105,12 +119,12 @@ def test_tensors_take_the_bulk_plane_between_processes(
 
 def test_bulk_requests_are_checked_like_grpc_ones(processes: ProcessGroup) -> None:
     server = processes.start(rpc_server_cmd())
-    port = bulk_port_of(server.address)
+    to = hello_of(server.address)
+    port = to.port
     me = Identity.generate()
     meta = TensorMeta("float32", (1000,))
-    payload = bytes(4000)
 
-    good = put_request(me, SINK, meta)
+    good, payload = put_call(me, to, SINK, meta, bytes(4000))
     status, data = exchange(port, good, payload)
     assert status == 0 and pb.TensorAck.FromString(data).received_bytes == 4000
     # The same signed request again: a replay.
@@ -118,48 +132,74 @@ def test_bulk_requests_are_checked_like_grpc_ones(processes: ProcessGroup) -> No
     assert status == UNAUTHENTICATED and b"replayed" in data
     # Refused with 48 MB still to come: the sender reads why, not a reset connection.
     big = TensorMeta("uint8", (48 << 20,))
-    first_big = put_request(me, SINK, big)
-    assert exchange(port, first_big, bytes(48 << 20))[0] == 0
-    status, data = exchange(port, first_big, bytes(48 << 20))
+    first_big, big_payload = put_call(me, to, SINK, big, bytes(48 << 20))
+    assert exchange(port, first_big, big_payload)[0] == 0
+    status, data = exchange(port, first_big, big_payload)
     assert status == UNAUTHENTICATED and b"replayed" in data
     # Signed by one key, claiming another.
-    forged = bytearray(put_request(me, SINK, meta))
+    forged = bytearray(put_request(me, to, SINK, meta))
     at = bulk._PREFIX.size  # the public key follows the fixed prefix
     forged[at : at + 32] = Identity.generate().public_key
     status, _ = exchange(port, bytes(forged), payload)
     assert status == UNAUTHENTICATED
     # Signed for another method, or with a clock two minutes off.
-    first = header_frame(meta)
-    other = bulk.encode_request(
-        bulk.KIND_PUT, SINK, me.sign_request("/swarmd.test.Test/Other", first), first, 5
-    )
+    other = put_request(me, to, SINK, meta, signed_path="/swarmd.test.Test/Other")
     assert exchange(port, other, payload)[0] == UNAUTHENTICATED
-    stale = put_request(me, SINK, meta, now=time.time() - 120)
+    stale = put_request(me, to, SINK, meta, now=time.time() - 120)
     assert exchange(port, stale, payload)[0] == UNAUTHENTICATED
+    # Addressed to another peer: what a request captured at one server and replayed to this
+    # one looks like.
+    elsewhere = Hello(port, Identity.generate().peer_id, to.kx_public)
+    status, data = exchange(port, put_request(me, elsewhere, SINK, meta), payload)
+    assert status == UNAUTHENTICATED and b"addressed to peer" in data
     # Not a bulk request at all, and a method that does not exist.
     status, data = exchange(port, b"GET / HTTP/1.1\r\n\r\n" + bytes(64))
     assert status == INVALID_ARGUMENT and b"magic" in data
-    assert exchange(port, put_request(me, "/swarmd.test.Test/Nope", meta), payload)[0] == (
+    assert exchange(port, put_request(me, to, "/swarmd.test.Test/Nope", meta), payload)[0] == (
         UNIMPLEMENTED
     )
+
+
+def test_an_altered_or_truncated_payload_frame_is_refused(processes: ProcessGroup) -> None:
+    server = processes.start(rpc_server_cmd())
+    to = hello_of(server.address)
+    me = Identity.generate()
+    meta = TensorMeta("uint8", (3 << 20,))  # three authenticated frames
+    request, sealed = put_call(me, to, SINK, meta, bytes(3 << 20))
+    frame = (1 << 20) + 16  # a frame and its tag
+    # One byte flipped in the second frame: the first frame passes, the second does not.
+    altered = bytearray(sealed)
+    altered[frame + 100] ^= 1
+    status, data = exchange(to.port, request, bytes(altered))
+    assert status == UNAUTHENTICATED and b"frame 2" in data
+    # The first two frames swapped (each with its own valid tag).
+    request, sealed = put_call(me, to, SINK, meta, bytes(range(256)) * (3 << 12))
+    swapped = sealed[frame : 2 * frame] + sealed[:frame] + sealed[2 * frame :]
+    status, data = exchange(to.port, request, swapped)
+    assert status == UNAUTHENTICATED and b"frame 1" in data
+    # An honest put still goes through.
+    request, sealed = put_call(me, to, SINK, meta, bytes(3 << 20))
+    assert exchange(to.port, request, sealed)[0] == 0
 
 
 def test_oversized_or_truncated_bulk_puts_cost_the_server_nothing(processes: ProcessGroup) -> None:
     server = processes.start(rpc_server_cmd())
     pid = int(server.info["pid"])
-    port = bulk_port_of(server.address)
+    to = hello_of(server.address)
+    port = to.port
     me = Identity.generate()
     before = peak_rss_kib(pid)
     # A terabyte declared: refused from the header alone, before any buffer exists.
-    status, data = exchange(port, put_request(me, SINK, TensorMeta("float32", (1 << 38,))))
+    status, data = exchange(port, put_request(me, to, SINK, TensorMeta("float32", (1 << 38,))))
     assert status == INVALID_ARGUMENT and b"exceeds the limit" in data
     assert (peak_rss_kib(pid) - before) / 1024 < 64
     # A sender that dies a third of the way into its payload: the server drops the call.
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        conn.sendall(put_request(me, SINK, TensorMeta("uint8", (3 << 20,))) + bytes(1 << 20))
+        request, sealed = put_call(me, to, SINK, TensorMeta("uint8", (3 << 20,)), bytes(3 << 20))
+        conn.sendall(request + sealed[: 1 << 20])
     # and still serves the next one.
-    ok = put_request(me, SINK, TensorMeta("uint8", (100,)))
-    assert exchange(port, ok, bytes(100))[0] == 0
+    ok, sealed = put_call(me, to, SINK, TensorMeta("uint8", (100,)), bytes(100))
+    assert exchange(port, ok, sealed)[0] == 0
 
 
 def test_clients_use_grpc_where_there_is_no_bulk_plane(processes: ProcessGroup) -> None:
@@ -179,7 +219,10 @@ def test_clients_use_grpc_where_there_is_no_bulk_plane(processes: ProcessGroup) 
             dead.bind(("127.0.0.1", 0))
             dead_port = dead.getsockname()[1]
             dead.close()
-            client._remember_bulk(with_bulk.address, dead_port, 600.0)
+            small = TensorMeta("uint8", (1,))
+            await client.put_tensor(with_bulk.address, SINK, small, b"\0", pb.TensorAck)
+            hello = client._hellos[with_bulk.address]  # who listens there, now known
+            client._remember(with_bulk.address, dataclasses.replace(hello, bulk_port=dead_port))
             t0 = time.monotonic()
             ack = await client.put_tensor(with_bulk.address, SINK, meta, payload, pb.TensorAck)
             assert ack.received_bytes == len(payload) and time.monotonic() - t0 < 5
@@ -216,7 +259,7 @@ def test_a_client_that_dies_mid_download_costs_the_server_no_traceback(
     processes: ProcessGroup, tmp_path: Any
 ) -> None:
     peer = processes.start(swarmd_cmd("serve", "--state-dir", str(tmp_path / "peer")))
-    port = bulk_port_of(peer.address)
+    to = hello_of(peer.address)
     tensor = torch.randn(16 << 20)  # 64 MB: far more than the socket buffers hold
     me = Identity.generate()
 
@@ -233,10 +276,9 @@ def test_a_client_that_dies_mid_download_costs_the_server_no_traceback(
     trio.run(put)
     body = pb.TensorRequest(name="w").SerializeToString()
     for _ in range(3):  # a reader that takes a little of the stream, then vanishes
-        request = bulk.encode_request(
-            bulk.KIND_GET, GET_TENSOR, me.sign_request(GET_TENSOR, body), body, 10
-        )
-        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        signed = me.sign_request(GET_TENSOR, body, recipient=to.peer_id, kx=CALLER_KEY.kx_public)
+        request = bulk.encode_request(bulk.KIND_GET, GET_TENSOR, signed, body, 10)
+        conn = socket.create_connection(("127.0.0.1", to.port), timeout=10)
         conn.sendall(request)
         assert len(conn.recv(1 << 16)) > 0
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

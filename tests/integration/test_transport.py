@@ -16,10 +16,19 @@ import trio
 from swarmd.node.server.peer import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
-from swarmd.protocol.framing import TAG_DATA, TensorMeta, header_frame
+from swarmd.protocol.framing import TAG_DATA, TensorMeta, header_frame, iter_frames
 from swarmd.protocol.identity import Identity
+from swarmd.protocol.session import CALLER, CallerKey, seal_frames
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import Proc, ProcessGroup, peak_rss_kib, rpc_server_cmd, swarmd_cmd
+from tests.helpers import (
+    Hello,
+    Proc,
+    ProcessGroup,
+    hello_of,
+    peak_rss_kib,
+    rpc_server_cmd,
+    swarmd_cmd,
+)
 
 TEST = "/swarmd.test.Test"
 
@@ -208,13 +217,28 @@ def test_handler_exception_is_internal_error(test_server: Proc) -> None:
     run(main)
 
 
-def _signed(identity: Identity, path: str, body: bytes, **kw: Any) -> list[tuple[str, Any]]:
-    return identity.sign_request(path, body, **kw).to_metadata()
+_CALLER_KEY = CallerKey()
+
+
+def _signed(identity: Identity, to: Hello, path: str, body: bytes, **kw: Any) -> list[Any]:
+    """Metadata of a request signed by ``identity`` and addressed to ``to``."""
+    return identity.sign_request(path, body, recipient=to.peer_id, **kw).to_metadata()
+
+
+def _signed_stream(
+    identity: Identity, to: Hello, path: str, frames: list[bytes]
+) -> tuple[list[Any], list[bytes]]:
+    """A tensor stream as a client sends it: signed metadata and the frames after the first
+    sealed with the call's key."""
+    signed = identity.sign_request(path, frames[0], recipient=to.peer_id, kx=_CALLER_KEY.kx_public)
+    mac = _CALLER_KEY.stream_mac(signed, to.peer_id, to.kx_public)
+    return signed.to_metadata(), [frames[0], *seal_frames(mac, CALLER, frames[1:], 1)]
 
 
 def test_forged_unsigned_replayed_and_skewed_requests_refused(test_server: Proc) -> None:
     path = f"{TEST}/WhoAmI"
     me = Identity.generate()
+    to = hello_of(test_server.address)
     body = pb.PingRequest(payload=b"x").SerializeToString()
     with grpc.insecure_channel(test_server.address) as channel:
         call = channel.unary_unary(path)
@@ -226,28 +250,34 @@ def test_forged_unsigned_replayed_and_skewed_requests_refused(test_server: Proc)
                 return exc.code()
             return grpc.StatusCode.OK
 
-        good = _signed(me, path, body)
+        good = _signed(me, to, path, body)
         reply = pb.PingResponse.FromString(call(body, metadata=good, timeout=5))
         assert reply.peer_id == str(me.peer_id)  # the handler sees the verified sender
         assert code_of(good) == grpc.StatusCode.UNAUTHENTICATED  # replay of the same request
         assert code_of([]) == grpc.StatusCode.UNAUTHENTICATED  # unsigned
         # Signature over another body: a tampered request.
         other = pb.PingRequest(payload=b"y").SerializeToString()
-        assert code_of(_signed(me, path, other)) == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(_signed(me, to, path, other)) == grpc.StatusCode.UNAUTHENTICATED
         # A key that did not make the signature: someone claiming another identity.
-        forged = dict(_signed(me, path, body))
+        forged = dict(_signed(me, to, path, body))
         forged["swarmd-key-bin"] = Identity.generate().public_key
         assert code_of(list(forged.items())) == grpc.StatusCode.UNAUTHENTICATED
         # Signed for another method.
-        assert code_of(_signed(me, f"{TEST}/Sleep", body)) == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(_signed(me, to, f"{TEST}/Sleep", body)) == grpc.StatusCode.UNAUTHENTICATED
         # A clock two minutes behind (the bound is 30 s).
-        stale = _signed(me, path, body, now=time.time() - 120)
+        stale = _signed(me, to, path, body, now=time.time() - 120)
         assert code_of(stale) == grpc.StatusCode.UNAUTHENTICATED
-        assert code_of(_signed(me, path, body)) == grpc.StatusCode.OK
+        # Addressed to another server (captured there, replayed here), or to nobody.
+        elsewhere = Hello(to.port, Identity.generate().peer_id, to.kx_public)
+        assert code_of(_signed(me, elsewhere, path, body)) == grpc.StatusCode.UNAUTHENTICATED
+        unaddressed = me.sign_request(path, body).to_metadata()
+        assert code_of(unaddressed) == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(_signed(me, to, path, body)) == grpc.StatusCode.OK
 
 
 def test_oversized_message_refused_without_allocating(test_server: Proc) -> None:
     pid = int(test_server.info["pid"])
+    to = hello_of(test_server.address)
     before = peak_rss_kib(pid)
     me = Identity.generate()
     big = bytes(256 << 20)  # 64x the server's 4 MiB message limit
@@ -255,7 +285,7 @@ def test_oversized_message_refused_without_allocating(test_server: Proc) -> None
     with grpc.insecure_channel(test_server.address, options=options) as channel:
         path = f"{TEST}/WhoAmI"
         with pytest.raises(grpc.RpcError) as info:
-            channel.unary_unary(path)(big, metadata=_signed(me, path, big), timeout=20)
+            channel.unary_unary(path)(big, metadata=_signed(me, to, path, big), timeout=20)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     growth_mib = (peak_rss_kib(pid) - before) / 1024
     assert growth_mib < 64, f"server peak memory grew by {growth_mib:.0f} MiB"
@@ -265,14 +295,14 @@ def test_stream_with_lying_header_refused(test_server: Proc) -> None:
     pid = int(test_server.info["pid"])
     before = peak_rss_kib(pid)
     me = Identity.generate()
+    to = hello_of(test_server.address)
     path = f"{TEST}/Sink"
 
     def send(frames: list[bytes]) -> tuple[grpc.StatusCode, str]:
+        metadata, sealed = _signed_stream(me, to, path, frames)
         with grpc.insecure_channel(test_server.address) as channel:
             try:
-                channel.stream_unary(path)(
-                    iter(frames), metadata=_signed(me, path, frames[0]), timeout=10
-                )
+                channel.stream_unary(path)(iter(sealed), metadata=metadata, timeout=10)
             except grpc.RpcError as exc:
                 return exc.code(), exc.details()
         return grpc.StatusCode.OK, ""
@@ -303,6 +333,40 @@ def test_stream_with_lying_header_refused(test_server: Proc) -> None:
     # A well-formed stream still works afterwards.
     code, _ = send([small, bytes([TAG_DATA]) + bytes(40)])
     assert code == grpc.StatusCode.OK
+
+
+def test_grpc_tensor_streams_are_sealed_both_ways(peer: Proc) -> None:
+    """Without the bulk plane, frames travel as gRPC messages: each still carries its tag."""
+    tensor = torch.randn(3 << 18)  # 3 MiB: several frames
+
+    async def main() -> None:
+        client = rpc.RpcClient(Identity.generate(), rpc.TransportConfig(bulk=False))
+        try:
+            meta = tensor_meta(tensor, name="g")
+            await client.put_tensor(
+                peer.address, PUT_TENSOR, meta, tensor_payload(tensor), pb.TensorAck
+            )
+            got, data = await client.get_tensor(
+                peer.address, GET_TENSOR, pb.TensorRequest(name="g")
+            )
+            assert got == meta and torch.equal(tensor_from_bytes(got, data), tensor)
+            assert client.bulk_port(peer.address) is None  # it was gRPC both ways
+        finally:
+            client.close()
+
+    run(main)
+    # One byte of a sealed data frame flipped on the way: refused, naming the frame.
+    me, to = Identity.generate(), hello_of(peer.address)
+    meta = tensor_meta(tensor, name="g")
+    frames = list(iter_frames(meta, tensor_payload(tensor), 1 << 20))
+    metadata, sealed = _signed_stream(me, to, PUT_TENSOR, frames)
+    altered = bytearray(sealed[2])
+    altered[10] ^= 1
+    sealed[2] = bytes(altered)
+    with grpc.insecure_channel(peer.address) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.stream_unary(PUT_TENSOR)(iter(sealed), metadata=metadata, timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "frame 2" in (info.value.details() or "")
 
 
 def test_server_cannot_send_a_tensor_that_contradicts_its_header(test_server: Proc) -> None:

@@ -55,9 +55,9 @@ def test_only_the_transport_imports_grpc() -> None:
         for path in _sources()
         if any(n == "grpc" or n.startswith("grpc.") for n in _imports(ast.parse(path.read_text())))
     }
-    assert importers and all(
-        p.startswith(("protocol/rpc", "protocol/_rpc")) for p in importers
-    ), importers
+    assert importers and all(p.startswith(("protocol/rpc", "protocol/_rpc")) for p in importers), (
+        importers
+    )
 
 
 def test_modules_and_functions_stay_small() -> None:

@@ -26,7 +26,7 @@ from swarmd.node.runtime.children import stop_all
 from swarmd.node.server.peer import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
-from swarmd.protocol.identity import Identity, SignedHeader
+from swarmd.protocol.identity import Identity, PeerId, SignedHeader
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
 
 
@@ -41,8 +41,16 @@ class DemoPeer:
 class _ForgingIdentity(Identity):
     """Signs something other than what it sends: what a tampering relay would produce."""
 
-    def sign_request(self, method: str, body: bytes, *, now: float | None = None) -> SignedHeader:
-        return super().sign_request(method, body + b"tampered", now=now)
+    def sign_request(
+        self,
+        method: str,
+        body: bytes,
+        *,
+        recipient: PeerId | None = None,
+        kx: bytes = b"",
+        now: float | None = None,
+    ) -> SignedHeader:
+        return super().sign_request(method, body + b"tampered", recipient=recipient, kx=kx, now=now)
 
 
 def _start_peer(state_dir: Path) -> DemoPeer:

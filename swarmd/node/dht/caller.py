@@ -138,12 +138,14 @@ class Caller:
         request: Message,
         response_type: type[R],
         *,
+        peer_id: PeerId | None,
         timeout: float | None = None,
     ) -> R:
         start = time.perf_counter()
         response = await self.client.unary(
             address, path, request, response_type,
             timeout=self.rtt.timeout() if timeout is None else timeout,
+            recipient=peer_id,  # known: no need to ask the server who it is first
         )  # fmt: skip
         # An answer is a measurement even under a longer deadline: the bootstrap ping's is the
         # first one, and without it the join's self-lookup ran on the initial estimate (its
@@ -188,7 +190,9 @@ class Caller:
         challenge = secrets.token_bytes(CHALLENGE_BYTES)
         req = pb.PingRequest(sender_port=self.port, challenge=challenge)
         try:
-            resp = await self._call(address, PING, req, pb.PingResponse, timeout=timeout)
+            resp = await self._call(
+                address, PING, req, pb.PingResponse, peer_id=peer_id, timeout=timeout
+            )
             return self._accept(address, peer_id, resp.peer_id, resp.proof, challenge)
         except (rpc.RpcError, ProtocolError):
             self._failed(peer_id)
@@ -214,7 +218,7 @@ class Caller:
             nodes_only_if_empty=nodes_only_if_empty,
         )
         try:
-            resp = await self._call(address, FIND, req, pb.FindResponse)
+            resp = await self._call(address, FIND, req, pb.FindResponse, peer_id=peer_id)
             self._accept(address, peer_id, resp.peer_id, resp.proof, challenge)
             if len(resp.results) != len(targets):
                 raise ProtocolError(f"{address} answered {len(resp.results)} of {len(targets)}")
@@ -232,7 +236,12 @@ class Caller:
             # a find and nobody waits on them interactively, so they get the longest timeout
             # and stay out of the round-trip estimate that paces lookups.
             resp = await self._call(
-                address, STORE, req, pb.StoreResponse, timeout=self.rtt.policy.max_s
+                address,
+                STORE,
+                req,
+                pb.StoreResponse,
+                peer_id=peer_id,
+                timeout=self.rtt.policy.max_s,
             )
             if len(resp.outcomes) != len(records):
                 raise ProtocolError(f"{address} answered {len(resp.outcomes)} of {len(records)}")

@@ -399,7 +399,9 @@ async def open_dht(
     node = DHTNode(identity, client, config, clock=clock)
     try:
         async with (
-            rpc.serve([node.service(), *extra_services], host, port, config=transport) as server,
+            rpc.serve(
+                [node.service(), *extra_services], host, port, config=transport, identity=identity
+            ) as server,
             trio.open_nursery() as nursery,
         ):
             await nursery.start(node.run, server.address.port, list(bootstrap))

@@ -134,6 +134,7 @@ async def run_peer(
             config.listen.port,
             config=config.transport,
             observer=metrics,
+            identity=identity,
         ) as server:
             announce(
                 "listening",

@@ -88,6 +88,7 @@ class Peer:
                     opts.listen.port,
                     config=self.transport,
                     observer=self.metrics,
+                    identity=self.identity,
                 ) as server,
                 trio.open_nursery() as nursery,
             ):
