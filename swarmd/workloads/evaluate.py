@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> float:
     """Token-weighted mean loss over `batches` (a last, smaller batch counts by its size).
 
     Runs in eval mode and restores the previous mode, so it can be called mid-training.
+    ``params`` (by parameter name) stand in for the model's own for this call only, without
+    touching them: how a peer judges a state someone offers before adopting it.
     """
     was_training = model.training
     model.eval()
@@ -20,7 +26,11 @@ def evaluate(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tenso
     total, count = 0.0, 0
     try:
         for x, y in batches:
-            _, loss = model(x.to(device), y.to(device))
+            args = (x.to(device), y.to(device))
+            if params is None:
+                _, loss = model(*args)
+            else:
+                _, loss = torch.func.functional_call(model, dict(params), args)
             total += float(loss) * y.numel()
             count += y.numel()
     finally:

@@ -30,8 +30,12 @@ def _run(
     run = tmp / "run.toml"
     run.write_text(TINY_RUN.replace("min_group_size = 2", f"min_group_size = {size}"))
     boot = start_bootstrap(processes, tmp)
-    cmds = [join_cmd(tmp, "p0", boot, "--create-run", str(run), steps=STEPS)]
-    cmds += [join_cmd(tmp, f"p{i}", boot, steps=STEPS) for i in range(1, size)]
+    # Shards pinned: peer i trains on shard i in both the baseline and the attacked run (shards
+    # drawn from random peer ids moved this tiny run's final loss by up to 20%).
+    cmds = [join_cmd(tmp, "p0", boot, "--create-run", str(run), "--data-shard", "0", steps=STEPS)]
+    cmds += [
+        join_cmd(tmp, f"p{i}", boot, "--data-shard", str(i), steps=STEPS) for i in range(1, size)
+    ]
     procs: list[Proc] = []
     for i, cmd in enumerate(cmds):
         if lie and i == size - 1:

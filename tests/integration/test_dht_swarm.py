@@ -258,7 +258,9 @@ def test_forged_oversized_and_replayed_stores_are_refused() -> None:
             # The same signed request sent twice: the second is a replay.
             body = pb.StoreRequest(records=[sign_record(me, b"r", b"v", time.time() + 60).to_pb()])
             raw = body.SerializeToString()
-            metadata = me.sign_request(STORE, raw).to_metadata()
+            # Addressed to the server, as a client does once it knows who listens there.
+            to = client.peer_id(address)
+            metadata = me.sign_request(STORE, raw, recipient=to).to_metadata()
 
             def send_twice() -> list[str]:
                 codes = []

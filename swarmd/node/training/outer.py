@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from abc import abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -26,7 +27,7 @@ from swarmd.node.training.model import build_model
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.sharedstate import SharedState
 from swarmd.node.training.strategy import Strategy
-from swarmd.optim.diloco import DiLoCo
+from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo
 from swarmd.optim.streaming import StreamingDiLoCo
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
 
@@ -123,7 +124,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
     async def join(self) -> None:
         self.shard = self._choose_shard()
         opt, self._source = await trio.to_thread.run_sync(self._build)
-        self._opt, self._state = opt, SharedState(self.peer, opt)
+        self._opt, self._state = opt, SharedState(self.peer, opt, self.judge)
         self.origin, self.first_step = await self._state.take_initial()
         config, averager = self.peer.config, self.peer.averager
         # The run decides how its parts look on the wire (receivers read it from each header).
@@ -174,6 +175,23 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
         )
         return evaluate(self.opt.model, batches)
+
+    def judge(self, state: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        """The loss of an offered state's global parameters and of this peer's own, on the
+        same validation batches (statesync/vet.py decides what is too much worse)."""
+        config = self.peer.config
+        batches = list(
+            self.source.validation_batches(
+                config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
+            )
+        )
+        names = [n for n, p in self.opt.model.named_parameters() if p.requires_grad]
+        ours = self.opt.state_dict()
+        theirs, mine = (
+            evaluate(self.opt.model, batches, {n: s[GLOBAL_PREFIX + n] for n in names})
+            for s in (state, ours)
+        )
+        return theirs, mine
 
     def round_key(self, round_no: int, fragment: int = 0) -> str:
         """The matchmaking key of a round: per round (and fragment), and only among peers

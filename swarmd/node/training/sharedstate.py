@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 import torch
@@ -22,7 +22,7 @@ from swarmd.node.statesync.catchup import state_to_take
 from swarmd.node.statesync.donor import StateAdvert, advert_key, choose_donors
 from swarmd.node.statesync.download import StateRefused, StateSyncError, download_state
 from swarmd.node.statesync.snapshot import StateSnapshot, layout_of
-from swarmd.node.statesync.vet import nonfinite
+from swarmd.node.statesync.vet import nonfinite, worse_than_ours
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.localstate import STATE_FILE, load_saved, save_state
 from swarmd.optim.streaming import state_age
@@ -60,12 +60,19 @@ class SyncedState(Protocol):
     def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
 
 
+#: (offered state) -> (its loss, the loss of the state this peer holds), on the same batches.
+Judge = Callable[[Mapping[str, torch.Tensor]], tuple[float, float]]
+
+
 class SharedState:
     """One peer's view of the group's state: its own copy's hash and when it was last shared."""
 
-    def __init__(self, peer: PeerContext, opt: SyncedState) -> None:
+    def __init__(self, peer: PeerContext, opt: SyncedState, judge: Judge | None = None) -> None:
         self.peer = peer
         self.opt = opt
+        #: Measures an offered state against this peer's own before it is loaded (the
+        #: strategy knows the model and data); None skips that check.
+        self.judge = judge
         #: Hash of the global state this peer last published (None before its first): the
         #: matchmaking key carries it, so only peers holding the very same state average.
         self.last_hash: bytes | None = None
@@ -164,7 +171,7 @@ class SharedState:
             self._refuse(want, donors, "it belongs to another run config")
             return False
         state = snap.to_state_dict()
-        why = await trio.to_thread.run_sync(nonfinite, state)
+        why = await trio.to_thread.run_sync(self._unusable, state)
         if why is not None:
             self._refuse(want, donors, why)
             return False
@@ -177,6 +184,13 @@ class SharedState:
             round=snap.round,
         )
         return True
+
+    def _unusable(self, state: Mapping[str, torch.Tensor]) -> str | None:
+        """Why a downloaded state must not be loaded (worker thread), or None."""
+        why = nonfinite(state)
+        if why is None and self.judge is not None:
+            why = worse_than_ours(*self.judge(state))
+        return why
 
     def _ignore_stranger(self, peer: str, advert: StateAdvert) -> None:
         """Says once per advert that a peer this one never averaged with was not followed."""
