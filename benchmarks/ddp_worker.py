@@ -162,7 +162,7 @@ async def main(args: argparse.Namespace, state_dir: Path) -> None:
         async with (
             rpc.serve(
                 [dht.service(), averager.service()], "127.0.0.1", 0,
-                config=transport, observer=metrics,
+                config=transport, observer=metrics, identity=identity,
             ) as server,
             trio.open_nursery() as nursery,
         ):  # fmt: skip

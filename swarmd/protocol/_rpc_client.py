@@ -126,13 +126,20 @@ class RpcClient:
         if why:
             raise RpcError(StatusCode.UNAVAILABLE, why)
 
-    async def _hello(self, address: str, timeout: float | None) -> _Hello | None:
-        """Who listens at ``address`` (asked once, then cached); None for an unsigned client."""
+    async def _hello(
+        self, address: str, timeout: float | None, expect: PeerId | None = None
+    ) -> _Hello | None:
+        """Who listens at ``address`` (asked once, then cached); None for an unsigned client.
+        With ``expect`` (the peer id the caller knows from a signed record or a group), a
+        server that says it is someone else is refused: a stale address, or a hop on the path
+        answering the hello with its own key."""
         if self._identity is None:
             return None
         cached = self._hellos.get(address)
         if cached is not None and cached.until > time.monotonic():
-            return cached
+            if expect is None or cached.peer_id == expect:
+                return cached
+            self._hellos.pop(address, None)  # ask again: a new peer may listen there
         info = await self.unary(
             address,
             GET_BULK_INFO,
@@ -147,6 +154,11 @@ class RpcClient:
         port = info.port if 0 < info.port <= 65535 and self._cfg.bulk else None
         hello = _Hello(peer_id, info.kx_public, port, time.monotonic() + BULK_INFO_TTL_S)
         self._remember(address, hello)
+        if expect is not None and peer_id != expect:
+            raise RpcError(
+                StatusCode.UNAUTHENTICATED,
+                f"{address} says it is peer {peer_id.short()}, not the expected {expect.short()}",
+            )
         return hello
 
     def _remember(self, address: str, hello: _Hello) -> None:
@@ -312,10 +324,14 @@ class RpcClient:
         response_type: type[M],
         *,
         timeout: float | None = None,
+        expect: PeerId | None = None,
     ) -> M:
-        """Streams a tensor to ``path``; the server's handler gets it whole, already validated."""
+        """Streams a tensor to ``path``; the server's handler gets it whole, already validated.
+        ``expect``: the peer id that must be listening at ``address`` (see `_hello`)."""
         with self._deadline(timeout):
-            return await self._put_tensor(address, path, meta, payload, response_type, timeout)
+            return await self._put_tensor(
+                address, path, meta, payload, response_type, timeout, expect
+            )
 
     async def _put_tensor(
         self,
@@ -325,8 +341,9 @@ class RpcClient:
         payload: Payload,
         response_type: type[M],
         timeout: float | None,
+        expect: PeerId | None,
     ) -> M:
-        hello = await self._hello(address, timeout)
+        hello = await self._hello(address, timeout, expect)
         segments = payload_segments(payload)
         if sum(v.nbytes for v in segments) != meta.nbytes:
             raise FramingError(f"payload does not match its header's {meta.nbytes} B")
@@ -376,10 +393,12 @@ class RpcClient:
         *,
         timeout: float | None = None,
         max_bytes: int | None = None,
+        expect: PeerId | None = None,
     ) -> tuple[TensorMeta, bytearray]:
-        """Fetches a tensor stream; raises FramingError if the peer's stream is malformed."""
+        """Fetches a tensor stream; raises FramingError if the peer's stream is malformed.
+        ``expect``: the peer id that must be listening at ``address`` (see `_hello`)."""
         with self._deadline(timeout):
-            return await self._get_tensor(address, path, request, timeout, max_bytes)
+            return await self._get_tensor(address, path, request, timeout, max_bytes, expect)
 
     async def _get_tensor(
         self,
@@ -388,10 +407,11 @@ class RpcClient:
         request: Message,
         timeout: float | None,
         max_bytes: int | None,
+        expect: PeerId | None,
     ) -> tuple[TensorMeta, bytearray]:
         body = request.SerializeToString()
         limit = self._cfg.max_tensor_bytes if max_bytes is None else max_bytes
-        hello = await self._hello(address, timeout)
+        hello = await self._hello(address, timeout, expect)
 
         async def exchange(
             stream: trio.SocketStream, raw_request: bytes, mac: StreamMac

@@ -197,3 +197,35 @@ def test_replays_to_another_peer_and_altered_frames_are_refused(
     for peer in (a, b):
         assert peer.process.poll() is None, "an honest peer died"
         assert not any("Traceback" in line for line in peer.stderr_tail)
+
+
+def test_a_peer_that_is_not_the_one_expected_gets_no_tensor(two_peers: tuple[Proc, Proc]) -> None:
+    """A caller that knows whom it wants (a group member, from a signed record) refuses a
+    server at that address that says it is someone else: a stale address, or a hop on the
+    path answering the hello with its own key."""
+    a, b = two_peers
+    tensor = torch.randn(1000)
+    meta = tensor_meta(tensor, name="x")
+
+    b_id = hello_of(b.address).peer_id
+
+    async def attempt() -> None:
+        client = rpc.RpcClient(Identity.generate())
+        try:
+            with pytest.raises(rpc.RpcError) as info:  # B is expected, A answers
+                await client.put_tensor(
+                    a.address, PUT_TENSOR, meta, tensor_payload(tensor), pb.TensorAck, expect=b_id
+                )
+            assert info.value.code is rpc.StatusCode.UNAUTHENTICATED
+            assert "not the expected" in info.value.details
+            # The same call to B itself goes through.
+            await client.put_tensor(
+                b.address, PUT_TENSOR, meta, tensor_payload(tensor), pb.TensorAck, expect=b_id
+            )
+            with pytest.raises(rpc.RpcError) as info:  # A never got the tensor
+                await client.get_tensor(a.address, GET_TENSOR, pb.TensorRequest(name="x"))
+            assert info.value.code is rpc.StatusCode.NOT_FOUND
+        finally:
+            client.close()
+
+    trio.run(attempt)

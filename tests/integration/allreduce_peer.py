@@ -81,7 +81,7 @@ async def main(cfg: dict[str, Any]) -> None:
 
         averager._get_part = slow_get  # type: ignore[method-assign]
     local = local_values(cfg["index"], cfg["numel"])
-    async with rpc.serve([averager.service()], "127.0.0.1", 0) as server:
+    async with rpc.serve([averager.service()], "127.0.0.1", 0, identity=identity) as server:
         print(
             json.dumps(
                 {

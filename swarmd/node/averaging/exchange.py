@@ -193,6 +193,7 @@ class Exchange:
                 segments,
                 apb.PartAck,
                 timeout=self.phase_deadline,
+                expect=group.members[target].peer_id,
             )
         except (rpc.RpcError, OSError) as exc:
             log.info("part %d to member %d failed: %s", j, target, exc)
@@ -228,6 +229,7 @@ class Exchange:
                 req,
                 timeout=timeout,
                 max_bytes=8 * rnd.part_numel(j) + 4096,
+                expect=rnd.group.members[target].peer_id,
             )
         except (rpc.RpcError, OSError, ValueError) as exc:
             log.info(
