@@ -357,6 +357,35 @@ def test_donor_keeps_the_previous_state_for_downloads_in_progress() -> None:
     run(main)
 
 
+def test_a_donor_that_is_not_the_advertiser_serves_nothing() -> None:
+    """In-process: a state is fetched only from the peer whose signed advert names the
+    address; a server there that is someone else (a stale address, a hop answering in its
+    place) gets no request through."""
+    snap = StateSnapshot.build({"w": torch.arange(5000.0)}, round=1, chunk_bytes=4096)
+    donor = StateDonor()
+    donor.publish(snap)
+    owner, stranger = Identity.generate(), Identity.generate()
+
+    async def main() -> None:
+        async with rpc.serve([donor.service()], "127.0.0.1", 0, identity=owner) as server:
+            address = str(server.address)
+            c = client()
+            try:
+                with pytest.raises(StateSyncError) as info:
+                    await download_state(
+                        c, [address], deadline_s=10, peer_ids={address: stranger.peer_id}
+                    )
+                assert "addressed to peer" in str(info.value)  # the refusal, per donor
+                got = await download_state(
+                    c, [address], deadline_s=10, peer_ids={address: owner.peer_id}
+                )
+                assert got.state_hash == snap.state_hash
+            finally:
+                c.close()
+
+    run(main)
+
+
 class SlowDonor(StateDonor):
     """Stalls every chunk request after the first ``serve_first`` (in-process fault injection)."""
 

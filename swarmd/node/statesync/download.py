@@ -29,7 +29,7 @@ import logging
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -61,6 +61,7 @@ from swarmd.node.statesync.snapshot import (
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb
 from swarmd.protocol.errors import ProtocolError
+from swarmd.protocol.identity import PeerId
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -186,6 +187,8 @@ class _Download:
     ) -> None:
         self.client = client
         self.expect = expect
+        #: Address -> the peer id expected there (from its advert); see download_state.
+        self.peer_ids: dict[str, PeerId] = {}
         #: Donors whose manifest did not fit `expect`.
         self.misfits = 0
         self.addresses = list(dict.fromkeys(addresses))
@@ -212,8 +215,9 @@ class _Download:
         try:
             with trio.fail_after(self.cfg.manifest_timeout_s):
                 resp = await self.client.unary(
-                    address, GET_MANIFEST, req, pb.GetManifestResponse, timeout=math.inf
-                )
+                    address, GET_MANIFEST, req, pb.GetManifestResponse, timeout=math.inf,
+                    recipient=self.peer_ids.get(address),
+                )  # fmt: skip
             manifest = Manifest.from_proto(resp.manifest)
         except trio.TooSlowError:
             self.failures.append(
@@ -320,8 +324,9 @@ class _Download:
         try:
             with trio.fail_after(timeout):
                 meta, data = await self.client.get_tensor(
-                    donor.address, GET_CHUNK, req, timeout=math.inf, max_bytes=nbytes
-                )
+                    donor.address, GET_CHUNK, req, timeout=math.inf, max_bytes=nbytes,
+                    expect=self.peer_ids.get(donor.address),
+                )  # fmt: skip
         except trio.TooSlowError:
             self.stats.expired_timeouts_s.append(timeout)
             self._failed(donor, index, f"no chunk within {timeout:.2f}s")
@@ -456,11 +461,14 @@ async def download_state(
     stats: SyncStats | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     expect: Layout | None = None,
+    peer_ids: Mapping[str, PeerId] | None = None,
 ) -> StateSnapshot:
     """Downloads a state from ``donors`` (addresses), verified chunk by chunk, within deadline_s.
 
     ``expect`` (the model's own `layout_of`) refuses, before allocating, any donor whose
-    manifest lists other tensors, dtypes or shapes than this peer's model has.
+    manifest lists other tensors, dtypes or shapes than this peer's model has. ``peer_ids``
+    (address -> the peer id its signed advert names) addresses each donor's requests to that
+    peer, so a server at the address that is someone else serves nothing.
 
     Without ``want_hash``, takes the newest round any donor serves (among equal rounds, the
     state most donors agree on). Raises StateSyncError when the deadline passes, no donor can
@@ -477,6 +485,7 @@ async def download_state(
     job = _Download(
         client, donors, parallel, config or SyncConfig(), stats or SyncStats(), on_progress, expect
     )
+    job.peer_ids = dict(peer_ids or {})
     with trio.move_on_after(deadline_s):
         return await job.run(want_hash)
     s = job.stats

@@ -64,6 +64,18 @@ class SyncedState(Protocol):
 Judge = Callable[[Mapping[str, torch.Tensor]], tuple[float, float]]
 
 
+def _advertisers(adverts: Iterable[StateAdvert], state_hash: bytes) -> dict[str, PeerId]:
+    """Address -> the peer id whose signed advert names it, for the donors of ``state_hash``."""
+    out: dict[str, PeerId] = {}
+    for advert in adverts:
+        if advert.state_hash == state_hash and advert.owner:
+            try:
+                out[advert.address] = PeerId.from_string(advert.owner)
+            except ValueError:
+                continue
+    return out
+
+
 class SharedState:
     """One peer's view of the group's state: its own copy's hash and when it was last shared."""
 
@@ -160,6 +172,7 @@ class SharedState:
                 deadline_s=SYNC_DEADLINE_S,
                 want_hash=want,
                 expect=layout_of(self.opt.state_dict()),
+                peer_ids=_advertisers(adverts, want),
             )
         except StateRefused as exc:
             self._refuse(want, donors, str(exc))
