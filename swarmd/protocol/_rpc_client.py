@@ -167,17 +167,20 @@ class RpcClient:
         while len(self._hellos) > self._cfg.max_channels:
             self._hellos.popitem(last=False)
 
-    def _forget_if_misaddressed(self, address: str, exc: RpcError) -> None:
-        """A server that says we addressed someone else is a new peer at that address."""
-        if exc.code is StatusCode.UNAUTHENTICATED and MISADDRESSED in exc.details:
-            self._hellos.pop(address, None)
+    @contextlib.contextmanager
+    def _forget_if_misaddressed(self, address: str) -> Iterator[None]:
+        """A server that says we addressed someone else is a new peer at that address: what
+        this client believed about it is dropped (the error still propagates)."""
+        try:
+            yield
+        except RpcError as exc:
+            if exc.code is StatusCode.UNAUTHENTICATED and MISADDRESSED in exc.details:
+                self._hellos.pop(address, None)
+            raise
 
     async def _await(self, address: str, fut: grpc.Future) -> Any:
-        try:
+        with self._forget_if_misaddressed(address):
             return await _await_future(fut)
-        except RpcError as exc:
-            self._forget_if_misaddressed(address, exc)
-            raise
 
     def bulk_port(self, address: str) -> int | None:
         """The bulk port this client uses for ``address`` now (None: gRPC, or not asked yet)."""
@@ -196,13 +199,12 @@ class RpcClient:
         the server's key share) the key of its frames. (None, None) for an unsigned client."""
         if self._identity is None:
             return None, None
+        assert self._caller_key is not None  # made with the identity
         now = self._faults.wall_clock() if self._faults is not None else None
-        kx = b""
-        if server_kx is not None and self._caller_key is not None:
-            kx = self._caller_key.kx_public
+        kx = self._caller_key.kx_public if server_kx is not None else b""
         signed = self._identity.sign_request(path, body, recipient=to, kx=kx, now=now)
         mac = None
-        if server_kx is not None and to is not None and self._caller_key is not None:
+        if server_kx is not None and to is not None:
             mac = self._caller_key.stream_mac(signed, to, server_kx)
         return signed, mac
 
@@ -242,11 +244,8 @@ class RpcClient:
                 signed, mac = self._sign_tensor(path, first, hello)
                 assert signed is not None and mac is not None
                 request = bulk.encode_request(kind, path, signed, first, self._timeout(timeout))
-                try:
+                with self._forget_if_misaddressed(address):
                     return await exchange(stream, request, mac)
-                except RpcError as exc:
-                    self._forget_if_misaddressed(address, exc)
-                    raise
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)
@@ -442,11 +441,11 @@ class RpcClient:
             def read() -> tuple[TensorMeta, bytearray]:
                 frames = counted() if mac is None else open_frames(mac, SERVER, counted(), 0)
                 try:
-                    return assemble(frames, limit)
-                except grpc.RpcError as exc:
-                    err = _from_grpc(exc)
-                    self._forget_if_misaddressed(address, err)
-                    raise err from None
+                    with self._forget_if_misaddressed(address):
+                        try:
+                            return assemble(frames, limit)
+                        except grpc.RpcError as exc:
+                            raise _from_grpc(exc) from None
                 except ProtocolError:
                     stream.cancel()
                     raise

@@ -184,11 +184,12 @@ class _Download:
         stats: SyncStats,
         on_progress: Callable[[int, int], None] | None,
         expect: Layout | None = None,
+        peer_ids: Mapping[str, PeerId] | None = None,
     ) -> None:
         self.client = client
         self.expect = expect
         #: Address -> the peer id expected there (from its advert); see download_state.
-        self.peer_ids: dict[str, PeerId] = {}
+        self.peer_ids = dict(peer_ids or {})
         #: Donors whose manifest did not fit `expect`.
         self.misfits = 0
         self.addresses = list(dict.fromkeys(addresses))
@@ -482,10 +483,8 @@ async def download_state(
         raise ValueError(f"want_hash must have {HASH_BYTES} bytes")
     if not donors:
         raise StateSyncError("no donors given")
-    job = _Download(
-        client, donors, parallel, config or SyncConfig(), stats or SyncStats(), on_progress, expect
-    )
-    job.peer_ids = dict(peer_ids or {})
+    cfg, counts = config or SyncConfig(), stats or SyncStats()
+    job = _Download(client, donors, parallel, cfg, counts, on_progress, expect, peer_ids)
     with trio.move_on_after(deadline_s):
         return await job.run(want_hash)
     s = job.stats

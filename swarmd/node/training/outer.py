@@ -27,7 +27,7 @@ from swarmd.node.training.model import build_model
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.sharedstate import SharedState
 from swarmd.node.training.strategy import Strategy
-from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo
+from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo, trainable
 from swarmd.optim.streaming import StreamingDiLoCo
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
 
@@ -185,7 +185,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
                 config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
             )
         )
-        names = [n for n, p in self.opt.model.named_parameters() if p.requires_grad]
+        names, _ = trainable(self.opt.model)
         ours = self.opt.state_dict()
         theirs, mine = (
             evaluate(self.opt.model, batches, {n: s[GLOBAL_PREFIX + n] for n in names})
