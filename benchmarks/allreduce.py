@@ -9,7 +9,7 @@ bound_s is the bytes-on-wire lower bound: the bytes that must cross loopback in 
 (every peer sends (P-1)/P of its vector in each of the two phases, at the codec's size) divided
 by the throughput of one raw TCP socket stream measured in this run.
 
-Last line: peers=… mparams=… codec=… round_s=… matchmaking_s=… max_err=… bound_s=…
+Last line: peers=… mparams=… codec=… probes=… round_s=… matchmaking_s=… max_err=… bound_s=…
 """
 
 from __future__ import annotations
@@ -55,11 +55,14 @@ def true_mean_max_err(result: torch.Tensor, peers: int, numel: int) -> float:
     return err
 
 
-async def worker(index: int, numel: int, codec: str, chunk: int, bootstrap: str) -> None:
+async def worker(
+    index: int, numel: int, codec: str, chunk: int, bootstrap: str, probes: int
+) -> None:
     identity = Identity.generate()
     transport = rpc.TransportConfig(chunk_bytes=chunk, max_message_bytes=max(4 << 20, 2 * chunk))
     client = rpc.RpcClient(identity, transport)
-    averager = Averager(client, identity.peer_id, AllReduceConfig(codec=codec))  # type: ignore[arg-type]
+    config = AllReduceConfig(codec=codec, probes=probes)  # type: ignore[arg-type]
+    averager = Averager(client, identity.peer_id, config)
     local = data_for(index, numel)
     # The average lands in the same buffer every round, as a trainer that averages every round
     # would keep it: a fresh 400 MB result per round costs the kernel zeroing its pages.
@@ -155,20 +158,26 @@ def main() -> None:
         "first-touch allocations, which a daemon pays once",
     )
     parser.add_argument("--chunk-kib", type=int, default=1024, help="stream frame size")
-    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--probes",
+        type=int,
+        default=AllReduceConfig.probes,
+        help="random probes each reducer's proof is checked on (0: reducers are trusted)",
+    )
+    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
-        i, n, codec, chunk, bootstrap = args.worker
+        i, n, codec, chunk, bootstrap, probes = args.worker
         settle_heap()  # as `swarmd` does before its main loop
-        trio.run(worker, int(i), int(n), codec, int(chunk), bootstrap)
+        trio.run(worker, int(i), int(n), codec, int(chunk), bootstrap, int(probes))
         return
     numel = int(args.mparams * 1e6)
 
     def spawn(i: int, bootstrap: str) -> subprocess.Popen[str]:
         command = [*WORKER_CMD, "--worker", str(i), str(numel), args.codec]
         return subprocess.Popen(
-            [sys.executable, *command, str(args.chunk_kib << 10), bootstrap],
+            [sys.executable, *command, str(args.chunk_kib << 10), bootstrap, str(args.probes)],
             # Huge pages for torch's large tensors, as `swarmd` sets for itself (cli.THP_ENV).
             env={**os.environ, THP_ENV: os.environ.get(THP_ENV, "1")},
             stdin=subprocess.PIPE,
@@ -217,7 +226,7 @@ def main() -> None:
     print(f"raw socket {gbps:.2f} GB/s; {wire / 1e9:.2f} GB cross loopback per round")
     print(f"median CPU seconds per round, all peers together: {statistics.median(cpu_times):.2f}")
     print(
-        f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} "
+        f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} probes={args.probes} "
         f"round_s={statistics.median(round_times):.3f} "
         f"matchmaking_s={statistics.median(mm_times):.3f} "
         f"max_err={max(errs):.3g} bound_s={bound:.3f}"

@@ -61,3 +61,41 @@ class GroupRecord(_message.Message):
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[GroupMember]
     def __init__(self, members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
+
+class ProofRequest(_message.Message):
+    __slots__ = ("round_id", "part", "attempt", "nonce")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    round_id: bytes
+    part: int
+    attempt: int
+    nonce: bytes
+    def __init__(self, round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., attempt: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ProofEntry(_message.Message):
+    __slots__ = ("member", "weight", "projections")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    PROJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    member: int
+    weight: float
+    projections: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, member: _Optional[int] = ..., weight: _Optional[float] = ..., projections: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ProofNonce(_message.Message):
+    __slots__ = ("member", "nonce")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    member: int
+    nonce: bytes
+    def __init__(self, member: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class PartProof(_message.Message):
+    __slots__ = ("entries", "nonces")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    NONCES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ProofEntry]
+    nonces: _containers.RepeatedCompositeFieldContainer[ProofNonce]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ...) -> None: ...

@@ -3,16 +3,20 @@ DiLoCo optimiser misreports what it contributes to each round.
 
     SWARMD_LIE=weight   python -m tests.adversarial.lying_peer join ...   # 1e9 samples, update x -1
     SWARMD_LIE=scale100 python -m tests.adversarial.lying_peer join ...   # update x 100
+    SWARMD_LIE=reducer  python -m tests.adversarial.lying_peer join ...   # serves its part x -1
 
-Everything else (matchmaking, the all-reduce, its own reductions) is honest swarmd code.
+Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
+swarmd code.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
+from swarmd.node.averaging import round as round_module
 from swarmd.node.cli.app import entry
 from swarmd.optim.diloco import DiLoCo
 
@@ -25,9 +29,20 @@ def lying_pseudo_gradient(self: DiLoCo) -> torch.Tensor:
     return pg * (-1.0 if LIE == "weight" else 100.0)
 
 
-if LIE not in ("weight", "scale100"):
-    raise SystemExit(f"SWARMD_LIE must be weight or scale100, not {LIE!r}")
-DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
+def lying_aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """The part this peer reduces, negated once aggregated: the same norm as the honest mean,
+    so no norm bound notices; its proof is made honestly from what it received."""
+    result: torch.Tensor = honest_aggregate(*args, **kwargs)
+    return result.neg_()
+
+
+if LIE not in ("weight", "scale100", "reducer"):
+    raise SystemExit(f"SWARMD_LIE must be weight, scale100 or reducer, not {LIE!r}")
+honest_aggregate = round_module.__dict__["aggregate"]
+if LIE == "reducer":
+    round_module.__dict__["aggregate"] = lying_aggregate
+else:
+    DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
 if LIE == "weight":
     DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
 entry()

@@ -2,7 +2,8 @@
 
 Before: declaring 1e9 samples with a sign-flipped update took the two honest members of a group
 of three to loss 23.1 (3.2 without it); in a pair, a x100 update took the honest member from
-3.25 to 13.1 and has driven states to NaN.
+3.25 to 13.1 and has driven states to NaN; a member that served the part it reduced negated
+(the honest mean's norm, so no norm bound noticed) went unnoticed every round.
 """
 
 from __future__ import annotations
@@ -33,8 +34,13 @@ def _run(
     # Shards pinned: peer i trains on shard i in both the baseline and the attacked run (shards
     # drawn from random peer ids moved this tiny run's final loss by up to 20%).
     cmds = [join_cmd(tmp, "p0", boot, "--create-run", str(run), "--data-shard", "0", steps=STEPS)]
+    # A liar keeps going after the honest peers stop: one that applies its own lie falls out
+    # of step with the group and catches up every round, so its step count runs ahead and it
+    # would leave early (a group of three then never forms again).
     cmds += [
-        join_cmd(tmp, f"p{i}", boot, "--data-shard", str(i), steps=STEPS) for i in range(1, size)
+        join_cmd(tmp, f"p{i}", boot, "--data-shard", str(i), steps=STEPS * (3 if liar else 1))
+        for i in range(1, size)
+        for liar in [bool(lie) and i == size - 1]
     ]
     procs: list[Proc] = []
     for i, cmd in enumerate(cmds):
@@ -58,6 +64,7 @@ def _final(events: list[dict[str, Any]]) -> dict[str, Any]:
     [
         (3, "weight", "weight 1e+09 > bound"),
         (2, "scale100", "x the reducer's own"),
+        (3, "reducer", "is not the mean of the contributions it names"),
     ],
 )
 def test_a_lying_member_cannot_move_the_honest_ones(

@@ -6,7 +6,8 @@ Prints {"address", "peer_id", "pid"} once serving. Then, for every line on stdin
 {"ok", "dropped", "failed_parts", "recovered_parts", "seconds", "file"}; the result tensor is
 saved to "file". Behaviours: "honest"; "slow" (waits 30 s before sending or serving anything:
 the test kills or stops it mid-round); "nan" and "shape" (sends NaN values / a part of the wrong
-length, reduces its own part honestly); "huge" (sends values a million times too large).
+length, reduces its own part honestly); "huge" (sends values a million times too large);
+"flip" and "x-20" (contributes honestly, but serves the part it reduces negated / times -20).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 import trio
 
+import swarmd.node.averaging.round as round_module
 from swarmd.compression.codec import Codec
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
 from swarmd.protocol import rpc
@@ -52,6 +54,17 @@ def lying_encoder(codec: Codec, behavior: str) -> Callable[[torch.Tensor], bytes
     return encode
 
 
+def lie_as_reducer(factor: float) -> None:
+    """The reducer's aggregate, scaled after the fact: its proof is made honestly from the
+    contributions it received, as a reducer that does not know about proofs would."""
+    honest = round_module.__dict__["aggregate"]
+
+    def aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return honest(*args, **kwargs).mul_(factor)
+
+    round_module.__dict__["aggregate"] = aggregate
+
+
 async def main(cfg: dict[str, Any]) -> None:
     identity = Identity.generate()
     client = rpc.RpcClient(identity)
@@ -65,6 +78,8 @@ async def main(cfg: dict[str, Any]) -> None:
         else None
     )
     averager = Averager(client, identity.peer_id, config, outgoing_encoder=liar)
+    if behavior in ("flip", "x-20"):
+        lie_as_reducer(-1.0 if behavior == "flip" else -20.0)
     if behavior == "slow":
         honest_put = client.put_tensor
 

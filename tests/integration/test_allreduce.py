@@ -132,6 +132,35 @@ def test_bad_sender_is_dropped(processes: ProcessGroup, tmp_path: Path, behavior
         assert torch.equal(results[0][s:e], expected[s:e]), f"part {j}"
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+@pytest.mark.parametrize("behavior", ["flip", "x-20"])
+def test_lying_reducer_is_refused_and_its_part_re_reduced(
+    processes: ProcessGroup, tmp_path: Path, behavior: str, codec: str
+) -> None:
+    """Peer 1 serves its part negated (or x -20): the honest members refuse it and re-reduce
+    it among themselves, so they end with the same values, the honest mean there."""
+    peers = start_peers(processes, tmp_path, behaviors={1: behavior}, codec=codec)
+    outs = run_round(peers, peers, "liar1")
+    order = [m[0] for m in members(peers)]
+    liar_part = order.index(str(peers[1].info["peer_id"]))
+    honest = [o for i, o in enumerate(outs) if i != 1]
+    for o in honest:
+        assert o["ok"] and liar_part in o["recovered_parts"], o
+    results = [load(o) for o in honest]
+    assert all(torch.equal(r, results[0]) for r in results)
+    all_four, without = weighted_mean([0, 1, 2, 3]), weighted_mean([0, 2, 3])
+    for j, (s, e) in enumerate(part_bounds(NUMEL, [1.0] * 4)):
+        expected = without if j == liar_part else all_four
+        if codec == "fp32":
+            assert torch.equal(results[0][s:e], expected[s:e]), f"part {j}"
+        else:  # two quantisations (contribution, result): well within 3% of the mean's scale
+            err = float((results[0][s:e] - expected[s:e]).abs().max())
+            assert err <= 0.03 * float(expected[s:e].abs().max()), (j, err)
+    time.sleep(0.2)  # the stderr pumps
+    evidence = "".join(line for p in (peers[0], peers[2], peers[3]) for line in p.stderr_tail)
+    assert "refused part" in evidence, evidence
+
+
 def test_stale_round_message_refused(processes: ProcessGroup, tmp_path: Path) -> None:
     peers = start_peers(processes, tmp_path, linger_s=0.0)
     run_round(peers, peers, "old")

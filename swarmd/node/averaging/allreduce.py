@@ -44,8 +44,15 @@ from swarmd.node.averaging.codecs import (
     make_codec,
 )
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
-from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange, Link
+from swarmd.node.averaging.exchange import (
+    GET_PART,
+    PUT_PART,
+    SERVICE,
+    Exchange,
+    Link,
+)
 from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
+from swarmd.node.averaging.proof import NONCE_BYTES
 from swarmd.node.averaging.reduction import check_contribution, l2_norm
 from swarmd.node.averaging.round import Round
 from swarmd.node.metrics import Metrics
@@ -117,6 +124,7 @@ class Averager:
             [
                 rpc.tensor_in("PutPart", self._put_part),
                 rpc.tensor_out("GetPart", apb.GetPartRequest, self._get_part),
+                rpc.unary("GetProof", apb.ProofRequest, self._get_proof),
             ],
         )
 
@@ -163,6 +171,8 @@ class Averager:
                 rpc.StatusCode.FAILED_PRECONDITION, "this peer does not reduce that part"
             )
         red = rnd.reduction(info.part, info.attempt)
+        if sender not in red.expected:  # a reducer that failed this part has no say in it
+            raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, "not expected in this attempt")
         if red.done.is_set():
             raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "part already reduced (late)")
         if sender in red.values or sender in red.rejected:
@@ -212,6 +222,24 @@ class Averager:
         nbytes = payload_nbytes(encoded)
         self._link.count_bytes("sent", rnd.codec_name, nbytes)
         return TensorMeta("uint8", (nbytes,)), encoded
+
+    async def _get_proof(self, req: apb.ProofRequest, ctx: rpc.CallContext) -> apb.PartProof:
+        rnd = await self._find_round(req.round_id)
+        sender = self._sender_index(rnd, ctx)
+        n = len(rnd.group.members)
+        if req.part >= n or req.attempt >= n or rnd.reducer_of(req.part, req.attempt) != rnd.me:
+            raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "not this peer's part")
+        if len(req.nonce) != NONCE_BYTES:
+            raise rpc.RpcError(
+                rpc.StatusCode.INVALID_ARGUMENT, f"nonce must be {NONCE_BYTES} bytes"
+            )
+        red = rnd.reduction(req.part, req.attempt)
+        await red.done.wait()
+        red.add_nonce(sender, bytes(req.nonce))
+        await red.proof_ready.wait()
+        if red.proof is None:
+            raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "no proof for that part")
+        return red.proof
 
     # -- one round ---------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@ the rounds other members still read from) stays in the `Averager`, which lends i
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,14 @@ from swarmd.compression import (
 )
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
+from swarmd.node.averaging.proof import (
+    NONCE_BYTES,
+    Claim,
+    check_proof,
+    left_out,
+    make_proof,
+    probe_seed,
+)
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.metrics import Metrics
@@ -39,6 +49,7 @@ log = logging.getLogger("swarmd.allreduce")
 SERVICE = "swarmd.averaging.v1.Averager"
 PUT_PART = rpc.method_path(SERVICE, "PutPart")
 GET_PART = rpc.method_path(SERVICE, "GetPart")
+GET_PROOF = rpc.method_path(SERVICE, "GetProof")
 
 
 @dataclass
@@ -96,6 +107,10 @@ class Exchange:
         largest = max(rnd.part_numel(j) for j in range(n))
         self.bytes_per_part = largest * BYTES_PER_VALUE[rnd.codec_name] + 256
         self.phase_deadline = link.deadline(self.bytes_per_part * max(n - 1, 1))
+        #: How long a member waits for a reduced part, and a reducer for the members' nonces.
+        self.fetch_timeout = 2 * self.phase_deadline + link.deadline(self.bytes_per_part)
+        #: (part, attempt) whose reducer acknowledged this peer's contribution.
+        self.acked: set[tuple[int, int]] = set()
         # int8 hands back what the receivers will lose while it quantises, chunk by chunk.
         self.fused_ef = (
             residual is not None
@@ -200,6 +215,7 @@ class Exchange:
             return False
         self.link.throughput.observe(nbytes, time.monotonic() - t0)
         self.link.count_bytes("sent", self.rnd.codec_name, nbytes)
+        self.acked.add((j, attempt))
         return True
 
     # -- reducing ----------------------------------------------------------------------------
@@ -213,6 +229,31 @@ class Exchange:
             await red.all_arrived.wait()
         await finish_reduction(red, rnd, self.result[s:e], self.link.config.reduction)
         self.dropped.update(red.expected - red.contributors)
+        try:
+            await self.prove(j, attempt)
+        finally:
+            red.sealed = True
+            red.release()
+            red.proof_ready.set()
+
+    async def prove(self, j: int, attempt: int) -> None:
+        """Waits for every other contributor's nonce (or the time a member may take to fetch
+        the part), then projects the contributions once for all members (proof.py)."""
+        rnd, probes = self.rnd, self.link.config.probes
+        red = rnd.reduction(j, attempt)
+        if probes == 0 or red.decoded is None:
+            return
+        if not red.has_all_nonces():
+            with trio.move_on_after(self.fetch_timeout):
+                await red.nonces_in.wait()
+        red.sealed = True
+        nonces = dict(red.nonces)
+        if not nonces:
+            return  # nobody asked: nobody will read a proof
+        seed = probe_seed(rnd.group.round_id, j, attempt, nonces)
+        weights = {i: red.weights[i] for i in red.used}
+        make = functools.partial(make_proof, red.used, weights, nonces, seed, probes)
+        red.proof = await trio.to_thread.run_sync(make)
 
     # -- obtaining ---------------------------------------------------------------------------
 
@@ -245,7 +286,7 @@ class Exchange:
         self.link.count_bytes("received", rnd.codec_name, len(data))
         return data
 
-    def decode_part(self, j: int, blob: bytes | bytearray) -> bool:
+    def decode_part(self, j: int, attempt: int, blob: bytes | bytearray) -> bool:
         """Decodes part j straight into the result; False if it is unusable.
 
         Unusable includes implausible: a mean of contributions the reducer should have
@@ -253,7 +294,7 @@ class Exchange:
         peer's own contribution, nor non-finite. A reducer that scaled its part by -20 once
         took every honest member to loss 41-45; now its part is not applied (this peer keeps
         its own values there) and the evidence is logged. A sign flip at the same norm
-        passes this check: cross-checks of reducers (BTARD) are what would catch it."""
+        passes this check: the reducer's proof is what catches it (`check`)."""
         s, e = self.rnd.bounds[j]
         numel = e - s
         limits = DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096)
@@ -270,7 +311,7 @@ class Exchange:
             "(bound %g x)",
             self.rnd.group.round_id.hex()[:12],
             j,
-            self.rnd.group.members[self.rnd.reducer_of(j, 0)].peer_id.short(),
+            self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id.short(),
             got,
             mine,
             factor,
@@ -280,16 +321,19 @@ class Exchange:
     async def obtain(self, j: int) -> None:
         rnd = self.rnd
         s, e = rnd.bounds[j]
-        fetch_timeout = 2 * self.phase_deadline + self.link.deadline(self.bytes_per_part)
-        direct = await self.fetch(j, j, 0, False, fetch_timeout)
-        rnd.direct[j].received = direct
-        blob: bytes | bytearray | None = direct
+        direct = await self.fetch(j, j, 0, False, self.fetch_timeout)
+        accepted = direct is not None and await self.accept(j, 0, direct, relayed=False)
+        # Relays serve only a copy this peer accepted: decoded, and its reducer's proof held.
+        rnd.direct[j].received = direct if accepted else None
         rnd.direct[j].ready.set()
-        if blob is None:
-            self.recovered.append(j)
-            blob = await self.from_relays(j, fetch_timeout)
-        attempt = 1
-        while blob is None and attempt < len(rnd.group.members):
+        if accepted:
+            return
+        self.recovered.append(j)
+        if direct is None:
+            relayed = await self.from_relays(j, self.fetch_timeout)
+            if relayed is not None and await self.accept(j, 0, relayed, relayed=True):
+                return
+        for attempt in range(1, len(rnd.group.members)):
             target = rnd.reducer_of(j, attempt)
             if target == rnd.me:
                 # The part's own value at the fallback reducer is its uncompressed local one.
@@ -300,11 +344,92 @@ class Exchange:
                         self.result[s:e] = decoded
                     return
             elif await self.send_part(j, attempt, target):
-                blob = await self.fetch(target, j, attempt, False, fetch_timeout)
-            attempt += 1
-        if blob is None or not await trio.to_thread.run_sync(self.decode_part, j, blob):
-            self.failed.append(j)
-            self.result[s:e] = self.local[s:e]
+                blob = await self.fetch(target, j, attempt, False, self.fetch_timeout)
+                if blob is not None and await self.accept(j, attempt, blob, relayed=False):
+                    return
+        self.failed.append(j)
+        self.result[s:e] = self.local[s:e]
+
+    async def accept(self, j: int, attempt: int, blob: bytes | bytearray, relayed: bool) -> bool:
+        """Decodes part j into the result and checks it; False leaves it to be replaced."""
+        decoded = await trio.to_thread.run_sync(self.decode_part, j, attempt, blob)
+        if self.link.config.probes == 0:
+            return decoded
+        # Asked even for a part already refused: the reducer waits for every contributor's
+        # nonce before it proves anything (measured: a refused part cost each round 15 s).
+        why = await self.check(j, attempt, relayed)
+        if not decoded:
+            return False
+        if why is None:
+            return True
+        # The evidence a ban needs: who, which round and part, and what did not hold.
+        log.warning(
+            "round %s: refused part %d (attempt %d) from reducer %s: its proof %s",
+            self.rnd.group.round_id.hex()[:12],
+            j,
+            attempt,
+            self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id.short(),
+            why,
+        )
+        return False
+
+    async def check(self, j: int, attempt: int, relayed: bool) -> str | None:
+        """Asks the part's reducer for its proof and checks it (proof.py says how)."""
+        rnd, cfg = self.rnd, self.link.config
+        reducer = rnd.reducer_of(j, attempt)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        req = apb.ProofRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, nonce=nonce)
+        try:
+            proof = await self.link.client.unary(
+                rnd.group.members[reducer].address,
+                GET_PROOF,
+                req,
+                apb.PartProof,
+                # The reducer waits up to fetch_timeout for nonces, then makes one pass over
+                # the part per contribution: about as long as a transfer of it.
+                timeout=self.fetch_timeout + self.link.deadline(self.bytes_per_part),
+                recipient=rnd.group.members[reducer].peer_id,
+            )
+        except (rpc.RpcError, OSError) as exc:
+            if relayed:  # the member that relayed it checked it against its own nonce
+                log.info("no proof for relayed part %d from member %d: %s", j, reducer, exc)
+                return None
+            return f"was not given: {exc}"
+        s, e = rnd.bounds[j]
+        claim = Claim(
+            round_id=rnd.group.round_id,
+            part=j,
+            attempt=attempt,
+            me=rnd.me,
+            reducer=reducer,
+            members=len(rnd.group.members),
+            nonce=None if relayed else nonce,
+            contribution=self.sent(j) if (j, attempt) in self.acked else None,
+            weight=self.weight,
+            result=self.result[s:e],
+            codec=rnd.codec_name,
+            int8_block_size=cfg.int8_block_size,
+            int8_bits=cfg.int8_bits,
+        )
+        verify = functools.partial(check_proof, proof, claim, cfg.probes, cfg.reduction)
+        why = await trio.to_thread.run_sync(verify)
+        if why is None and left_out(proof, claim):
+            log.warning(
+                "round %s: reducer %s left this peer's contribution out of part %d (attempt %d)",
+                rnd.group.round_id.hex()[:12],
+                rnd.group.members[reducer].peer_id.short(),
+                j,
+                attempt,
+            )
+        return why
+
+    def sent(self, j: int) -> torch.Tensor:
+        """Part j as its reducer decoded it from this peer's bytes."""
+        s, e = self.rnd.bounds[j]
+        if self.rnd.codec_name == "fp32" and self.link.outgoing_encoder is None:
+            return self.to_send[s:e]
+        blob = b"".join(self.encoded_parts[j])
+        return decode(blob, DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096))
 
     async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""

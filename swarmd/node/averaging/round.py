@@ -23,6 +23,7 @@ from swarmd.node.averaging.reduction import (
     norm_outliers,
     weight_outliers,
 )
+from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol.framing import RECEIVE_BUFFERS
 
 log = logging.getLogger("swarmd.allreduce")
@@ -31,8 +32,9 @@ log = logging.getLogger("swarmd.allreduce")
 class Reduction:
     """One part being reduced at this peer (its own part, or a fallback attempt)."""
 
-    def __init__(self, numel: int, expected: set[int]) -> None:
+    def __init__(self, numel: int, expected: set[int], me: int) -> None:
         self.numel = numel
+        self.me = me
         self.expected = expected
         self.values: dict[int, torch.Tensor] = {}
         #: The received payloads behind `values` (raw fp32 values are views of them): handed
@@ -45,6 +47,38 @@ class Reduction:
         self.encoded: Encoded | None = None
         self.decoded: torch.Tensor | None = None
         self.contributors: set[int] = set()
+        #: The contributions aggregated, kept until the proof is made (see proof.py).
+        self.used: dict[int, torch.Tensor] = {}
+        #: Members' nonces for the proof, accepted until it is sealed; `nonces_in` is set once
+        #: every other contributor's has arrived.
+        self.nonces: dict[int, bytes] = {}
+        self.nonces_in = trio.Event()
+        self.sealed = False
+        self.proof: apb.PartProof | None = None
+        self.proof_ready = trio.Event()
+
+    def add_nonce(self, index: int, nonce: bytes) -> None:
+        """Called only once the part is reduced (`done`): the contributors are known, and a
+        member cannot seal the proof early by asking before the others could."""
+        if self.sealed or index in self.nonces or index == self.me:
+            return
+        self.nonces[index] = nonce
+        if self.has_all_nonces():
+            self.nonces_in.set()
+
+    def has_all_nonces(self) -> bool:
+        return self.contributors - {self.me} <= set(self.nonces)
+
+    def release(self) -> None:
+        """Hands the contributions' buffers back: the proof, or the lack of one, is settled.
+        fp32 contributions are views of their receive buffers, and a buffer still viewed is
+        refused by the pool (measured: every round then allocated its 3 x 100 MB of
+        contributions afresh, 0.14 CPU-s in `take` alone, more in page faults)."""
+        self.values.clear()
+        self.used.clear()
+        for buf in self.buffers:
+            RECEIVE_BUFFERS.give(buf)
+        self.buffers.clear()
 
     def add(self, index: int, value: torch.Tensor | None, weight: float, why: str = "") -> None:
         if value is None:
@@ -97,7 +131,7 @@ class Round:
             # A fallback reducer expects everyone but the reducers that already failed.
             failed = {self.reducer_of(part, a) for a in range(attempt)}
             expected = set(range(n)) - failed
-            red = self.reductions[key] = Reduction(self.part_numel(part), expected)
+            red = self.reductions[key] = Reduction(self.part_numel(part), expected, self.me)
         return red
 
 
@@ -162,13 +196,6 @@ async def finish_reduction(
         if rnd.zstd_level is not None:
             red.encoded = await trio.to_thread.run_sync(zstd_framed, encoded, rnd.zstd_level)
     red.contributors = set(order)
-    # The contributions are never read again (relays serve the encoded result): free them.
-    # `values` too: fp32 contributions are views of their receive buffers, and a buffer
-    # still viewed is refused by the pool (measured: every round then allocated its 3 x
-    # 100 MB of contributions afresh, 0.14 CPU-s in `take` alone, more in page faults).
     red.values.clear()
-    values.clear()
-    for buf in red.buffers:
-        RECEIVE_BUFFERS.give(buf)
-    red.buffers.clear()
+    red.used = values  # read once more, for the proof; then `release`d
     red.done.set()

@@ -1,0 +1,195 @@
+"""A reducer's proof (swarmd/node/averaging/proof.py): an honest one holds for every codec and
+weighting, and each lie a reducer can tell about its part is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from swarmd.compression import DecodeLimits, decode, encode_segments
+from swarmd.node.averaging.codecs import make_codec
+from swarmd.node.averaging.proof import (
+    NONCE_BYTES,
+    Claim,
+    check_proof,
+    left_out,
+    make_proof,
+    probe_seed,
+    project,
+    quantization_bound,
+)
+from swarmd.node.averaging.reduction import ReductionConfig, weighted_mean
+from swarmd.protocol import averaging_pb2 as apb
+
+ROUND = b"r" * 32
+REDUCER = 2
+
+
+def roundtrip(values: torch.Tensor, codec: str, bits: int = 8) -> torch.Tensor:
+    blob = b"".join(encode_segments(make_codec(codec, 256, bits), values))  # type: ignore[arg-type]
+    return decode(blob, DecodeLimits(max_elements=values.numel(), max_bytes=len(blob) * 8))
+
+
+def honest_part(
+    codec: str, n: int = 10_001, bits: int = 8, weights: tuple[float, ...] = (1.0, 2.0, 3.0)
+) -> tuple[dict[int, torch.Tensor], dict[int, float], torch.Tensor]:
+    """Contributions as the reducer decoded them (member 2 is the reducer: raw), and the part
+    as every member decodes it."""
+    gen = torch.Generator().manual_seed(n + bits)
+    raw = {i: torch.randn(n, generator=gen) * (i + 1) for i in range(len(weights))}
+    used = {i: v if i == REDUCER else roundtrip(v, codec, bits) for i, v in raw.items()}
+    w = dict(enumerate(weights))
+    mean = weighted_mean([used[i] for i in sorted(used)], [w[i] for i in sorted(used)])
+    return used, w, roundtrip(mean, codec, bits)
+
+
+def prove_and_claim(
+    used: dict[int, torch.Tensor],
+    weights: dict[int, float],
+    result: torch.Tensor,
+    codec: str,
+    *,
+    probes: int = 2,
+    bits: int = 8,
+    me: int = 0,
+) -> tuple[apb.PartProof, Claim]:
+    nonces = {i: secrets.token_bytes(NONCE_BYTES) for i in used if i != REDUCER}
+    proof = make_proof(used, weights, nonces, probe_seed(ROUND, 1, 0, nonces), probes)
+    claim = Claim(
+        round_id=ROUND,
+        part=1,
+        attempt=0,
+        me=me,
+        reducer=REDUCER,
+        members=len(used),
+        nonce=nonces[me],
+        contribution=used[me],
+        weight=weights[me],
+        result=result,
+        codec=codec,
+        int8_block_size=256,
+        int8_bits=bits,
+    )
+    return proof, claim
+
+
+@pytest.mark.parametrize(("codec", "bits"), [("fp32", 8), ("fp16", 8), ("int8", 8), ("int8", 4)])
+def test_an_honest_reducer_passes(codec: str, bits: int) -> None:
+    used, weights, result = honest_part(codec, bits=bits)
+    for me in (0, 1):
+        proof, claim = prove_and_claim(used, weights, result, codec, probes=4, bits=bits, me=me)
+        assert check_proof(proof, claim, 4, ReductionConfig()) is None
+
+
+@pytest.mark.parametrize(("codec", "probes"), [("fp32", 2), ("int8", 8)])
+@pytest.mark.parametrize("factor", [-1.0, 0.0, 0.5])
+def test_a_result_that_is_not_the_mean_is_refused(codec: str, probes: int, factor: float) -> None:
+    """Flipped, zeroed or halved at honest bytes. int8 leaves a tolerance (its rounding): one
+    probe misses a flip ~3% of the time, so this uses 8 (a miss chance of ~1e-12)."""
+    used, weights, result = honest_part(codec)
+    lie = roundtrip(result * factor, codec)
+    proof, claim = prove_and_claim(used, weights, lie, codec, probes=probes)
+    why = check_proof(proof, claim, probes, ReductionConfig())
+    assert why is not None and "not the mean" in why
+
+
+def test_a_reducer_cannot_drop_a_contribution_and_claim_it() -> None:
+    """It aggregates members 1 and 2 only but lists 0 too: the mean no longer matches."""
+    used, weights, _ = honest_part("fp32")
+    without = weighted_mean([used[1], used[2]], [weights[1], weights[2]])
+    proof, claim = prove_and_claim(used, weights, without, "fp32")
+    assert "not the mean" in (check_proof(proof, claim, 2, ReductionConfig()) or "")
+
+
+def test_each_member_checks_its_own_entry() -> None:
+    used, weights, result = honest_part("fp32")
+    proof, claim = prove_and_claim(used, weights, result, "fp32")
+    cfg = ReductionConfig()
+    cases: list[tuple[apb.PartProof, str]] = []
+    heavier = apb.PartProof()
+    heavier.CopyFrom(proof)
+    heavier.entries[0].weight = 1.5
+    cases.append((heavier, "misstates this member's weight"))
+    misstated = apb.PartProof()
+    misstated.CopyFrom(proof)
+    misstated.entries[0].projections[1] += 1.0
+    cases.append((misstated, "misstates this member's contribution"))
+    no_nonce = apb.PartProof()
+    no_nonce.CopyFrom(proof)
+    del no_nonce.nonces[0]
+    cases.append((no_nonce, "left this member's nonce out"))
+    own_nonce = apb.PartProof()
+    own_nonce.CopyFrom(proof)
+    own_nonce.nonces.add(member=REDUCER, nonce=b"x" * NONCE_BYTES)
+    cases.append((own_nonce, "its own nonce"))
+    huge = apb.PartProof()
+    huge.CopyFrom(proof)
+    huge.entries[2].weight = 1e9
+    cases.append((huge, "implausible weights"))
+    for bad, why in cases:
+        assert why in (check_proof(bad, claim, 2, cfg) or ""), why
+    # A member whose contribution never arrived does not look for it, nor does a relayed one
+    # need its nonce (the member that relayed it checked the proof with its own).
+    others = {1: secrets.token_bytes(NONCE_BYTES)}
+    relayed = make_proof(used, weights, others, probe_seed(ROUND, 1, 0, others), 2)
+    assert check_proof(relayed, dataclasses.replace(claim, nonce=None), 2, cfg) is None
+    # Member 0's part was not used (an outlier, or late): the mean of 1 and 2 holds for it,
+    # and it can tell it was left out.
+    nonces = {0: claim.nonce or b"", 1: secrets.token_bytes(NONCE_BYTES)}
+    two = {1: used[1], 2: used[2]}
+    late = make_proof(two, weights, nonces, probe_seed(ROUND, 1, 0, nonces), 2)
+    mean = weighted_mean([used[1], used[2]], [weights[1], weights[2]])
+    acked = dataclasses.replace(claim, result=mean)
+    unacked = dataclasses.replace(acked, contribution=None)
+    assert check_proof(late, acked, 2, cfg) is None and left_out(late, acked)
+    assert check_proof(late, unacked, 2, cfg) is None and not left_out(late, unacked)
+    assert not left_out(proof, claim)
+
+
+def test_robust_aggregation_checks_only_the_entries() -> None:
+    used, weights, _ = honest_part("fp32")
+    trimmed = torch.stack(list(used.values())).median(dim=0).values
+    proof, claim = prove_and_claim(used, weights, trimmed, "fp32")
+    assert check_proof(proof, claim, 2, ReductionConfig(aggregation="trimmed_mean")) is None
+    assert check_proof(proof, claim, 2, ReductionConfig()) is not None
+
+
+def test_projection_is_the_keystream_sign_vector() -> None:
+    """Every machine derives the same probes: the sign bit of AES-256-CTR keystream byte i,
+    probe k starting at counter block k << 64 (torch's RNG differs across CPUs)."""
+    seed = probe_seed(ROUND, 3, 1, {0: b"a" * NONCE_BYTES, 4: b"b" * NONCE_BYTES})
+    assert seed != probe_seed(ROUND, 3, 1, {0: b"a" * NONCE_BYTES, 4: b"c" * NONCE_BYTES})
+    n = 70_000  # more than one chunk, not a multiple of it
+    v = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    got = project([v, 2 * v], seed, 3)
+    for k in range(3):
+        stream = Cipher(algorithms.AES(seed), modes.CTR((k << 64).to_bytes(16, "big")))
+        keystream = stream.encryptor().update(bytes(n))
+        z = torch.tensor([-1.0 if b >= 128 else 1.0 for b in keystream], dtype=torch.float64)
+        want = float(v.double() @ z)
+        assert got[0][k] == pytest.approx(want, rel=1e-12, abs=1e-9)
+        assert got[1][k] == pytest.approx(2 * want, rel=1e-12, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("codec", "bits", "n"), [("int8", 8, 10_000), ("int8", 3, 1_000), ("fp16", 8, 5_000)]
+)
+def test_quantization_bound_holds(codec: str, bits: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(bits)
+    for scale in (1e-30, 1e-3, 1.0, 1e3):  # fp16 overflows at 65504: refused as non-finite
+        r = torch.randn(n, generator=gen) * scale
+        r[7] = 40 * scale  # an outlier in one block
+        decoded = roundtrip(r, codec, bits)
+        err = float(torch.linalg.vector_norm((r - decoded).double()))
+        bound = quantization_bound(decoded, codec, 256, bits)
+        assert err <= bound, (scale, err, bound)
+        # Not vacuous: no more than the worst case of the codec's own rounding.
+        if codec == "int8":
+            ceiling = n**0.5 * float(decoded.abs().max()) / (2 * ((1 << (bits - 1)) - 1))
+        else:
+            ceiling = 2.0**-9 * float(torch.linalg.vector_norm(r.double())) + 2.0**-23 * n**0.5
+        assert bound <= ceiling * 1.001 + 1e-36, (scale, bound, ceiling)
