@@ -93,9 +93,11 @@ class ProofNonce(_message.Message):
     def __init__(self, member: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class PartProof(_message.Message):
-    __slots__ = ("entries", "nonces")
+    __slots__ = ("entries", "nonces", "digest")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NONCES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ProofEntry]
     nonces: _containers.RepeatedCompositeFieldContainer[ProofNonce]
-    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ..., digest: _Optional[bytes] = ...) -> None: ...

@@ -47,6 +47,21 @@ def honest_part(
     return used, w, roundtrip(mean, codec, bits)
 
 
+def served(result: torch.Tensor) -> bytes:
+    return result.numpy().tobytes()  # stands for the encoded bytes: only their digest is read
+
+
+def prove(
+    used: dict[int, torch.Tensor],
+    weights: dict[int, float],
+    nonces: dict[int, bytes],
+    result: torch.Tensor,
+    probes: int = 2,
+) -> apb.PartProof:
+    seed = probe_seed(ROUND, 1, 0, nonces)
+    return make_proof(used, weights, nonces, seed, probes, [served(result)])
+
+
 def prove_and_claim(
     used: dict[int, torch.Tensor],
     weights: dict[int, float],
@@ -58,7 +73,7 @@ def prove_and_claim(
     me: int = 0,
 ) -> tuple[apb.PartProof, Claim]:
     nonces = {i: secrets.token_bytes(NONCE_BYTES) for i in used if i != REDUCER}
-    proof = make_proof(used, weights, nonces, probe_seed(ROUND, 1, 0, nonces), probes)
+    proof = prove(used, weights, nonces, result, probes)
     claim = Claim(
         round_id=ROUND,
         part=1,
@@ -67,9 +82,12 @@ def prove_and_claim(
         reducer=REDUCER,
         members=len(used),
         nonce=nonces[me],
+        relayed=False,
         contribution=used[me],
         weight=weights[me],
+        acked=True,
         result=result,
+        blob=served(result),
         codec=codec,
         int8_block_size=256,
         int8_bits=bits,
@@ -132,22 +150,39 @@ def test_each_member_checks_its_own_entry() -> None:
     cases.append((huge, "implausible weights"))
     for bad, why in cases:
         assert why in (check_proof(bad, claim, 2, cfg) or ""), why
-    # A member whose contribution never arrived does not look for it, nor does a relayed one
-    # need its nonce (the member that relayed it checked the proof with its own).
+    invented = apb.PartProof()
+    invented.CopyFrom(proof)
+    del invented.entries[1]
+    assert "did not use" in (check_proof(invented, claim, 2, cfg) or "")
+
+
+def test_a_relayed_copy_or_a_left_out_member_takes_only_the_bytes_checked() -> None:
+    """A relay knew the probes when it served its copy, and a member left out of the mean may
+    ask after they were drawn: they take only the bytes the proof's digest names."""
+    used, weights, result = honest_part("fp32")
+    cfg = ReductionConfig()
     others = {1: secrets.token_bytes(NONCE_BYTES)}
-    relayed = make_proof(used, weights, others, probe_seed(ROUND, 1, 0, others), 2)
-    assert check_proof(relayed, dataclasses.replace(claim, nonce=None), 2, cfg) is None
-    # Member 0's part was not used (an outlier, or late): the mean of 1 and 2 holds for it,
-    # and it can tell it was left out.
-    nonces = {0: claim.nonce or b"", 1: secrets.token_bytes(NONCE_BYTES)}
+    proof = prove(used, weights, others, result)
+    _, claim = prove_and_claim(used, weights, result, "fp32")
+    relayed = dataclasses.replace(claim, relayed=True)
+    assert check_proof(proof, relayed, 2, cfg) is None
+    assert check_proof(proof, claim, 2, cfg) is not None  # direct: its nonce must be there
+    crafted = result.clone()
+    crafted[:10] *= -1
+    other_bytes = dataclasses.replace(relayed, result=crafted, blob=served(crafted))
+    assert "other bytes" in (check_proof(proof, other_bytes, 2, cfg) or "")
+    # Member 0's part was not used (an outlier, or late): the mean of 1 and 2 holds, its
+    # nonce is not needed, the digest is; it can tell it was left out.
     two = {1: used[1], 2: used[2]}
-    late = make_proof(two, weights, nonces, probe_seed(ROUND, 1, 0, nonces), 2)
     mean = weighted_mean([used[1], used[2]], [weights[1], weights[2]])
-    acked = dataclasses.replace(claim, result=mean)
-    unacked = dataclasses.replace(acked, contribution=None)
+    late = prove(two, weights, others, mean)
+    acked = dataclasses.replace(claim, result=mean, blob=served(mean))
+    unacked = dataclasses.replace(acked, acked=False)
     assert check_proof(late, acked, 2, cfg) is None and left_out(late, acked)
     assert check_proof(late, unacked, 2, cfg) is None and not left_out(late, unacked)
     assert not left_out(proof, claim)
+    wrong = dataclasses.replace(acked, result=crafted, blob=served(crafted))
+    assert "other bytes" in (check_proof(late, wrong, 2, cfg) or "")
 
 
 def test_robust_aggregation_checks_only_the_entries() -> None:

@@ -247,12 +247,13 @@ class Exchange:
             with trio.move_on_after(self.fetch_timeout):
                 await red.nonces_in.wait()
         red.sealed = True
-        nonces = dict(red.nonces)
-        if not nonces:
-            return  # nobody asked: nobody will read a proof
+        # Only the members it used: any other nonce would be one it could have made up.
+        nonces = {i: v for i, v in red.nonces.items() if i in red.used}
+        if not nonces or red.encoded is None:
+            return  # nobody it used asked: nobody can check a proof
         seed = probe_seed(rnd.group.round_id, j, attempt, nonces)
         weights = {i: red.weights[i] for i in red.used}
-        make = functools.partial(make_proof, red.used, weights, nonces, seed, probes)
+        make = functools.partial(make_proof, red.used, weights, nonces, seed, probes, red.encoded)
         red.proof = await trio.to_thread.run_sync(make)
 
     # -- obtaining ---------------------------------------------------------------------------
@@ -330,8 +331,21 @@ class Exchange:
             return
         self.recovered.append(j)
         if direct is None:
-            relayed = await self.from_relays(j, self.fetch_timeout)
-            if relayed is not None and await self.accept(j, 0, relayed, relayed=True):
+            # The reducer waits for this peer's nonce before it proves anything, and relays
+            # serve only copies they checked against that proof: the nonce goes out meanwhile.
+            proofs: list[tuple[apb.PartProof | str, bytes]] = []
+            async with trio.open_nursery() as nursery:
+
+                async def ask() -> None:
+                    proofs.append(await self.request_proof(j, 0))
+
+                nursery.start_soon(ask)
+                relayed = await self.from_relays(j, self.fetch_timeout)
+                if relayed is None:
+                    nursery.cancel_scope.cancel()
+            if relayed is not None and await self.accept(
+                j, 0, relayed, relayed=True, early=proofs[0]
+            ):
                 return
         for attempt in range(1, len(rnd.group.members)):
             target = rnd.reducer_of(j, attempt)
@@ -350,14 +364,21 @@ class Exchange:
         self.failed.append(j)
         self.result[s:e] = self.local[s:e]
 
-    async def accept(self, j: int, attempt: int, blob: bytes | bytearray, relayed: bool) -> bool:
+    async def accept(
+        self,
+        j: int,
+        attempt: int,
+        blob: bytes | bytearray,
+        relayed: bool,
+        early: tuple[apb.PartProof | str, bytes] | None = None,
+    ) -> bool:
         """Decodes part j into the result and checks it; False leaves it to be replaced."""
         decoded = await trio.to_thread.run_sync(self.decode_part, j, attempt, blob)
         if self.link.config.probes == 0:
             return decoded
         # Asked even for a part already refused: the reducer waits for every contributor's
         # nonce before it proves anything (measured: a refused part cost each round 15 s).
-        why = await self.check(j, attempt, relayed)
+        why = await self.check(j, attempt, blob, relayed, early)
         if not decoded:
             return False
         if why is None:
@@ -373,63 +394,87 @@ class Exchange:
         )
         return False
 
-    async def check(self, j: int, attempt: int, relayed: bool) -> str | None:
-        """Asks the part's reducer for its proof and checks it (proof.py says how)."""
-        rnd, cfg = self.rnd, self.link.config
-        reducer = rnd.reducer_of(j, attempt)
+    async def request_proof(self, j: int, attempt: int) -> tuple[apb.PartProof | str, bytes]:
+        """The reducer's proof for part j (or why there is none), and the nonce sent for it."""
+        rnd = self.rnd
+        reducer = rnd.group.members[rnd.reducer_of(j, attempt)]
         nonce = secrets.token_bytes(NONCE_BYTES)
         req = apb.ProofRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, nonce=nonce)
         try:
             proof = await self.link.client.unary(
-                rnd.group.members[reducer].address,
+                reducer.address,
                 GET_PROOF,
                 req,
                 apb.PartProof,
                 # The reducer waits up to fetch_timeout for nonces, then makes one pass over
                 # the part per contribution: about as long as a transfer of it.
                 timeout=self.fetch_timeout + self.link.deadline(self.bytes_per_part),
-                recipient=rnd.group.members[reducer].peer_id,
+                recipient=reducer.peer_id,
             )
         except (rpc.RpcError, OSError) as exc:
-            if relayed:  # the member that relayed it checked it against its own nonce
-                log.info("no proof for relayed part %d from member %d: %s", j, reducer, exc)
-                return None
-            return f"was not given: {exc}"
-        s, e = rnd.bounds[j]
-        claim = Claim(
-            round_id=rnd.group.round_id,
-            part=j,
-            attempt=attempt,
-            me=rnd.me,
-            reducer=reducer,
-            members=len(rnd.group.members),
-            nonce=None if relayed else nonce,
-            contribution=self.sent(j) if (j, attempt) in self.acked else None,
-            weight=self.weight,
-            result=self.result[s:e],
-            codec=rnd.codec_name,
-            int8_block_size=cfg.int8_block_size,
-            int8_bits=cfg.int8_bits,
-        )
-        verify = functools.partial(check_proof, proof, claim, cfg.probes, cfg.reduction)
-        why = await trio.to_thread.run_sync(verify)
-        if why is None and left_out(proof, claim):
-            log.warning(
-                "round %s: reducer %s left this peer's contribution out of part %d (attempt %d)",
-                rnd.group.round_id.hex()[:12],
-                rnd.group.members[reducer].peer_id.short(),
-                j,
-                attempt,
-            )
-        return why
+            return f"was not given: {exc}", nonce
+        return proof, nonce
 
-    def sent(self, j: int) -> torch.Tensor:
-        """Part j as its reducer decoded it from this peer's bytes."""
+    async def check(
+        self,
+        j: int,
+        attempt: int,
+        blob: bytes | bytearray,
+        relayed: bool,
+        early: tuple[apb.PartProof | str, bytes] | None,
+    ) -> str | None:
+        """Asks the part's reducer for its proof (unless asked already) and checks it."""
+        rnd, cfg = self.rnd, self.link.config
+        proof, nonce = early if early is not None else await self.request_proof(j, attempt)
+        if isinstance(proof, str):
+            return proof
+        s, e = rnd.bounds[j]
+        reducer = rnd.reducer_of(j, attempt)
+
+        def verify() -> str | None:
+            claim = Claim(
+                round_id=rnd.group.round_id,
+                part=j,
+                attempt=attempt,
+                me=rnd.me,
+                reducer=reducer,
+                members=len(rnd.group.members),
+                nonce=nonce,
+                relayed=relayed,
+                contribution=self.sent(j) if j in self.encoded_parts else None,
+                weight=self.weight,
+                acked=(j, attempt) in self.acked,
+                result=self.result[s:e],
+                blob=blob,
+                codec=rnd.codec_name,
+                int8_block_size=cfg.int8_block_size,
+                int8_bits=cfg.int8_bits,
+            )
+            why = check_proof(proof, claim, cfg.probes, cfg.reduction)
+            if why is None and left_out(proof, claim):
+                log.warning(
+                    "round %s: reducer %s left this peer's contribution out of part %d "
+                    "(attempt %d)",
+                    rnd.group.round_id.hex()[:12],
+                    rnd.group.members[reducer].peer_id.short(),
+                    j,
+                    attempt,
+                )
+            return why
+
+        return await trio.to_thread.run_sync(verify)
+
+    def sent(self, j: int) -> torch.Tensor | None:
+        """Part j as its reducer decoded it from this peer's bytes (None: they decode to
+        nothing a reducer could use, as a deliberately broken payload does)."""
         s, e = self.rnd.bounds[j]
         if self.rnd.codec_name == "fp32" and self.link.outgoing_encoder is None:
             return self.to_send[s:e]
         blob = b"".join(self.encoded_parts[j])
-        return decode(blob, DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096))
+        try:
+            return decode(blob, DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096))
+        except CompressionError:
+            return None
 
     async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""

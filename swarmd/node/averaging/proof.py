@@ -3,27 +3,34 @@ names, checked by every member before the part touches its model.
 
 A member cannot see the other members' contributions, but it can check a random projection.
 This is BTARD's cross-check (Gorbunov et al. 2022, "Secure Distributed Training at Scale",
-section 3.2 and appendix on verifying all-reduce), cut down to what a plain mean needs:
+section 3.2), cut down to what a plain mean needs:
 
 * once the reducer has served the part, each member sends it a fresh nonce (so the nonce
-  cannot have shaped the bytes it already holds); the nonces seed ``probes`` random sign
-  vectors z (AES-CTR keystream, the same on every CPU; torch's RNG is not);
+  cannot have shaped the bytes it already holds); the nonces of the members it used seed
+  ``probes`` random sign vectors z (AES-CTR keystream, the same on every CPU; torch's RNG is
+  not);
 * the reducer answers every member with one proof: for each contribution it used, the
-  member, the weight and <g_i, z> per probe, and the nonces it seeded z from;
+  member, the weight and <g_i, z> per probe; the nonces; the digest of the bytes it served;
 * each member checks that its own nonce seeded z, that its own contribution is there with
   the weight it declared and the projection it computes itself, and that
   sum(w_i <g_i, z>) / W equals <r, z> for the part r it received, within what the result's
   quantisation can move it (Hoeffding: |<d, z>| <= 6 ||d|| for a sign vector drawn after d
-  was fixed, except with probability 2e-8).
+  was fixed, except with probability 2e-8). A member that got its copy from a relay, or was
+  left out of the mean, takes only the bytes the digest names (the probes were known by then).
 
-A reducer that flips or rescales its result fails the last check unless it lies about a
-contribution's projection; every member vouches for its own, so the only entry it can
-invent is its own contribution. What it can do is then what a member can do with its
-contribution (bounded by the reducer-side outlier rules and, with robust aggregation, by
-issue 28's machinery), not more. With robust aggregation (trimmed mean, centered clip, three
-or more contributions) the result is not linear in the contributions and only the entries
-are checked. What BTARD adds and this does not: recomputing a peer's gradient from public data
-(swarmd's peers train on their own data) and MPRNG-agreed accusations and bans.
+What this catches: a reducer that scales, flips or replaces its result, or drops, reweights or
+misstates a member's contribution, unless it also lies about its *own* contribution's
+projections. That entry nobody can check (only the reducer holds its own values), so a reducer
+that knows about this proof can still serve any part within the members' norm bound (10 x
+their own) by inventing its own entry. Closing that needs a witness holding the reducer's
+contribution whose verdict every member hears (BTARD's accusations) and, since a contribution
+that knows the others' can flip a small group's mean within any norm bound, robust
+aggregation (issue 28). With robust aggregation and three or more contributions the result is
+not linear in them and only the entries are checked. The int8 tolerance is a worst case
+(scale / 2 per element): a flip escapes one probe ~3% of the time, but a change of ~10% of the
+part's norm passes two probes often (measured: a third of the time). What BTARD adds and this
+does not: recomputing gradients from public data (swarmd's peers train on their own data),
+MPRNG-agreed accusations and bans.
 """
 
 from __future__ import annotations
@@ -120,15 +127,19 @@ class Claim:
     me: int
     reducer: int
     members: int
-    #: The nonce this member sent with its request; None if the part came from a relay (the
-    #: relaying member checked the proof with its own nonce in it).
-    nonce: bytes | None
-    #: This member's contribution as the reducer decoded it, with its weight, if the reducer
-    #: acknowledged it; None if it never arrived.
+    #: The nonce this member sent with its request.
+    nonce: bytes
+    #: Whether the bytes came from a relay rather than the reducer: the relay knew the probes
+    #: by then, so only the bytes the proof names (its digest) are taken, nonce or not.
+    relayed: bool
+    #: This member's contribution as the reducer decoded it (None: it sent none), its weight,
+    #: and whether the reducer acknowledged it.
     contribution: torch.Tensor | None
     weight: float
-    #: The part as this member received it, and how it was encoded.
+    acked: bool
+    #: The part as this member received it (decoded, and the bytes), and how it was encoded.
     result: torch.Tensor
+    blob: bytes | bytearray
     codec: str
     int8_block_size: int
     int8_bits: int
@@ -143,7 +154,10 @@ def check_proof(
         return why
     nonces = {n.member: bytes(n.nonce) for n in proof.nonces}
     seed = probe_seed(claim.round_id, claim.part, claim.attempt, nonces)
-    own = claim.contribution if claim.me in {e.member for e in proof.entries} else None
+    used_mine = claim.me in {e.member for e in proof.entries}
+    if used_mine and claim.contribution is None:
+        return "names a contribution this member never sent"
+    own = claim.contribution if used_mine else None
     vectors = [claim.result] + ([own] if own is not None else [])
     projected = project(vectors, seed, probes)
     entries = {e.member: e for e in proof.entries}
@@ -173,15 +187,6 @@ def check_proof(
 def _check_form(
     proof: apb.PartProof, claim: Claim, probes: int, reduction: ReductionConfig
 ) -> str | None:
-    nonces: dict[int, bytes] = {}
-    for n in proof.nonces:
-        if n.member >= claim.members or n.member in nonces or len(n.nonce) != NONCE_BYTES:
-            return "a malformed nonce list"
-        nonces[n.member] = bytes(n.nonce)
-    if claim.reducer in nonces:
-        return "seeded its probes with its own nonce"  # chosen last, it could steer them
-    if not nonces:
-        return "seeded its probes with no member's nonce"
     entries: dict[int, apb.ProofEntry] = {}
     for e in proof.entries:
         values = [e.weight, *e.projections]
@@ -192,14 +197,28 @@ def _check_form(
         entries[e.member] = e
     if not entries:
         return "no contributions"
-    # A member whose contribution was used needs its own nonce in the probes (they were then
-    # drawn after the bytes it holds were fixed). One left out (an outlier, or late) is in
-    # the position of a member that contributed nothing; `left_out` lets it log the fact.
-    if claim.me in entries:
-        if claim.nonce is not None and nonces.get(claim.me) != claim.nonce:
-            return "left this member's nonce out of its probes"
-        if claim.contribution is not None and entries[claim.me].weight != claim.weight:
-            return f"misstates this member's weight ({entries[claim.me].weight:.6g})"
+    nonces: dict[int, bytes] = {}
+    for n in proof.nonces:
+        if n.member >= claim.members or n.member in nonces or len(n.nonce) != NONCE_BYTES:
+            return "a malformed nonce list"
+        nonces[n.member] = bytes(n.nonce)
+    if claim.reducer in nonces:
+        return "seeded its probes with its own nonce"  # chosen last, it could steer them
+    if not nonces:
+        return "seeded its probes with no member's nonce"
+    if not set(nonces) <= set(entries):
+        # A nonce of a member it did not use would be its own to make up: grinding material.
+        return "seeded its probes with nonces of members it did not use"
+    if claim.relayed or claim.me not in entries:
+        # The probes were known before these bytes reached this member (a relay had its
+        # proof; a member left out may ask after they were drawn): it takes only the bytes
+        # the members whose nonces drew them checked.
+        if proof.digest != digest(claim.blob):
+            return "names other bytes than the ones this member got"
+    elif nonces.get(claim.me) != claim.nonce:
+        return "left this member's nonce out of its probes"
+    if claim.me in entries and entries[claim.me].weight != claim.weight:
+        return f"misstates this member's weight ({entries[claim.me].weight:.6g})"
     bad = weight_outliers({m: e.weight for m, e in entries.items()}, reduction)
     if bad:
         return f"names implausible weights: {sorted(bad.values())}"
@@ -207,8 +226,17 @@ def _check_form(
 
 
 def left_out(proof: apb.PartProof, claim: Claim) -> bool:
-    """Whether the reducer acknowledged this member's contribution but did not use it."""
-    return claim.contribution is not None and all(e.member != claim.me for e in proof.entries)
+    """Whether the reducer acknowledged this member's contribution but did not use it (an
+    outlier, or late: the member is then where one that sent nothing is)."""
+    return claim.acked and all(e.member != claim.me for e in proof.entries)
+
+
+def digest(segments: bytes | bytearray | Sequence[bytes | memoryview]) -> bytes:
+    """SHA-256 of a part's bytes, whole or in the pieces they are served in."""
+    h = hashlib.sha256()
+    for piece in [segments] if isinstance(segments, (bytes, bytearray)) else segments:
+        h.update(piece)
+    return h.digest()
 
 
 def make_proof(
@@ -217,11 +245,14 @@ def make_proof(
     nonces: Mapping[int, bytes],
     seed: bytes,
     probes: int,
+    served: Sequence[bytes | memoryview],
 ) -> apb.PartProof:
-    """The reducer's side: the projections of every contribution it aggregated."""
+    """The reducer's side: the projections of every contribution it aggregated, and the
+    digest of the bytes it serves."""
     order = sorted(used)
     projected = project([used[i] for i in order], seed, probes)
     return apb.PartProof(
+        digest=digest(served),
         entries=[
             apb.ProofEntry(member=i, weight=weights[i], projections=p)
             for i, p in zip(order, projected, strict=True)
