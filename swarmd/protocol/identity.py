@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
-from swarmd.protocol.errors import AuthError, IdentityError
+from swarmd.protocol.errors import AuthError, IdentityError, ProtocolError
 
 KEY_FILE = "identity.key"
 _PEER_ID_DOMAIN = b"swarmd/peer-id/v1\0"
@@ -236,10 +236,14 @@ class SignedHeader:
             raise AuthError(f"request is not signed: missing {exc.args[0]} header") from None
         if not (isinstance(key, bytes) and isinstance(nonce, bytes) and isinstance(sig, bytes)):
             raise AuthError("malformed signed header")
+        # Bounded before parsing: a 400-digit timestamp once reached float() and came back
+        # as gRPC INTERNAL (OverflowError); an int64 of milliseconds is all a clock needs.
         try:
-            ts_ms = int(ts)
+            ts_ms = int(ts) if len(ts) <= 20 else None
         except ValueError:
-            raise AuthError("malformed request timestamp") from None
+            ts_ms = None
+        if ts_ms is None or not -(1 << 63) <= ts_ms < 1 << 63:
+            raise ProtocolError("malformed request timestamp")  # INVALID_ARGUMENT
         if len(nonce) != NONCE_BYTES:
             raise AuthError(f"request nonce must be {NONCE_BYTES} bytes")
         to, kx = metadata.get("swarmd-to-bin", b""), metadata.get("swarmd-kx-bin", b"")

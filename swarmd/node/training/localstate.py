@@ -20,9 +20,50 @@ log = logging.getLogger("swarmd.daemon")
 STATE_FILE = "state.pt"
 
 
+class SaveError(Exception):
+    """The state could not be written (a full disk, say); the last good file is untouched."""
+
+
+def _temp_path(path: Path, pid: int) -> Path:
+    return path.with_name(f".{path.name}.{pid}.tmp")
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Removes the temp files that saves of ``path`` by dead processes left behind (a
+    ``kill -9`` mid-save once left 170 MB that nothing ever removed); a live process's are
+    kept (it may be saving now). Returns what was removed."""
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid_text = tmp.name[len(path.name) + 2 : -len(".tmp")]
+        if not pid_text.isdigit() or _alive(int(pid_text)):
+            continue
+        try:
+            tmp.unlink()
+        except OSError as exc:
+            log.warning("could not remove the stale temp file %s: %s", tmp, exc)
+            continue
+        removed.append(tmp)
+    if removed:
+        log.info("removed %d stale temp file(s) of %s", len(removed), path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 def save_state(path: Path, state: dict[str, Any]) -> None:
-    """Atomic: a crash leaves the old file or the new one, never a torn one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Atomic: a crash leaves the old file or the new one, never a torn one. Raises SaveError
+    (the old file kept, the temp file removed) when the disk refuses the write."""
+    tmp = _temp_path(path, os.getpid())
     try:
         with open(tmp, "wb") as fh:
             torch.save(state, fh)
@@ -34,8 +75,10 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise SaveError(f"could not save the state to {path}: {exc.strerror or exc}") from exc
         raise
 
 

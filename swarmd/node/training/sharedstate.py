@@ -24,7 +24,13 @@ from swarmd.node.statesync.download import StateRefused, StateSyncError, downloa
 from swarmd.node.statesync.snapshot import StateSnapshot, layout_of
 from swarmd.node.statesync.vet import nonfinite, worse_than_ours
 from swarmd.node.training.context import PeerContext
-from swarmd.node.training.localstate import STATE_FILE, load_saved, save_state
+from swarmd.node.training.localstate import (
+    STATE_FILE,
+    SaveError,
+    load_saved,
+    remove_stale_temps,
+    save_state,
+)
 from swarmd.optim.streaming import state_age
 from swarmd.protocol.identity import PeerId
 
@@ -85,6 +91,9 @@ class SharedState:
         #: Measures an offered state against this peer's own before it is loaded (the
         #: strategy knows the model and data); None skips that check.
         self.judge = judge
+        #: Whether the last save failed (said once, not every round, until one succeeds).
+        self.save_failing = False
+        remove_stale_temps(peer.opts.state_dir / STATE_FILE)
         #: Hash of the global state this peer last published (None before its first): the
         #: matchmaking key carries it, so only peers holding the very same state average.
         self.last_hash: bytes | None = None
@@ -134,7 +143,18 @@ class SharedState:
             "local": self.opt.local_state_dict(),
             "step": step,
         }
-        await trio.to_thread.run_sync(save_state, peer.opts.state_dir / STATE_FILE, state)
+        try:
+            await trio.to_thread.run_sync(save_state, peer.opts.state_dir / STATE_FILE, state)
+        except SaveError as exc:
+            # Training goes on: the state lives in memory and in the group; a restart resumes
+            # from the last good file (or the group's newer state).
+            if not self.save_failing:
+                log.error("%s; the last saved state is kept and training goes on", exc)
+            self.save_failing = True
+        else:
+            if self.save_failing:
+                log.info("saved the state to %s again", peer.opts.state_dir / STATE_FILE)
+            self.save_failing = False
         return snap
 
     async def adverts(self, *, known_only: bool = False) -> list[StateAdvert]:
