@@ -245,7 +245,12 @@ class RpcClient:
                 assert signed is not None and mac is not None
                 request = bulk.encode_request(kind, path, signed, first, self._timeout(timeout))
                 with self._forget_if_misaddressed(address):
-                    return await exchange(stream, request, mac)
+                    try:
+                        return await exchange(stream, request, mac)
+                    except bulk.BulkBusy:
+                        # Nothing of the call was read (its slots are full, perhaps of a
+                        # flood's idle connections): gRPC has its own.
+                        return None
 
     def _channel(self, address: str) -> grpc.Channel:
         channel = self._channels.get(address)

@@ -35,6 +35,9 @@ class TransportConfig:
     bulk: bool = True
     #: The bulk listener's port (0: one the OS picks; clients learn it over gRPC).
     bulk_port: int = 0
+    #: Bulk connections one source address may hold at once (_bulk_slots.py). An honest peer
+    #: holds a few per round (a part out, a part back, relays, state chunks).
+    bulk_max_per_address: int = 16
 
     def __post_init__(self) -> None:
         for name in (
@@ -44,6 +47,7 @@ class TransportConfig:
             "max_concurrent_rpcs",
             "max_inflight_calls",
             "max_channels",
+            "bulk_max_per_address",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransportConfig.{name} must be positive")

@@ -131,6 +131,7 @@ class RpcServer:
                 faults=self._faults,
                 max_tensor_bytes=config.max_tensor_bytes,
                 max_concurrent=config.max_concurrent_rpcs,
+                max_per_address=config.bulk_max_per_address,
                 default_deadline_s=config.default_deadline_s,
             )
         self._services = [*services, self._transport_service()]

@@ -49,6 +49,7 @@ import trio
 from google.protobuf.message import DecodeError, Message
 
 from swarmd.protocol._bulk_io import recv_exactly, recv_sealed, send_all, tune
+from swarmd.protocol._bulk_slots import Slot, Slots
 from swarmd.protocol.calls import CallContext, RpcError, RpcObserver, StatusCode, to_rpc_error
 from swarmd.protocol.errors import FramingError, ListenError, ProtocolError
 from swarmd.protocol.faults import FaultInjector
@@ -160,6 +161,21 @@ async def _read_request(sock: trio.socket.SocketType) -> _Request:
     )
 
 
+#: What a listener with no slot for a connection answers before reading anything from it.
+BUSY = b"bulk server busy"
+
+
+class BulkBusy(RpcError):
+    """The listener had no slot and read nothing of the call: it is safe to make over gRPC."""
+
+
+def _raise_for(status: StatusCode, data: bytes) -> None:
+    if status is StatusCode.RESOURCE_EXHAUSTED and data == BUSY:
+        raise BulkBusy(status, BUSY.decode())
+    if status is not StatusCode.OK:
+        raise RpcError(status, data.decode(errors="replace"))
+
+
 async def _read_response(sock: trio.socket.SocketType) -> tuple[StatusCode, bytes, int]:
     number, length = _RESPONSE.unpack(await recv_exactly(sock, _RESPONSE.size))
     if number >= len(_STATUS_BY_NUMBER) or length > MAX_BODY_BYTES:
@@ -185,6 +201,7 @@ class BulkServer:
         faults: FaultInjector | None,
         max_tensor_bytes: int,
         max_concurrent: int,
+        max_per_address: int,
         default_deadline_s: float,
     ) -> None:
         self._in = dict(tensor_in)
@@ -193,7 +210,7 @@ class BulkServer:
         self._observer = observer
         self._faults = faults
         self._max_tensor_bytes = max_tensor_bytes
-        self._limiter = trio.CapacityLimiter(max_concurrent)
+        self.slots = Slots(max_concurrent, max_per_address)
         self._default_deadline_s = default_deadline_s
         self.port = 0
 
@@ -238,26 +255,25 @@ class BulkServer:
         sock = stream.socket
         try:
             addr = sock.getpeername()
-            peer = f"ipv{6 if sock.family == socket.AF_INET6 else 4}:{addr[0]}:{addr[1]}"
+            host, peer = str(addr[0]), f"ipv{6 if sock.family == socket.AF_INET6 else 4}:"
+            peer += f"{addr[0]}:{addr[1]}"
         except OSError:
-            peer = "unknown"
-        try:
-            self._limiter.acquire_nowait()
-        except trio.WouldBlock:
+            host = peer = "unknown"
+        slot = self.slots.admit(host)
+        if slot is None:
             with trio.move_on_after(1.0), contextlib.suppress(*_GOING_AWAY):
-                await send_all(
-                    sock, [_response(StatusCode.RESOURCE_EXHAUSTED, b"bulk server busy")], None
-                )
+                await send_all(sock, [_response(StatusCode.RESOURCE_EXHAUSTED, BUSY)], None)
             await stream.aclose()
             return
         try:
-            await self._serve(sock, peer)
+            with slot.scope:
+                await self._serve(sock, peer, slot)
         finally:
-            self._limiter.release()
+            self.slots.release(slot)
             with contextlib.suppress(*_GOING_AWAY):
                 await stream.aclose()
 
-    async def _serve(self, sock: trio.socket.SocketType, peer: str) -> None:
+    async def _serve(self, sock: trio.socket.SocketType, peer: str, slot: Slot) -> None:
         start = time.perf_counter()
         path, sent, received = "(bulk)", 0, 0
         req_path = "(unread)"  # what the caller asked for, for the log only
@@ -268,6 +284,7 @@ class BulkServer:
         try:
             with trio.fail_after(HEADER_TIMEOUT_S):
                 req = await _read_request(sock)
+            slot.idle = False  # a request: no longer a connection to close for room
             received = req.nbytes
             req_path = repr(req.path[:MAX_PATH_BYTES])
             if req.path in self._in or req.path in self._out:
@@ -405,8 +422,7 @@ async def put(
         nursery.start_soon(send)
     if "response" in outcome:
         status, data, received = outcome["response"]
-        if status is not StatusCode.OK:
-            raise RpcError(status, data.decode(errors="replace"))
+        _raise_for(status, data)
         return data, outcome.get("sent", len(request)), received
     why = outcome.get("send_error") or outcome.get("read_error")
     raise RpcError(StatusCode.UNAVAILABLE, f"bulk connection failed: {why}")
@@ -420,8 +436,7 @@ async def get(
     try:
         await send_all(sock, [request], None)
         status, data, received = await _read_response(sock)
-        if status is not StatusCode.OK:
-            raise RpcError(status, data.decode(errors="replace"))
+        _raise_for(status, data)
         mac.check(SERVER, 0, data, await recv_exactly(sock, TAG_BYTES))
         meta = parse_header_frame(data, max_bytes)
         buf = RECEIVE_BUFFERS.take(meta.nbytes)

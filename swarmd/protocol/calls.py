@@ -11,7 +11,7 @@ from typing import Protocol
 
 import trio
 
-from swarmd.protocol.errors import AuthError, ProtocolError
+from swarmd.protocol.errors import AuthError, MalformedHeader, ProtocolError
 from swarmd.protocol.identity import PeerId
 
 
@@ -79,6 +79,8 @@ class NullObserver:
 def to_rpc_error(exc: BaseException) -> RpcError:
     if isinstance(exc, RpcError):
         return exc
+    if isinstance(exc, MalformedHeader):
+        return RpcError(StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, AuthError):
         return RpcError(StatusCode.UNAUTHENTICATED, str(exc))
     if isinstance(exc, ProtocolError):

@@ -15,6 +15,11 @@ class AuthError(ProtocolError):
     """A request's signed header is missing, forged, replayed or from a skewed clock."""
 
 
+class MalformedHeader(AuthError):
+    """A signed header field that does not even parse (a 400-digit timestamp): the request is
+    malformed (INVALID_ARGUMENT) before it is unauthenticated."""
+
+
 class IdentityError(Exception):
     """The local identity key cannot be created or loaded safely."""
 

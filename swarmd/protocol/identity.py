@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.serialization import (
     PublicFormat,
 )
 
-from swarmd.protocol.errors import AuthError, IdentityError, ProtocolError
+from swarmd.protocol.errors import AuthError, IdentityError, MalformedHeader
 
 KEY_FILE = "identity.key"
 _PEER_ID_DOMAIN = b"swarmd/peer-id/v1\0"
@@ -243,7 +243,7 @@ class SignedHeader:
         except ValueError:
             ts_ms = None
         if ts_ms is None or not -(1 << 63) <= ts_ms < 1 << 63:
-            raise ProtocolError("malformed request timestamp")  # INVALID_ARGUMENT
+            raise MalformedHeader("malformed request timestamp")  # INVALID_ARGUMENT
         if len(nonce) != NONCE_BYTES:
             raise AuthError(f"request nonce must be {NONCE_BYTES} bytes")
         to, kx = metadata.get("swarmd-to-bin", b""), metadata.get("swarmd-kx-bin", b"")
