@@ -29,10 +29,12 @@ class AllReduceConfig:
     #: Carry each peer's compression error into its next contribution (no effect for fp32).
     error_feedback: bool = True
     reduction: ReductionConfig = field(default_factory=ReductionConfig)
-    #: Random probes a reducer's proof is checked on (proof.py); 0 trusts reducers. Each
-    #: probe is a pass over the vector; a sign-flipped int8 part escapes one probe ~3% of
-    #: the time, two ~0.1%.
+    #: Random probes a reducer's proof is checked on (proof.py); 0 trusts reducers. A
+    #: sign-flipped int8 part escapes one probe ~3% of the time, two ~0.1%.
     probes: int = 2
+    #: The share of a part's blocks (~4096 values each) the probes read; parts of up to 16
+    #: blocks are read whole (proof.sample says why not all, with the figures).
+    probe_density: float = 1 / 32
     #: Deadlines: floor + slack x (bytes / measured throughput).
     min_deadline_s: float = 5.0
     max_deadline_s: float = 600.0
@@ -53,6 +55,8 @@ class AllReduceConfig:
             ZstdConfig(self.zstd_level)
         if not 0 <= self.probes <= 16:
             raise ValueError("probes must be in [0, 16]")
+        if not 0 < self.probe_density <= 1:
+            raise ValueError("probe_density must be in (0, 1]")
         if not 0 < self.min_deadline_s <= self.max_deadline_s:
             raise ValueError("need 0 < min_deadline_s <= max_deadline_s")
         if self.deadline_slack < 1 or self.initial_throughput <= 0:

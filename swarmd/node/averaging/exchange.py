@@ -8,10 +8,8 @@ the rounds other members still read from) stays in the `Averager`, which lends i
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,16 +25,9 @@ from swarmd.compression import (
     decode_into,
     encode_segments,
 )
+from swarmd.node.averaging import verify
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
-from swarmd.node.averaging.proof import (
-    NONCE_BYTES,
-    Claim,
-    check_proof,
-    left_out,
-    make_proof,
-    probe_seed,
-)
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.metrics import Metrics
@@ -49,7 +40,6 @@ log = logging.getLogger("swarmd.allreduce")
 SERVICE = "swarmd.averaging.v1.Averager"
 PUT_PART = rpc.method_path(SERVICE, "PutPart")
 GET_PART = rpc.method_path(SERVICE, "GetPart")
-GET_PROOF = rpc.method_path(SERVICE, "GetProof")
 
 
 @dataclass
@@ -230,31 +220,11 @@ class Exchange:
         await finish_reduction(red, rnd, self.result[s:e], self.link.config.reduction)
         self.dropped.update(red.expected - red.contributors)
         try:
-            await self.prove(j, attempt)
+            await verify.prove(self, j, attempt)
         finally:
             red.sealed = True
             red.release()
             red.proof_ready.set()
-
-    async def prove(self, j: int, attempt: int) -> None:
-        """Waits for every other contributor's nonce (or the time a member may take to fetch
-        the part), then projects the contributions once for all members (proof.py)."""
-        rnd, probes = self.rnd, self.link.config.probes
-        red = rnd.reduction(j, attempt)
-        if probes == 0 or red.decoded is None:
-            return
-        if not red.has_all_nonces():
-            with trio.move_on_after(self.fetch_timeout):
-                await red.nonces_in.wait()
-        red.sealed = True
-        # Only the members it used: any other nonce would be one it could have made up.
-        nonces = {i: v for i, v in red.nonces.items() if i in red.used}
-        if not nonces or red.encoded is None:
-            return  # nobody it used asked: nobody can check a proof
-        seed = probe_seed(rnd.group.round_id, j, attempt, nonces)
-        weights = {i: red.weights[i] for i in red.used}
-        make = functools.partial(make_proof, red.used, weights, nonces, seed, probes, red.encoded)
-        red.proof = await trio.to_thread.run_sync(make)
 
     # -- obtaining ---------------------------------------------------------------------------
 
@@ -337,7 +307,7 @@ class Exchange:
             async with trio.open_nursery() as nursery:
 
                 async def ask() -> None:
-                    proofs.append(await self.request_proof(j, 0))
+                    proofs.append(await verify.request_proof(self, j, 0))
 
                 nursery.start_soon(ask)
                 relayed = await self.from_relays(j, self.fetch_timeout)
@@ -378,7 +348,7 @@ class Exchange:
             return decoded
         # Asked even for a part already refused: the reducer waits for every contributor's
         # nonce before it proves anything (measured: a refused part cost each round 15 s).
-        why = await self.check(j, attempt, blob, relayed, early)
+        why = await verify.check(self, j, attempt, blob, relayed, early)
         if not decoded:
             return False
         if why is None:
@@ -393,88 +363,6 @@ class Exchange:
             why,
         )
         return False
-
-    async def request_proof(self, j: int, attempt: int) -> tuple[apb.PartProof | str, bytes]:
-        """The reducer's proof for part j (or why there is none), and the nonce sent for it."""
-        rnd = self.rnd
-        reducer = rnd.group.members[rnd.reducer_of(j, attempt)]
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        req = apb.ProofRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, nonce=nonce)
-        try:
-            proof = await self.link.client.unary(
-                reducer.address,
-                GET_PROOF,
-                req,
-                apb.PartProof,
-                # The reducer waits up to fetch_timeout for nonces, then makes one pass over
-                # the part per contribution: about as long as a transfer of it.
-                timeout=self.fetch_timeout + self.link.deadline(self.bytes_per_part),
-                recipient=reducer.peer_id,
-            )
-        except (rpc.RpcError, OSError) as exc:
-            return f"was not given: {exc}", nonce
-        return proof, nonce
-
-    async def check(
-        self,
-        j: int,
-        attempt: int,
-        blob: bytes | bytearray,
-        relayed: bool,
-        early: tuple[apb.PartProof | str, bytes] | None,
-    ) -> str | None:
-        """Asks the part's reducer for its proof (unless asked already) and checks it."""
-        rnd, cfg = self.rnd, self.link.config
-        proof, nonce = early if early is not None else await self.request_proof(j, attempt)
-        if isinstance(proof, str):
-            return proof
-        s, e = rnd.bounds[j]
-        reducer = rnd.reducer_of(j, attempt)
-
-        def verify() -> str | None:
-            claim = Claim(
-                round_id=rnd.group.round_id,
-                part=j,
-                attempt=attempt,
-                me=rnd.me,
-                reducer=reducer,
-                members=len(rnd.group.members),
-                nonce=nonce,
-                relayed=relayed,
-                contribution=self.sent(j) if j in self.encoded_parts else None,
-                weight=self.weight,
-                acked=(j, attempt) in self.acked,
-                result=self.result[s:e],
-                blob=blob,
-                codec=rnd.codec_name,
-                int8_block_size=cfg.int8_block_size,
-                int8_bits=cfg.int8_bits,
-            )
-            why = check_proof(proof, claim, cfg.probes, cfg.reduction)
-            if why is None and left_out(proof, claim):
-                log.warning(
-                    "round %s: reducer %s left this peer's contribution out of part %d "
-                    "(attempt %d)",
-                    rnd.group.round_id.hex()[:12],
-                    rnd.group.members[reducer].peer_id.short(),
-                    j,
-                    attempt,
-                )
-            return why
-
-        return await trio.to_thread.run_sync(verify)
-
-    def sent(self, j: int) -> torch.Tensor | None:
-        """Part j as its reducer decoded it from this peer's bytes (None: they decode to
-        nothing a reducer could use, as a deliberately broken payload does)."""
-        s, e = self.rnd.bounds[j]
-        if self.rnd.codec_name == "fp32" and self.link.outgoing_encoder is None:
-            return self.to_send[s:e]
-        blob = b"".join(self.encoded_parts[j])
-        try:
-            return decode(blob, DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096))
-        except CompressionError:
-            return None
 
     async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""

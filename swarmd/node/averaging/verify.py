@@ -1,0 +1,155 @@
+"""A member's side and a reducer's side of a part's proof (proof.py holds the checks).
+
+Kept apart from exchange.py, which calls these with itself: the exchange moves bytes, this
+module decides whether to trust them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from swarmd.compression import CompressionError, DecodeLimits, decode
+from swarmd.node.averaging.proof import (
+    NONCE_BYTES,
+    Claim,
+    Ranges,
+    check_proof,
+    gather,
+    left_out,
+    make_proof,
+    probe_seed,
+)
+from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol import rpc
+
+if TYPE_CHECKING:
+    from swarmd.node.averaging.exchange import Exchange
+
+log = logging.getLogger("swarmd.allreduce")
+
+#: The Averager service's proof method (exchange.SERVICE; named here to keep imports one way).
+GET_PROOF = rpc.method_path("swarmd.averaging.v1.Averager", "GetProof")
+
+
+async def prove(ex: Exchange, j: int, attempt: int) -> None:
+    """Waits for every other contributor's nonce (or the time a member may take to fetch
+    the part), then projects the contributions once for all members (proof.py)."""
+    rnd, probes = ex.rnd, ex.link.config.probes
+    red = rnd.reduction(j, attempt)
+    if probes == 0 or red.decoded is None:
+        return
+    if not red.has_all_nonces():
+        with trio.move_on_after(ex.fetch_timeout):
+            await red.nonces_in.wait()
+    red.sealed = True
+    # Only the members it used: any other nonce would be one it could have made up.
+    nonces = {i: v for i, v in red.nonces.items() if i in red.used}
+    if not nonces or red.encoded is None:
+        return  # nobody it used asked: nobody can check a proof
+    seed = probe_seed(rnd.group.round_id, j, attempt, nonces)
+    weights = {i: red.weights[i] for i in red.used}
+    cfg = ex.link.config
+    served, block, density = red.encoded, cfg.int8_block_size, cfg.probe_density
+    make = functools.partial(
+        make_proof, red.used, weights, nonces, seed, probes, served, block, density
+    )
+    red.proof = await trio.to_thread.run_sync(make)
+
+
+async def request_proof(ex: Exchange, j: int, attempt: int) -> tuple[apb.PartProof | str, bytes]:
+    """The reducer's proof for part j (or why there is none), and the nonce sent for it."""
+    rnd = ex.rnd
+    reducer = rnd.group.members[rnd.reducer_of(j, attempt)]
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    req = apb.ProofRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, nonce=nonce)
+    try:
+        proof = await ex.link.client.unary(
+            reducer.address,
+            GET_PROOF,
+            req,
+            apb.PartProof,
+            # The reducer waits up to fetch_timeout for nonces, then makes one pass over
+            # the part per contribution: about as long as a transfer of it.
+            timeout=ex.fetch_timeout + ex.link.deadline(ex.bytes_per_part),
+            recipient=reducer.peer_id,
+        )
+    except (rpc.RpcError, OSError) as exc:
+        return f"was not given: {exc}", nonce
+    return proof, nonce
+
+
+async def check(
+    ex: Exchange,
+    j: int,
+    attempt: int,
+    blob: bytes | bytearray,
+    relayed: bool,
+    early: tuple[apb.PartProof | str, bytes] | None,
+) -> str | None:
+    """Asks the part's reducer for its proof (unless asked already) and checks it."""
+    rnd, cfg = ex.rnd, ex.link.config
+    proof, nonce = early if early is not None else await request_proof(ex, j, attempt)
+    if isinstance(proof, str):
+        return proof
+    s, e = rnd.bounds[j]
+    reducer = rnd.reducer_of(j, attempt)
+
+    def verify() -> str | None:
+        claim = Claim(
+            round_id=rnd.group.round_id,
+            part=j,
+            attempt=attempt,
+            me=rnd.me,
+            reducer=reducer,
+            members=len(rnd.group.members),
+            nonce=nonce,
+            relayed=relayed,
+            contribution=functools.partial(sent, ex, j),
+            weight=ex.weight,
+            acked=(j, attempt) in ex.acked,
+            result=ex.result[s:e],
+            blob=blob,
+            codec=rnd.codec_name,
+            int8_block_size=cfg.int8_block_size,
+            int8_bits=cfg.int8_bits,
+            density=cfg.probe_density,
+        )
+        why = check_proof(proof, claim, cfg.probes, cfg.reduction)
+        if why is None and left_out(proof, claim):
+            log.warning(
+                "round %s: reducer %s left this peer's contribution out of part %d (attempt %d)",
+                rnd.group.round_id.hex()[:12],
+                rnd.group.members[reducer].peer_id.short(),
+                j,
+                attempt,
+            )
+        return why
+
+    return await trio.to_thread.run_sync(verify)
+
+
+def sent(ex: Exchange, j: int, ranges: Ranges) -> torch.Tensor | None:
+    """Part j as its reducer decoded it from this peer's bytes, on ``ranges`` (None: it
+    sent none, or bytes that decode to nothing a reducer could use)."""
+    if j not in ex.encoded_parts:
+        return None
+    s, e = ex.rnd.bounds[j]
+    mine, lost = ex.to_send[s:e], ex.residual
+    if ex.link.outgoing_encoder is None and ex.rnd.codec_name == "fp32":
+        return gather(mine, ranges)
+    if ex.link.outgoing_encoder is None and lost is not None:
+        # What the reducer decoded is what this peer meant to send less what the codec
+        # lost (to a float32 rounding): no decoding pass over the whole part.
+        return torch.cat([mine[a:b] - lost[s + a : s + b] for a, b in ranges])
+    blob = b"".join(ex.encoded_parts[j])
+    try:
+        limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
+        return gather(decode(blob, limits), ranges)
+    except CompressionError:
+        return None
