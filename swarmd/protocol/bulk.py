@@ -255,8 +255,8 @@ class BulkServer:
         sock = stream.socket
         try:
             addr = sock.getpeername()
-            host, peer = str(addr[0]), f"ipv{6 if sock.family == socket.AF_INET6 else 4}:"
-            peer += f"{addr[0]}:{addr[1]}"
+            host = str(addr[0])
+            peer = f"ipv{6 if sock.family == socket.AF_INET6 else 4}:{host}:{addr[1]}"
         except OSError:
             host = peer = "unknown"
         slot = self.slots.admit(host)

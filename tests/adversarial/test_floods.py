@@ -8,14 +8,13 @@ held every connection slot; honest calls met "bulk server busy" and members were
 from __future__ import annotations
 
 import json
-import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.flood import Slowloris
 from tests.helpers import ROOT, Proc, ProcessGroup, hello_of
 from tests.integration.allreduce_peer import local_values
 
@@ -23,53 +22,6 @@ NUMEL = 50_000
 PEERS = 3
 #: More than a server's slots (TransportConfig.max_concurrent_rpcs, 64 by default).
 IDLE_PER_PEER = 80
-
-
-class Slowloris:
-    """Keeps IDLE_PER_PEER silent connections open to each port from 127.0.0.2, reopening
-    each as soon as the server closes it."""
-
-    def __init__(self, ports: list[int]) -> None:
-        self.ports = ports
-        self.stop = threading.Event()
-        self.reopened = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _open(self, port: int) -> socket.socket | None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(True)
-        try:
-            sock.bind(("127.0.0.2", 0))
-            sock.connect(("127.0.0.1", port))
-        except OSError:
-            sock.close()
-            return None
-        sock.setblocking(False)
-        return sock
-
-    def _run(self) -> None:
-        conns: list[tuple[int, socket.socket | None]] = [
-            (port, self._open(port)) for port in self.ports for _ in range(IDLE_PER_PEER)
-        ]
-        while not self.stop.is_set():
-            for i, (port, sock) in enumerate(conns):
-                closed = sock is None
-                if sock is not None:
-                    try:
-                        closed = sock.recv(4096) == b""
-                    except BlockingIOError:
-                        closed = False
-                    except OSError:
-                        closed = True
-                if closed:
-                    if sock is not None:
-                        sock.close()
-                    conns[i] = (port, self._open(port))
-                    self.reopened += 1
-            time.sleep(0.05)
-        for _, sock in conns:
-            if sock is not None:
-                sock.close()
 
 
 def _members(peers: list[Proc]) -> list[list[str]]:
@@ -92,8 +44,8 @@ def test_idle_connections_do_not_stall_the_group(processes: ProcessGroup, tmp_pa
     truth = sum(local_values(i, NUMEL).double() for i in range(PEERS)) / PEERS
     before = _round(peers, "calm")
     assert all(o["ok"] and o["dropped"] == [] for o in before), before
-    attacker = Slowloris([hello_of(p.address).port for p in peers])
-    attacker.thread.start()
+    attacker = Slowloris([hello_of(p.address).port for p in peers], IDLE_PER_PEER)
+    attacker.start()
     try:
         time.sleep(1.0)  # every slot it can take is taken
         for name in ("flood1", "flood2", "flood3"):
@@ -104,8 +56,8 @@ def test_idle_connections_do_not_stall_the_group(processes: ProcessGroup, tmp_pa
             assert all(torch.equal(r, results[0]) for r in results)
             assert torch.allclose(results[0].double(), truth, atol=1e-6)
     finally:
-        attacker.stop.set()
-        attacker.thread.join(timeout=10)
+        attacker.halt.set()
+        attacker.join(timeout=10)
     # The servers closed idle connections to make room (or refused them past the per-address
     # cap), so the attacker had to keep reopening: the attack was on, and was contained.
     assert attacker.reopened > 0

@@ -44,13 +44,7 @@ from swarmd.node.averaging.codecs import (
     make_codec,
 )
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
-from swarmd.node.averaging.exchange import (
-    GET_PART,
-    PUT_PART,
-    SERVICE,
-    Exchange,
-    Link,
-)
+from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange, Link
 from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
 from swarmd.node.averaging.proof import NONCE_BYTES
 from swarmd.node.averaging.reduction import check_contribution, l2_norm
