@@ -38,6 +38,13 @@ class TransportConfig:
     #: Bulk connections one source address may hold at once (_bulk_slots.py). An honest peer
     #: holds a few per round (a part out, a part back, relays, state chunks).
     bulk_max_per_address: int = 16
+    #: Server: bytes of incoming tensors (allocated, not yet handed to their handlers) all
+    #: senders together, and one sender, may hold (_receive_budget.py); a call beyond them
+    #: waits up to receive_wait_s for room, then is RESOURCE_EXHAUSTED. One sender's share
+    #: must fit the largest tensor.
+    max_receive_bytes: int = 4 << 30
+    max_receive_bytes_per_peer: int = 2 << 30
+    receive_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,11 +55,20 @@ class TransportConfig:
             "max_inflight_calls",
             "max_channels",
             "bulk_max_per_address",
+            "max_receive_bytes",
+            "max_receive_bytes_per_peer",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransportConfig.{name} must be positive")
         if self.chunk_bytes + 1 > self.max_message_bytes:
             raise ValueError("TransportConfig.chunk_bytes must leave room within max_message_bytes")
+        if not self.max_tensor_bytes <= self.max_receive_bytes_per_peer <= self.max_receive_bytes:
+            raise ValueError(
+                "TransportConfig needs max_tensor_bytes <= max_receive_bytes_per_peer "
+                "<= max_receive_bytes"
+            )
+        if self.receive_wait_s < 0:
+            raise ValueError("TransportConfig.receive_wait_s must be >= 0")
         if not 0 <= self.bulk_port <= 65535:
             raise ValueError("TransportConfig.bulk_port must be in [0, 65535]")
         if self.default_deadline_s <= 0 or self.max_clock_skew_s <= 0 or self.grace_s < 0:

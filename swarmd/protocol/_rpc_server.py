@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarmd.protocol import bulk, faults
 from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol._receive_budget import ReceiveBudget, Reservation
 from swarmd.protocol._rpc_config import TransportConfig
 from swarmd.protocol._rpc_service import (
     GET_BULK_INFO,
@@ -49,7 +50,7 @@ from swarmd.protocol.calls import (
     to_rpc_error,
 )
 from swarmd.protocol.errors import ListenError
-from swarmd.protocol.framing import StreamAssembler, iter_frames
+from swarmd.protocol.framing import StreamAssembler, TensorMeta, iter_frames, parse_header_frame
 from swarmd.protocol.identity import Identity, PeerId, ReplayGuard, SignedHeader
 from swarmd.protocol.session import CALLER, SERVER, ServerKey, StreamMac, open_frames, seal_frames
 
@@ -118,9 +119,14 @@ class RpcServer:
         self.address = Address("", 0)
         self._bulk: bulk.BulkServer | None = None
         paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
+        self._tensor_in = {p: m for p, m in paths.items() if m.kind == "tensor_in"}
+        self.receive_budget = ReceiveBudget(
+            config.max_receive_bytes, config.max_receive_bytes_per_peer, config.receive_wait_s
+        )
         if config.bulk and any(m.kind != "unary" for m in paths.values()):
             self._bulk = bulk.BulkServer(
-                tensor_in={p: m.handler for p, m in paths.items() if m.kind == "tensor_in"},
+                tensor_in={p: m.handler for p, m in self._tensor_in.items()},
+                admit=self._admit_tensor,
                 tensor_out={
                     p: (m.request_type, m.handler)
                     for p, m in paths.items()
@@ -223,6 +229,17 @@ class RpcServer:
             raise RpcError(StatusCode.UNAVAILABLE, why)
         peer_id = self._guard.verify(path, signed, body)
         return CallContext(method=path, peer_id=peer_id, peer=peer), self._key.stream_mac(signed)
+
+    async def _admit_tensor(self, path: str, meta: TensorMeta, ctx: CallContext) -> Reservation:
+        """Runs before a tensor_in call's buffer exists: the method's own check of what was
+        declared, then room in the receive budget (per verified sender, else per address)."""
+        method = self._tensor_in.get(path)
+        if method is None:
+            raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {path}")
+        if method.admit is not None:
+            await method.admit(meta, ctx)
+        sender = str(ctx.peer_id) if ctx.peer_id is not None else ctx.peer.rpartition(":")[0]
+        return await self.receive_budget.reserve(sender, meta.nbytes)
 
     def _run_in_trio(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], context: grpc.ServicerContext
@@ -338,17 +355,23 @@ class RpcServer:
                 if first is None:
                     raise RpcError(StatusCode.INVALID_ARGUMENT, "empty tensor stream")
                 ctx, mac = self._authenticate(path, context, first, tensor=True)
-                # The assembler checks the declared size against our limit before allocating.
-                asm = StreamAssembler(self._cfg.max_tensor_bytes)
-                asm.feed(first)
-                received = len(first)
-                # The first frame is signed; the others each carry their tag.
-                rest = frames if mac is None else open_frames(mac, CALLER, frames, 1)
-                for frame in rest:
-                    asm.feed(frame)
-                    received += len(frame)
-                meta, data = asm.finish()
-                response = self._run_in_trio(method.handler, (meta, data, ctx), context)
+                # Nothing is allocated before the declared size passed our limit, the
+                # method's own check and the receive budget.
+                meta = parse_header_frame(first, self._cfg.max_tensor_bytes)
+                held = self._run_in_trio(self._admit_tensor, (path, meta, ctx), context)
+                try:
+                    asm = StreamAssembler(self._cfg.max_tensor_bytes)
+                    asm.feed(first)
+                    received = len(first)
+                    # The first frame is signed; the others each carry their tag.
+                    rest = frames if mac is None else open_frames(mac, CALLER, frames, 1)
+                    for frame in rest:
+                        asm.feed(frame)
+                        received += len(frame)
+                    meta, data = asm.finish()
+                    response = self._run_in_trio(method.handler, (meta, data, ctx), context)
+                finally:
+                    held.release()
                 out: bytes = response.SerializeToString()
             except Exception as exc:
                 self._observer.on_bytes(path, 0, received)

@@ -18,6 +18,9 @@ from swarmd.protocol.framing import Payload, TensorMeta
 
 UnaryHandler = Callable[[Any, CallContext], Awaitable[Message]]
 TensorInHandler = Callable[[TensorMeta, bytearray, CallContext], Awaitable[Message]]
+#: Looks at a tensor_in call's declared tensor (and who sends it) before any of its memory is
+#: allocated, and raises RpcError to refuse it: the method knows what size it asked for.
+TensorAdmit = Callable[[TensorMeta, CallContext], Awaitable[None]]
 #: A tensor_out handler may return its payload in pieces (see framing.Payload).
 TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, Payload]]]
 
@@ -28,14 +31,18 @@ class Method:
     kind: Literal["unary", "tensor_in", "tensor_out"]
     handler: Callable[..., Awaitable[Any]]
     request_type: type[Message] | None = None
+    admit: TensorAdmit | None = None
 
 
 def unary(name: str, request_type: type[Message], handler: UnaryHandler) -> Method:
     return Method(name, "unary", handler, request_type)
 
 
-def tensor_in(name: str, handler: TensorInHandler) -> Method:
-    return Method(name, "tensor_in", handler)
+def tensor_in(name: str, handler: TensorInHandler, admit: TensorAdmit | None = None) -> Method:
+    """A method that receives a tensor. Without ``admit``, any tensor up to the transport's
+    max_tensor_bytes is received from any authenticated sender: give one for methods that
+    strangers can reach."""
+    return Method(name, "tensor_in", handler, admit=admit)
 
 
 def tensor_out(name: str, request_type: type[Message], handler: TensorOutHandler) -> Method:

@@ -50,6 +50,7 @@ from google.protobuf.message import DecodeError, Message
 
 from swarmd.protocol._bulk_io import recv_exactly, recv_sealed, send_all, tune
 from swarmd.protocol._bulk_slots import Slot, Slots
+from swarmd.protocol._receive_budget import Reservation
 from swarmd.protocol.calls import CallContext, RpcError, RpcObserver, StatusCode, to_rpc_error
 from swarmd.protocol.errors import FramingError, ListenError, ProtocolError
 from swarmd.protocol.faults import FaultInjector
@@ -104,6 +105,8 @@ TensorOutHandler = Callable[[Any, CallContext], Awaitable[tuple[TensorMeta, Payl
 #: (path, signed header, signed body, transport peer) -> the call's context and the key of its
 #: frames, or raises.
 Authenticate = Callable[[str, SignedHeader, bytes, str], tuple[CallContext, StreamMac]]
+#: (path, declared tensor, call) -> room for it, or raises: runs before anything is allocated.
+Admit = Callable[[str, TensorMeta, CallContext], Awaitable[Reservation]]
 
 
 def encode_request(
@@ -197,6 +200,7 @@ class BulkServer:
         tensor_in: Mapping[str, TensorInHandler],
         tensor_out: Mapping[str, tuple[type[Message], TensorOutHandler]],
         authenticate: Authenticate,
+        admit: Admit,
         observer: RpcObserver,
         faults: FaultInjector | None,
         max_tensor_bytes: int,
@@ -207,6 +211,7 @@ class BulkServer:
         self._in = dict(tensor_in)
         self._out = dict(tensor_out)
         self._authenticate = authenticate
+        self._admit = admit
         self._observer = observer
         self._faults = faults
         self._max_tensor_bytes = max_tensor_bytes
@@ -301,11 +306,15 @@ class BulkServer:
                     handler = self._in.get(req.path)
                     if handler is None:
                         raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {req.path}")
-                    buf = RECEIVE_BUFFERS.take(meta.nbytes)
-                    await recv_sealed(sock, memoryview(buf), mac, CALLER, STALL_S)
-                    payload_left = 0
-                    received += sealed_nbytes(meta.nbytes)
-                    response = await handler(meta, buf, ctx)
+                    held = await self._admit(req.path, meta, ctx)  # before any allocation
+                    try:
+                        buf = RECEIVE_BUFFERS.take(meta.nbytes)
+                        await recv_sealed(sock, memoryview(buf), mac, CALLER, STALL_S)
+                        payload_left = 0
+                        received += sealed_nbytes(meta.nbytes)
+                        response = await handler(meta, buf, ctx)
+                    finally:
+                        held.release()
                     answer: Iterable[bytes | memoryview] = [
                         _response(StatusCode.OK, response.SerializeToString())
                     ]

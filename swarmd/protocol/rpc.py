@@ -37,6 +37,7 @@ from swarmd.protocol._rpc_service import GET_BULK_INFO as GET_BULK_INFO
 from swarmd.protocol._rpc_service import TRANSPORT_SERVICE as TRANSPORT_SERVICE
 from swarmd.protocol._rpc_service import Method as Method
 from swarmd.protocol._rpc_service import Service as Service
+from swarmd.protocol._rpc_service import TensorAdmit as TensorAdmit
 from swarmd.protocol._rpc_service import TensorInHandler as TensorInHandler
 from swarmd.protocol._rpc_service import TensorOutHandler as TensorOutHandler
 from swarmd.protocol._rpc_service import UnaryHandler as UnaryHandler

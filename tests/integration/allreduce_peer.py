@@ -26,6 +26,7 @@ import trio
 import swarmd.node.averaging.round as round_module
 from swarmd.compression.codec import Codec
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
+from swarmd.node.server.peer import Scratch, peer_service
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 
@@ -96,7 +97,10 @@ async def main(cfg: dict[str, Any]) -> None:
 
         averager._get_part = slow_get  # type: ignore[method-assign]
     local = local_values(cfg["index"], cfg["numel"])
-    async with rpc.serve([averager.service()], "127.0.0.1", 0, identity=identity) as server:
+    # A training peer's PutTensor scratch (lifecycle.py) beside the all-reduce: both are
+    # tensor methods a stranger can reach.
+    services = [averager.service(), peer_service(identity, Scratch(1 << 20))]
+    async with rpc.serve(services, "127.0.0.1", 0, identity=identity) as server:
         print(
             json.dumps(
                 {

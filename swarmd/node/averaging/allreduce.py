@@ -42,13 +42,14 @@ from swarmd.node.averaging.codecs import (
     Encoded,
     decode_contribution,
     make_codec,
+    part_limit,
 )
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
 from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange, Link
 from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
 from swarmd.node.averaging.proof import NONCE_BYTES
 from swarmd.node.averaging.reduction import check_contribution, l2_norm
-from swarmd.node.averaging.round import Round
+from swarmd.node.averaging.round import Reduction, Round
 from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -116,7 +117,7 @@ class Averager:
         return rpc.Service(
             SERVICE,
             [
-                rpc.tensor_in("PutPart", self._put_part),
+                rpc.tensor_in("PutPart", self._put_part, admit=self._admit_part),
                 rpc.tensor_out("GetPart", apb.GetPartRequest, self._get_part),
                 rpc.unary("GetProof", apb.ProofRequest, self._get_proof),
             ],
@@ -149,9 +150,21 @@ class Averager:
             raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, "sender is not in this group")
         return index
 
-    async def _put_part(
-        self, meta: TensorMeta, data: bytearray, ctx: rpc.CallContext
-    ) -> apb.PartAck:
+    async def _admit_part(self, meta: TensorMeta, ctx: rpc.CallContext) -> None:
+        """Before a part's buffer is allocated: only a member this attempt expects, sending
+        no more than the part's size at fp32 (the largest codec), is received at all."""
+        _, _, red, sender = await self._part_target(meta, ctx)
+        limit = part_limit(red.numel)
+        if meta.nbytes > limit:
+            red.add(sender, None, 0.0, f"declared {meta.nbytes} B, at most {limit} B")
+            raise rpc.RpcError(
+                rpc.StatusCode.INVALID_ARGUMENT, f"part of {meta.nbytes} B exceeds {limit} B"
+            )
+
+    async def _part_target(
+        self, meta: TensorMeta, ctx: rpc.CallContext
+    ) -> tuple[apb.PartInfo, Round, Reduction, int]:
+        """The reduction a PutPart feeds and the sender's index, or why it has no place."""
         info = apb.PartInfo()
         try:
             info.ParseFromString(meta.info)
@@ -171,10 +184,16 @@ class Averager:
             raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "part already reduced (late)")
         if sender in red.values or sender in red.rejected:
             raise rpc.RpcError(rpc.StatusCode.ALREADY_EXISTS, "duplicate contribution")
+        return info, rnd, red, sender
+
+    async def _put_part(
+        self, meta: TensorMeta, data: bytearray, ctx: rpc.CallContext
+    ) -> apb.PartAck:
+        info, rnd, red, sender = await self._part_target(meta, ctx)
         if not (math.isfinite(info.weight) and info.weight > 0):
             red.add(sender, None, 0.0, f"bad weight {info.weight}")
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "weight must be finite and > 0")
-        limits = DecodeLimits(max_elements=red.numel, max_bytes=4 * red.numel + 4096)
+        limits = DecodeLimits(max_elements=red.numel, max_bytes=part_limit(red.numel))
         try:
             value, backing = await trio.to_thread.run_sync(decode_contribution, data, limits)
         except CompressionError as exc:

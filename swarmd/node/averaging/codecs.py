@@ -37,6 +37,13 @@ BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02}
 Encoded = list[bytes | memoryview]
 
 
+def part_limit(numel: int) -> int:
+    """The most bytes a part of ``numel`` values may take on the wire: fp32 (the widest codec)
+    plus room for a codec header. A PutPart declaring more is refused before its buffer is
+    allocated, so a member cannot make a reducer hold more than its part could need."""
+    return 4 * numel + 4096
+
+
 def decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.Tensor, bytearray]:
     """A received part's values and the buffer behind them (recycled after the reduction).
 

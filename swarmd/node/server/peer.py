@@ -56,12 +56,16 @@ class Scratch:
         self._items: OrderedDict[str, tuple[TensorMeta, bytearray]] = OrderedDict()
         self._bytes = 0
 
-    def put(self, meta: TensorMeta, data: bytearray) -> None:
-        if len(data) > self._max:
+    def check_size(self, nbytes: int) -> None:
+        """Refuses a tensor that could never be kept: asked before its buffer is allocated."""
+        if nbytes > self._max:
             raise rpc.RpcError(
                 rpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"tensor of {len(data)} B exceeds this peer's scratch space of {self._max} B",
+                f"tensor of {nbytes} B exceeds this peer's scratch space of {self._max} B",
             )
+
+    def put(self, meta: TensorMeta, data: bytearray) -> None:
+        self.check_size(len(data))
         old = self._items.pop(meta.name, None)
         if old is not None:
             self._bytes -= len(old[1])
@@ -97,6 +101,9 @@ def peer_service(identity: Identity, scratch: Scratch) -> rpc.Service:
         scratch.put(meta, data)
         return pb.TensorAck(received_bytes=len(data), digest=d)
 
+    async def admit_tensor(meta: TensorMeta, ctx: rpc.CallContext) -> None:
+        scratch.check_size(meta.nbytes)
+
     async def get_tensor(
         req: pb.TensorRequest, ctx: rpc.CallContext
     ) -> tuple[TensorMeta, memoryview]:
@@ -107,7 +114,7 @@ def peer_service(identity: Identity, scratch: Scratch) -> rpc.Service:
         PEER_SERVICE,
         [
             rpc.unary("Ping", pb.PingRequest, ping),
-            rpc.tensor_in("PutTensor", put_tensor),
+            rpc.tensor_in("PutTensor", put_tensor, admit=admit_tensor),
             rpc.tensor_out("GetTensor", pb.TensorRequest, get_tensor),
         ],
     )
