@@ -48,6 +48,12 @@ class Metrics:
             ["method", "code"],
             registry=self.registry,
         )
+        self.rpc_limited = Counter(
+            "swarmd_rpc_rate_limited",
+            "Calls refused RESOURCE_EXHAUSTED by a rate limit, by the key that ran dry",
+            ["scope"],
+            registry=self.registry,
+        )
         self.rpc_duration = Histogram(
             "swarmd_rpc_duration_seconds",
             "Time to serve one RPC, including reading its request stream",
@@ -104,6 +110,9 @@ class Metrics:
     def on_served(self, method: str, code: str, duration_s: float) -> None:
         self.rpc_requests.labels(method=method, code=code).inc()
         self.rpc_duration.labels(method=method).observe(duration_s)
+
+    def on_limited(self, scope: str) -> None:
+        self.rpc_limited.labels(scope=scope).inc()
 
     def on_bytes(self, method: str, sent: int, received: int) -> None:
         self.sent_total += sent

@@ -6,8 +6,9 @@ gRPC itself: ``grpc_options`` is plain data that rpc's server and client hand to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from swarmd.protocol._rate_limit import RateLimits
 from swarmd.protocol.framing import DEFAULT_CHUNK_BYTES
 
 
@@ -45,6 +46,8 @@ class TransportConfig:
     max_receive_bytes: int = 4 << 30
     max_receive_bytes_per_peer: int = 2 << 30
     receive_wait_s: float = 30.0
+    #: Server: requests per second per source address and per peer (_rate_limit.py).
+    rate_limits: RateLimits = field(default_factory=RateLimits)
 
     def __post_init__(self) -> None:
         for name in (

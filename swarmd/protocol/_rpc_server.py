@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import grpc
 import trio
@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarmd.protocol import bulk, faults
 from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol._rate_limit import RateLimiter
 from swarmd.protocol._receive_budget import ReceiveBudget, Reservation
 from swarmd.protocol._rpc_config import TransportConfig
 from swarmd.protocol._rpc_service import (
@@ -120,6 +121,8 @@ class RpcServer:
         self._bulk: bulk.BulkServer | None = None
         paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
         self._tensor_in = {p: m for p, m in paths.items() if m.kind == "tensor_in"}
+        self.rate_limiter = RateLimiter(config.rate_limits)
+        self._limited_logged = -1e9
         self.receive_budget = ReceiveBudget(
             config.max_receive_bytes, config.max_receive_bytes_per_peer, config.receive_wait_s
         )
@@ -202,6 +205,14 @@ class RpcServer:
         server, grace = self._grpc, self._cfg.grace_s
         self._grpc = None
         await trio.to_thread.run_sync(lambda: server.stop(grace).wait())
+        peak = self.rate_limiter.peak_use
+        # How near this server's callers came to the rate limits: the figure that says
+        # whether the defaults leave honest traffic room (docs/architecture.md).
+        log.info(
+            "rate limits: at most %.1f%% of a peer's burst and %.1f%% of an address's used",
+            100 * peak["peer"],
+            100 * peak["address"],
+        )
 
     # -- request path ------------------------------------------------------------------------
 
@@ -214,9 +225,11 @@ class RpcServer:
         metadata = {k: v for k, v in context.invocation_metadata()}
         peer_id: PeerId | None = None
         mac: StreamMac | None = None
+        self._check_rate(path, "address", context.peer())
         if self._cfg.require_auth or "swarmd-sig-bin" in metadata:
             signed = SignedHeader.from_metadata(metadata)
             peer_id = self._guard.verify(path, signed, body)
+            self._check_rate(path, "peer", str(peer_id))
             if tensor:
                 mac = self._key.stream_mac(signed)
         return CallContext(method=path, peer_id=peer_id, peer=context.peer()), mac
@@ -227,8 +240,24 @@ class RpcServer:
         """The bulk plane's requests pass the same checks as gRPC's (always signed there)."""
         if self._faults is not None and (why := self._faults.incoming()):
             raise RpcError(StatusCode.UNAVAILABLE, why)
+        self._check_rate(path, "address", peer)
         peer_id = self._guard.verify(path, signed, body)
+        self._check_rate(path, "peer", str(peer_id))
         return CallContext(method=path, peer_id=peer_id, peer=peer), self._key.stream_mac(signed)
+
+    def _check_rate(self, path: str, scope: Literal["address", "peer"], who: str) -> None:
+        """The address's bucket before the signature is verified, the peer's after it."""
+        limiter = self.rate_limiter
+        if limiter.allow_address(who) if scope == "address" else limiter.allow_peer(who):
+            return
+        self._observer.on_limited(scope)
+        now = time.monotonic()
+        if now - self._limited_logged >= 10.0:  # one line per 10 s, not one per refusal
+            self._limited_logged = now
+            log.warning("rate limit: refusing calls from %s %s (%s)", scope, who, path[:80])
+        raise RpcError(
+            StatusCode.RESOURCE_EXHAUSTED, f"too many requests from this {scope}: retry later"
+        )
 
     async def _admit_tensor(self, path: str, meta: TensorMeta, ctx: CallContext) -> Reservation:
         """Runs before a tensor_in call's buffer exists: the method's own check of what was

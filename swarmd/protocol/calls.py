@@ -67,12 +67,19 @@ class RpcObserver(Protocol):
 
     def on_bytes(self, method: str, sent: int, received: int) -> None: ...
 
+    def on_limited(self, scope: str) -> None:
+        """A call refused by a rate limit (scope: "address" or "peer"). No method label: on
+        the bulk plane the path is the stranger's string until it is checked."""
+
 
 class NullObserver:
     def on_served(self, method: str, code: str, duration_s: float) -> None:
         pass
 
     def on_bytes(self, method: str, sent: int, received: int) -> None:
+        pass
+
+    def on_limited(self, scope: str) -> None:
         pass
 
 

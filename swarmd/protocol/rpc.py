@@ -26,6 +26,7 @@ Callers import from here (``from swarmd.protocol import rpc``), never from the p
 
 from __future__ import annotations
 
+from swarmd.protocol._rate_limit import RateLimits as RateLimits
 from swarmd.protocol._rpc_client import BULK_INFO_TIMEOUT_S as BULK_INFO_TIMEOUT_S
 from swarmd.protocol._rpc_client import BULK_INFO_TTL_S as BULK_INFO_TTL_S
 from swarmd.protocol._rpc_client import BULK_RETRY_S as BULK_RETRY_S

@@ -10,7 +10,13 @@ import argparse
 import dataclasses
 
 import swarmd
-from swarmd.node.cli.options import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CliError
+from swarmd.node.cli.options import (
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CliError,
+    rate_limits,
+)
 from swarmd.node.runtime.heap import settle_heap
 
 
@@ -55,8 +61,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from swarmd.node.server.peer import PeerConfig, run_peer
+    from swarmd.protocol import rpc
 
-    config = PeerConfig(listen=args.listen, state_dir=args.state_dir, metrics=args.metrics)
+    config = PeerConfig(
+        listen=args.listen,
+        state_dir=args.state_dir,
+        metrics=args.metrics,
+        transport=rpc.TransportConfig(rate_limits=rate_limits(args)),
+    )
     settle_heap()
     try:
         trio.run(run_peer, config)
@@ -76,7 +88,11 @@ def cmd_dht(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(f"bad --peers: {exc}", EXIT_USAGE) from None
     options = DHTNodeOptions(
-        listen=args.listen, peers=peers, state_dir=args.state_dir, log_interval_s=args.log_interval
+        listen=args.listen,
+        peers=peers,
+        state_dir=args.state_dir,
+        log_interval_s=args.log_interval,
+        rate_limits=rate_limits(args),
     )
     settle_heap()
     try:
@@ -122,6 +138,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             algo=args.algo,
             data_shard=args.data_shard,
             bulk_port=None if args.no_bulk else args.bulk_port,
+            rate_limits=rate_limits(args),
             device=args.device,
             creator=args.creator,
             allowed=AllowedWorkloads(tuple(args.model), tuple(args.data)),

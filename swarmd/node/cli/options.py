@@ -13,6 +13,7 @@ from pathlib import Path
 
 from swarmd.protocol.address import Address, parse_address
 from swarmd.protocol.identity import PeerId
+from swarmd.protocol.rpc import RateLimits
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -89,6 +90,54 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def rate(text: str) -> tuple[float, float]:
+    """RATE/BURST (requests per second, and how many at once): "200/1000"; RATE alone
+    allows a burst of five seconds' worth."""
+    head, _, tail = text.partition("/")
+    try:
+        value = float(head)
+        burst = float(tail) if tail else 5 * value
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RATE or RATE/BURST") from None
+    if not (value >= 1 and burst >= 1):
+        raise argparse.ArgumentTypeError(f"rate and burst must be >= 1, got {text!r}")
+    return value, burst
+
+
+def add_rate_limits(p: argparse.ArgumentParser) -> None:
+    d = RateLimits()
+    p.add_argument(
+        "--peer-rate-limit",
+        type=rate,
+        default=(d.per_peer_rate, d.per_peer_burst),
+        metavar="RATE/BURST",
+        help="requests per second this peer answers from one peer id, and the burst "
+        f"(default: {d.per_peer_rate:g}/{d.per_peer_burst:g}); beyond it RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--address-rate-limit",
+        type=rate,
+        default=(d.per_address_rate, d.per_address_burst),
+        metavar="RATE/BURST",
+        help="the same per source address, all its peer ids together "
+        f"(default: {d.per_address_rate:g}/{d.per_address_burst:g})",
+    )
+
+
+def rate_limits(args: argparse.Namespace) -> RateLimits:
+    """The --peer-rate-limit and --address-rate-limit pair, checked together."""
+    (peer, peer_burst), (addr, addr_burst) = args.peer_rate_limit, args.address_rate_limit
+    try:
+        return RateLimits(
+            per_peer_rate=peer,
+            per_peer_burst=peer_burst,
+            per_address_rate=addr,
+            per_address_burst=addr_burst,
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def add_state_dir(p: argparse.ArgumentParser) -> None:

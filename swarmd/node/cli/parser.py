@@ -15,6 +15,7 @@ from swarmd.node.cli import commands
 from swarmd.node.cli.options import (
     add_listen,
     add_metrics,
+    add_rate_limits,
     add_state_dir,
     address,
     address_list,
@@ -100,6 +101,7 @@ def _add_serve(sub: Subparsers) -> None:
         "health service, until SIGINT or SIGTERM. Prints one JSON line with its address.",
     )
     add_listen(p)
+    add_rate_limits(p)
     add_metrics(p)
     add_state_dir(p)
     p.set_defaults(func=commands.cmd_serve)
@@ -114,6 +116,7 @@ def _add_dht(sub: Subparsers) -> None:
         "its routing table size periodically. Exit code 3 if no bootstrap peer answers.",
     )
     add_listen(p)
+    add_rate_limits(p)
     p.add_argument(
         "--peers",
         default="",
@@ -157,6 +160,7 @@ def _add_join_network(p: argparse.ArgumentParser) -> None:
         help="bootstrap peers, HOST:PORT[,HOST:PORT...] (omit only for the first peer)",
     )
     add_listen(p)
+    add_rate_limits(p)
     p.add_argument(
         "--bulk-port",
         type=int,

@@ -7,6 +7,7 @@ SIGINT or SIGTERM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import signal
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import trio
 
-from swarmd.node.dht.node import DHTConfig, open_dht
+from swarmd.node.dht.node import DHT_TRANSPORT, DHTConfig, open_dht
+from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
 
@@ -30,6 +32,7 @@ class DHTNodeOptions:
     state_dir: Path = Path(".")
     log_interval_s: float = 30.0
     config: DHTConfig = field(default_factory=DHTConfig)
+    rate_limits: rpc.RateLimits = field(default_factory=rpc.RateLimits)
 
     def __post_init__(self) -> None:
         if not self.log_interval_s > 0:
@@ -49,6 +52,7 @@ async def run_dht_node(options: DHTNodeOptions) -> None:
         port=options.listen.port,
         bootstrap=options.peers,
         config=options.config,
+        transport=dataclasses.replace(DHT_TRANSPORT, rate_limits=options.rate_limits),
     ) as (node, server):
         _print(
             "listening",

@@ -381,6 +381,10 @@ class DHTNode:
         }
 
 
+#: A DHT-only node's transport: small messages, fewer of them at once than a training peer.
+DHT_TRANSPORT = rpc.TransportConfig(max_concurrent_rpcs=16, max_inflight_calls=64)
+
+
 @asynccontextmanager
 async def open_dht(
     identity: Identity,
@@ -394,7 +398,7 @@ async def open_dht(
     extra_services: Sequence[rpc.Service] = (),
 ) -> AsyncIterator[tuple[DHTNode, rpc.RpcServer]]:
     """A DHT-only node with its own server and client, joined and running in the block."""
-    transport = transport or rpc.TransportConfig(max_concurrent_rpcs=16, max_inflight_calls=64)
+    transport = transport or DHT_TRANSPORT
     client = rpc.RpcClient(identity, transport)
     node = DHTNode(identity, client, config, clock=clock)
     try:

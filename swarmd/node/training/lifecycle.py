@@ -52,6 +52,7 @@ class Peer:
             max_concurrent_rpcs=32,
             bulk=options.bulk_port is not None,
             bulk_port=options.bulk_port or 0,
+            rate_limits=options.rate_limits,
         )
         self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
         self.dht = DHTNode(self.identity, self.client)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmd.node.training.runconfig import RunConfig
+from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import PeerId
 from swarmd.workloads import AllowedWorkloads, resolve_device
@@ -47,6 +48,8 @@ class JoinOptions:
     data_shard: int | None = None
     #: The bulk data plane's port (0: the OS picks; None: tensors go over gRPC only).
     bulk_port: int | None = 0
+    #: Requests per second this peer answers per peer id and per source address.
+    rate_limits: rpc.RateLimits = field(default_factory=rpc.RateLimits)
     #: Where the model trains (swarmd/workloads/device.py): a peer's own choice.
     device: str = "auto"
     #: The only run config accepted is the one this key signed (None: the only one there is).
