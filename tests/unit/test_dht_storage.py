@@ -142,3 +142,70 @@ def test_a_key_nobody_waits_on_any_more_leaves_no_event_behind(clock: FakeClock)
     for i in range(100):
         store.next_store(b"round/%d" % i)  # taken and dropped, as by a round that ended
     assert len(store._watched) == 0
+
+
+def test_fresh_keys_from_one_address_stop_at_its_share(clock: FakeClock) -> None:
+    limits = StorageLimits(max_records=64, address_share=1 / 16, block_share=1 / 8)
+    assert limits.per_address[0] == 4 and limits.per_block[0] == 8
+    store = Storage(limits, clock=clock)
+    for i in range(4):
+        store.put(sign_record(Identity.generate(), b"a%d" % i, b"v", clock.now + 10), "10.0.0.7")
+    with pytest.raises(RecordError, match="source address quota"):
+        store.put(sign_record(Identity.generate(), b"a4", b"v", clock.now + 10), "10.0.0.7")
+    # Its neighbour in the /24 has its own share, until the block's is spent.
+    for i in range(4):
+        store.put(sign_record(Identity.generate(), b"b%d" % i, b"v", clock.now + 10), "10.0.0.8")
+    with pytest.raises(RecordError, match="source network quota"):
+        store.put(sign_record(Identity.generate(), b"c", b"v", clock.now + 10), "10.0.0.9")
+    # Another network, and the node's own records, are not charged to either.
+    store.put(sign_record(Identity.generate(), b"d", b"v", clock.now + 10), "10.0.1.9")
+    store.put(sign_record(Identity.generate(), b"e", b"v", clock.now + 10))
+    assert store.source_usage("10.0.0.7")[0] == 4
+    assert store.source_usage("10.0.0.0/24")[0] == 8
+    assert store.source_usage("10.0.1.0/24")[0] == 1
+    assert len(store) == 10
+
+
+def test_byte_share_and_ipv6_networks(clock: FakeClock) -> None:
+    limits = StorageLimits(max_bytes=40_000, address_share=1 / 4, block_share=1 / 2)
+    store = Storage(limits, clock=clock)
+    big = b"x" * 6_000
+    store.put(sign_record(Identity.generate(), b"a", big, clock.now + 10), "2001:db8:1:2::1")
+    with pytest.raises(RecordError, match="address quota"):
+        store.put(sign_record(Identity.generate(), b"b", big, clock.now + 10), "2001:db8:1:2::1")
+    store.put(sign_record(Identity.generate(), b"c", big, clock.now + 10), "2001:db8:1:3::1")
+    store.put(sign_record(Identity.generate(), b"d", big, clock.now + 10), "2001:db8:1:4::1")
+    # Three addresses of one /48 have filled its half of the node.
+    with pytest.raises(RecordError, match="network quota"):
+        store.put(sign_record(Identity.generate(), b"e", big, clock.now + 10), "2001:db8:1:5::1")
+    store.put(sign_record(Identity.generate(), b"f", big, clock.now + 10), "2001:db8:2::1")
+
+
+def test_a_record_is_charged_to_whoever_delivered_its_current_version(clock: FakeClock) -> None:
+    store = Storage(StorageLimits(max_records=32), clock=clock)  # 2 records per address
+    me = Identity.generate()
+    store.put(sign_record(me, b"k", b"v1", clock.now + 10), "10.0.0.1")
+    # A republish from the owner's new address moves the charge; an older replay changes none.
+    store.put(sign_record(me, b"k", b"v2", clock.now + 20), "10.0.0.2")
+    assert store.source_usage("10.0.0.1") == (0, 0)
+    assert store.source_usage("10.0.0.2")[0] == 1
+    store.put(sign_record(me, b"k", b"v1", clock.now + 10), "10.0.0.3")
+    assert store.source_usage("10.0.0.3") == (0, 0)
+    # An address whose share is spent can still replace its own records.
+    store.put(sign_record(me, b"j", b"w", clock.now + 20), "10.0.0.2")
+    store.put(sign_record(me, b"j", b"w2", clock.now + 30), "10.0.0.2")
+    assert store.source_usage("10.0.0.2")[0] == 2
+    # Expiry gives the share back.
+    clock.now += 25
+    assert store.source_usage("10.0.0.2")[0] == 2
+    store.get(b"j")
+    assert store.source_usage("10.0.0.2")[0] == 1
+    assert store.source_usage("10.0.0.0/24")[0] == 1
+
+
+def test_source_shares_are_validated() -> None:
+    for shares in ((0.0, 0.5), (0.5, 0.25), (0.5, 1.5)):
+        with pytest.raises(ValueError, match="address_share"):
+            StorageLimits(address_share=shares[0], block_share=shares[1])
+    assert StorageLimits().per_address == (12_500, 16 << 20)
+    assert StorageLimits().per_block == (25_000, 32 << 20)

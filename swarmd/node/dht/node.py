@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
+from swarmd.node.dht.admission import Admission
 from swarmd.node.dht.caller import Caller
 from swarmd.node.dht.config import DHTConfig as DHTConfig
 from swarmd.node.dht.ids import key_id, random_id_in_bucket
@@ -73,7 +74,10 @@ class DHTNode:
         self.table = RoutingTable(identity.peer_id, self.config.routing_config())
         self.storage = Storage(self.config.storage, clock=clock, verifier=self.verifier)
         self.caller = Caller(identity, client, self.table, self.config.timeouts)
-        self._service = DHTService(identity, self.table, self.storage, self.config.service)
+        self.admission = Admission(self.caller, self.table)
+        self._service = DHTService(
+            identity, self.table, self.storage, self.admission, self.config.service
+        )
         self._replicator = Replicator(
             self.config, self.caller, self.table, self.storage, self._find_nodes
         )
@@ -111,6 +115,7 @@ class DHTNode:
             await self.bootstrap(self._bootstrap)
         task_status.started()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.admission.run)
             nursery.start_soon(self._refresh_loop)
             nursery.start_soon(self._republish_loop)
 

@@ -10,6 +10,9 @@ longest (old contacts are likelier to stay). Three additions against hostile or 
   that doubles with each consecutive failure (capped), so dead peers stop costing timeouts but
   a peer that was only briefly unreachable comes back;
 - a full bucket keeps a small replacement cache, promoted when an entry is evicted.
+
+Nothing here checks that a contact answers at its address: callers of ``seen`` do (an answer
+to our own call, caller.py; a verification ping for an incoming call, admission.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ class RoutingConfig:
     backoff_base_s: float = 2.0
     backoff_max_s: float = 300.0
     replacement_cache: int = 8
+    #: Incoming callers being pinged back before they may enter (admission.py); more are
+    #: dropped, so a flood of fresh identities costs at most this many pings in flight.
+    max_pending: int = 32
+    #: A full bucket's oldest contact heard from this recently is kept without a ping when a
+    #: newcomer would take its place (each ping would prove what we just saw).
+    recheck_after_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -45,6 +54,8 @@ class RoutingConfig:
             raise ValueError("RoutingConfig needs 0 < backoff_base_s <= backoff_max_s")
         if self.replacement_cache < 0:
             raise ValueError("RoutingConfig.replacement_cache must be >= 0")
+        if self.max_pending < 1 or self.recheck_after_s < 0:
+            raise ValueError("RoutingConfig needs max_pending >= 1 and recheck_after_s >= 0")
         for net in self.subnet_exempt:
             try:
                 ipaddress.ip_network(net)
@@ -169,6 +180,11 @@ class RoutingTable:
             count = previous.count + 1 if previous else 1
             delay = min(self.config.backoff_base_s * 2 ** (count - 1), self.config.backoff_max_s)
             self._failures[peer_id] = _Failure(count, now + delay)
+        if len(self._failures) > 16 * self.config.k * 8:
+            # Failed verifications of callers that never entered land here too (a flood of
+            # fresh ids): forget the ones whose back-off is over.
+            for pid in [p for p, f in self._failures.items() if f.until <= now]:
+                del self._failures[pid]
         if peer_id == self.own:
             return
         index = bucket_index(self.own_id, node_id(peer_id))
@@ -178,10 +194,20 @@ class RoutingTable:
             return
         self._count(contact.address, -1)
         self._promote(index)
-        if len(self._failures) > 16 * self.config.k * 8:
-            now = self._clock()
-            for pid in [p for p, f in self._failures.items() if f.until <= now]:
-                del self._failures[pid]
+
+    def oldest_rival(self, newcomer: PeerId) -> Contact | None:
+        """The least-recently-seen contact of the full bucket ``newcomer`` belongs in, if it has
+        not been heard from for ``recheck_after_s``: the one to ping before giving up on the
+        newcomer. None if the bucket has room, already holds it, or its oldest is fresh."""
+        if newcomer == self.own:
+            return None
+        bucket = self._buckets[bucket_index(self.own_id, node_id(newcomer))]
+        if len(bucket) < self.config.k or newcomer in bucket:
+            return None
+        oldest = next(iter(bucket.values()))
+        if oldest.last_seen > self._clock() - self.config.recheck_after_s:
+            return None
+        return oldest
 
     def _promote(self, index: int) -> None:
         cache, bucket = self._replacements[index], self._buckets[index]

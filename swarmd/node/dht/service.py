@@ -2,8 +2,11 @@
 
 Handlers never call other peers, so a request costs the callee a bounded amount of work: at
 most ``max_batch`` records or targets per call, each checked for size before its signature.
-Every caller that says where it listens enters our routing table under the IP address its
-call came from (the port is its claim), which is how a swarm learns about new nodes.
+A caller that says where it listens is offered to the routing table under the IP address its
+call came from (the port is its claim), which is how a swarm learns about new nodes; it
+enters only once it has answered a ping there (admission.py), so that identities that claim
+an address where nothing listens cannot fill our buckets. Stored records are charged to the
+call's source address (storage.py's per-address and per-network quotas).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from swarmd.node.dht.admission import Admission
 from swarmd.node.dht.caller import SERVICE, make_proof
 from swarmd.node.dht.ids import ID_BYTES, id_from_bytes
 from swarmd.node.dht.records import Record, RecordError, fingerprint
@@ -37,10 +41,9 @@ class ServiceLimits:
             raise ValueError("ServiceLimits needs max_batch >= 1 and max_known >= 0")
 
 
-def caller_address(transport_peer: str, port: int) -> str | None:
-    """HOST:PORT where a caller listens: the IP its call came from, the port it claims."""
-    if port == 0 or port > 65535:
-        return None
+def source_ip(transport_peer: str) -> str | None:
+    """The IP a call came from, as the transport saw it ("ipv4:1.2.3.4:5678"); None if the
+    transport named no IP (a Unix socket)."""
     kind, _, rest = transport_peer.partition(":")
     if kind == "ipv4":
         host = rest.rpartition(":")[0]
@@ -49,10 +52,21 @@ def caller_address(transport_peer: str, port: int) -> str | None:
     else:
         return None
     try:
-        ipaddress.ip_address(host)
+        ip = ipaddress.ip_address(host)
     except ValueError:
         return None
-    return str(Address(host, port))
+    # A dual-stack listener sees IPv4 callers as ::ffff:a.b.c.d; as IPv6 they would all share
+    # one /48 quota, so they are counted (and dialled back) as the IPv4 they are.
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
+
+
+def caller_address(transport_peer: str, port: int) -> str | None:
+    """HOST:PORT where a caller listens: the IP its call came from, the port it claims."""
+    if port == 0 or port > 65535:
+        return None
+    host = source_ip(transport_peer)
+    return None if host is None else str(Address(host, port))
 
 
 _OUTCOME = {
@@ -67,11 +81,13 @@ class DHTService:
         identity: Identity,
         table: RoutingTable,
         storage: Storage,
+        admission: Admission,
         limits: ServiceLimits | None = None,
     ) -> None:
         self.identity = identity
         self.table = table
         self.storage = storage
+        self.admission = admission
         self.limits = limits or ServiceLimits()
 
     def service(self) -> rpc.Service:
@@ -89,7 +105,7 @@ class DHTService:
             return
         address = caller_address(ctx.peer, port)
         if address is not None:
-            self.table.seen(ctx.peer_id, address)
+            self.admission.offer(ctx.peer_id, address)
 
     async def ping(self, req: pb.PingRequest, ctx: rpc.CallContext) -> pb.PingResponse:
         self._note_caller(ctx, req.sender_port)
@@ -106,9 +122,10 @@ class DHTService:
             )
         self._note_caller(ctx, req.sender_port)
         resp = pb.StoreResponse()
+        source = source_ip(ctx.peer)
         for msg in req.records:
             try:
-                outcome = _OUTCOME[self.storage.put(Record.from_pb(msg))]
+                outcome = _OUTCOME[self.storage.put(Record.from_pb(msg), source)]
                 reason = ""
             except RecordError as exc:
                 outcome, reason = pb.StoreResponse.REFUSED, str(exc)

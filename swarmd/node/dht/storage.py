@@ -10,13 +10,20 @@ expires last). Each slot (key, or key + sub-key) keeps one record:
 - expired records are dropped and never returned.
 
 Quotas bound what one owner key can make this node hold (count and bytes), and a global cap
-bounds everything, so a flood from freshly generated keys costs memory only up to that cap.
+bounds everything. Keys cost nothing to make, so an owner quota alone let one host fill the
+whole cap with fresh keys (issue 31: 66 keys from one address filled 256 MiB in 4.8 s, and
+honest stores failed after that). So the records a caller delivered also count against the
+address the call came from and against its /24 (IPv4) or /48 (IPv6) network: filling the node
+takes many hosts in many networks, not many keys. A record is charged to whoever delivered its
+current version; records this node stores itself (its own, or ones it fetched) are charged to
+no address.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+import ipaddress
 import time
 import weakref
 from collections.abc import Callable
@@ -35,24 +42,60 @@ class Outcome(enum.Enum):
 
 @dataclass(frozen=True)
 class StorageLimits:
-    """What a node agrees to hold for others."""
+    """What a node agrees to hold for others.
+
+    ``address_share`` and ``block_share`` are the fractions of ``max_records`` and
+    ``max_bytes`` that one source address and one /24 (/48) network may fill. 1/16 and 1/8:
+    a single host then holds at most 16 MiB (four whole owner quotas, far above what a run
+    stores on a node: a few hundred small records), and filling a node takes 8 networks; the
+    block's share is twice the address's so that an honest peer sharing a /24 with one
+    flooding host still has as much room as the flooder.
+    """
 
     records: RecordLimits = field(default_factory=RecordLimits)
     max_records_per_owner: int = 1024
     max_bytes_per_owner: int = 4 << 20
     max_records: int = 200_000
     max_bytes: int = 256 << 20
+    address_share: float = 1 / 16
+    block_share: float = 1 / 8
 
     def __post_init__(self) -> None:
         for name in ("max_records_per_owner", "max_bytes_per_owner", "max_records", "max_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"StorageLimits.{name} must be positive")
+        if not 0 < self.address_share <= self.block_share <= 1:
+            raise ValueError("StorageLimits needs 0 < address_share <= block_share <= 1")
+
+    def _share(self, fraction: float) -> tuple[int, int]:
+        return max(1, int(self.max_records * fraction)), max(1, int(self.max_bytes * fraction))
+
+    @property
+    def per_address(self) -> tuple[int, int]:
+        """(records, bytes) that calls from one source address may make this node hold."""
+        return self._share(self.address_share)
+
+    @property
+    def per_block(self) -> tuple[int, int]:
+        """(records, bytes) that calls from one /24 (IPv4) or /48 (IPv6) may make it hold."""
+        return self._share(self.block_share)
+
+
+def source_block(host: str) -> str:
+    """The /24 (IPv4) or /48 (IPv6) network of a source IP, as a quota key."""
+    ip = ipaddress.ip_address(host)
+    prefix = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
 
 
 @dataclass
 class _Usage:
     count: int = 0
     nbytes: int = 0
+
+
+#: A record's place: (key, sub-key or None).
+Slot = tuple[bytes, bytes | None]
 
 
 class Storage:
@@ -71,6 +114,10 @@ class Storage:
         self._plain: dict[bytes, Record] = {}
         self._subs: dict[bytes, dict[bytes, Record]] = {}
         self._usage: dict[bytes, _Usage] = {}
+        #: Usage per source address and per source network (their strings never collide: a
+        #: network's has a "/"), and the two keys each delivered record is charged to.
+        self._by_source: dict[str, _Usage] = {}
+        self._sources: dict[Slot, tuple[str, str]] = {}
         self._total = _Usage()
         # (expires_ms, key, has_subkey, subkey) of every stored record, so that tuples always
         # compare; entries whose slot has changed since are skipped when popped.
@@ -106,30 +153,45 @@ class Storage:
         u = self._usage.get(owner_key)
         return (u.count, u.nbytes) if u else (0, 0)
 
+    def source_usage(self, source: str) -> tuple[int, int]:
+        """(records, bytes) charged to a source address, or to a network ("10.0.0.0/24")."""
+        u = self._by_source.get(source)
+        return (u.count, u.nbytes) if u else (0, 0)
+
     def _slot(self, key: bytes, subkey: bytes | None) -> Record | None:
         if subkey is None:
             return self._plain.get(key)
         return self._subs.get(key, {}).get(subkey)
 
-    def put(self, record: Record) -> Outcome:
-        """Stores ``record`` or says why not (RecordError); verifies the signature last."""
+    def put(self, record: Record, source: str | None = None) -> Outcome:
+        """Stores ``record`` or says why not (RecordError); verifies the signature last.
+
+        ``source``: the IP address the record came from (the transport's, not a claim), to
+        charge it to; None for records this node stores itself.
+        """
         now = self._clock()
         self.purge(now)
         check_shape(record, self.limits.records, now)
-        old = self._slot(record.key, record.subkey)
+        slot = (record.key, record.subkey)
+        old = self._slot(*slot)
         if old is not None and old.owner_key != record.owner_key:
             raise RecordError("slot is held by another owner until its record expires")
+        keys = (source, source_block(source)) if source is not None else None
         self._check_quota(record, old)
+        if keys is not None and (old is None or record.supersedes(old)):
+            self._check_source_quota(record, old, keys)
         self._verifier.verify(record)  # cheap for records seen before (republishes)
         if old is not None and not record.supersedes(old):
             return Outcome.SUPERSEDED
         if old is not None:
-            self._account(old, -1)
+            self._account(old, -1, self._sources.pop(slot, None))
         if record.subkey is None:
             self._plain[record.key] = record
         else:
             self._subs.setdefault(record.key, {})[record.subkey] = record
-        self._account(record, +1)
+        self._account(record, +1, keys)
+        if keys is not None:
+            self._sources[slot] = keys
         entry = (record.expires_ms, record.key, record.subkey is not None, record.subkey or b"")
         heapq.heappush(self._expiries, entry)
         event = self._watched.pop(record.key, None)
@@ -152,7 +214,25 @@ class Storage:
         if total_count > lim.max_records or total_bytes > lim.max_bytes:
             raise RecordError("this node's storage is full")
 
-    def _account(self, record: Record, sign: int) -> None:
+    def _check_source_quota(
+        self, record: Record, old: Record | None, keys: tuple[str, str]
+    ) -> None:
+        lim = self.limits
+        held_by = self._sources.get((record.key, record.subkey)) if old is not None else None
+        for key, (max_count, max_bytes), what in zip(
+            keys, (lim.per_address, lim.per_block), ("address", "network"), strict=True
+        ):
+            usage = self._by_source.get(key, _Usage())
+            same = old is not None and held_by is not None and key in held_by
+            count = usage.count + (0 if same else 1)
+            nbytes = usage.nbytes + record.size - (old.size if same and old else 0)
+            if count > max_count or nbytes > max_bytes:
+                raise RecordError(
+                    f"source {what} quota exceeded: {key} may store {max_count} records, "
+                    f"{max_bytes} B on this node"
+                )
+
+    def _account(self, record: Record, sign: int, sources: tuple[str, str] | None) -> None:
         usage = self._usage.setdefault(record.owner_key, _Usage())
         usage.count += sign
         usage.nbytes += sign * record.size
@@ -160,6 +240,12 @@ class Storage:
         self._total.nbytes += sign * record.size
         if usage.count == 0:
             del self._usage[record.owner_key]
+        for key in sources or ():
+            by = self._by_source.setdefault(key, _Usage())
+            by.count += sign
+            by.nbytes += sign * record.size
+            if by.count == 0:
+                del self._by_source[key]
 
     def get(self, key: bytes) -> list[Record]:
         """Live records under ``key``: the plain one (if any) then sub-key entries."""
@@ -189,7 +275,7 @@ class Storage:
             current = self._slot(key, subkey)
             if current is None or current.expires_ms != expires_ms:
                 continue  # replaced since; the newer record has its own heap entry
-            self._account(current, -1)
+            self._account(current, -1, self._sources.pop((key, subkey), None))
             if subkey is None:
                 del self._plain[key]
             else:

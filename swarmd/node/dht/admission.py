@@ -1,0 +1,97 @@
+"""Who enters the routing table from an incoming call: only a contact that answered us.
+
+A call's signature proves the caller holds its key, but the port it claims is only a claim:
+before this, every caller entered our buckets at once, and of 300 fresh identities that
+pinged from one host claiming a port where nothing listens, about 100 did (issue 31), each
+later costing lookups a timeout. As in S/Kademlia (Baumgart & Mies 2007), an unknown caller
+is now pinged back at its claimed address with a challenge it must sign, and offered to its
+bucket only if that succeeds. Contacts learned from lookups' answers already enter only
+after answering our own calls (caller.py).
+
+The pings are bounded: at most ``RoutingConfig.max_pending`` verifications at once (one per
+node id); offers beyond that are dropped, which costs an honest caller nothing lasting, since
+it calls again and a node it calls learns of it from its answers. A failed verification puts
+the id in back-off, so the same id is not pinged again at once.
+
+A full bucket keeps its long-lived contacts (Kademlia: they are the likeliest to stay): a
+verified newcomer goes to the bucket's replacement cache and its least-recently-seen contact
+is pinged; only if that fails is it evicted, and the newcomer promoted in its place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import trio
+
+from swarmd.node.dht.caller import Caller
+from swarmd.node.dht.routing import RoutingTable
+from swarmd.protocol import rpc
+from swarmd.protocol.errors import ProtocolError
+from swarmd.protocol.identity import PeerId
+
+
+class Admission:
+    """Not thread-safe: used from the trio loop only."""
+
+    def __init__(self, caller: Caller, table: RoutingTable) -> None:
+        self.caller = caller
+        self.table = table
+        self.max_pending = table.config.max_pending
+        self._pending: set[PeerId] = set()
+        # Unbounded only in type: at most max_pending items are ever in it (see offer).
+        self._send, self._receive = trio.open_memory_channel[tuple[PeerId, str]](math.inf)
+        #: Offers dropped because max_pending verifications were already running.
+        self.dropped = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def offer(self, peer_id: PeerId, address: str) -> None:
+        """A caller that signed a request and says it listens at ``address``."""
+        if peer_id == self.table.own or self.table.in_backoff(peer_id):
+            return
+        current = self.table.get(peer_id)
+        if current is not None and current.address == address:
+            self.table.seen(peer_id, address)  # verified there when it entered
+            return
+        if peer_id in self._pending:
+            return
+        if len(self._pending) >= self.max_pending:
+            self.dropped += 1
+            return
+        self._pending.add(peer_id)
+        self._send.send_nowait((peer_id, address))
+
+    async def run(self) -> None:
+        """Verifies offered contacts until cancelled (in the node's nursery)."""
+        async with trio.open_nursery() as nursery:
+            async for peer_id, address in self._receive:
+                nursery.start_soon(self._verify, peer_id, address)
+
+    async def _verify(self, peer_id: PeerId, address: str) -> None:
+        try:
+            if self.caller.is_verified(peer_id, address):
+                self.table.seen(peer_id, address)
+            else:
+                try:
+                    # Enters the table on success (Caller._accept); on failure the caller
+                    # marks the id failed, which bars it for a back-off period.
+                    await self.caller.ping(address, peer_id)
+                except (rpc.RpcError, ProtocolError):
+                    return
+            if peer_id not in self.table:
+                await self._challenge_oldest(peer_id)
+        finally:
+            self._pending.discard(peer_id)
+
+    async def _challenge_oldest(self, newcomer: PeerId) -> None:
+        """Pings the full bucket's least-recently-seen contact unless it was heard from lately;
+        a failure evicts it (RoutingTable.failed), which promotes the newcomer from the cache."""
+        oldest = self.table.oldest_rival(newcomer)
+        if oldest is None:
+            return
+        with contextlib.suppress(rpc.RpcError, ProtocolError):
+            await self.caller.ping(oldest.address, oldest.peer_id)
