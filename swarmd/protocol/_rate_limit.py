@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from swarmd.protocol.address import peer_ip
+
 
 @dataclass(frozen=True)
 class RateLimits:
@@ -55,25 +57,11 @@ class _Bucket:
 
 
 def address_key(peer: str) -> str:
-    """The rate key of a transport peer: gRPC's "ipv4:1.2.3.4:5" / "ipv6:[::1]:5" (or
-    %5B-escaped), the bulk listener's "ipv6:::1:5", or a plain "1.2.3.4:5"."""
-    scheme, rest = peer[:4], peer[5:]
-    if scheme not in ("ipv4", "ipv6"):
-        scheme, rest = "", peer
-    rest = rest.replace("%5B", "[").replace("%5D", "]")
-    if rest.startswith("["):
-        host = rest[1 : rest.find("]")]
-    elif scheme or rest.count(":") == 1:
-        host = rest.rpartition(":")[0]
-    else:
-        host = rest
-    try:
-        ip = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return host
+    """The rate key of a transport peer (see address.peer_ip): its IP, or its IPv6 /64."""
+    ip = peer_ip(peer)
+    if ip is None:
+        return peer
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
 

@@ -43,3 +43,31 @@ def parse_address(text: str, *, allow_port_zero: bool = False) -> Address:
     if not low <= port <= 65535:
         raise ValueError(f"bad address {text!r}: port must be in {low}..65535")
     return Address(host, port)
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def peer_ip(transport_peer: str) -> IPAddress | None:
+    """The IP a call came from, as a transport names its peer: gRPC's "ipv4:1.2.3.4:5" and
+    "ipv6:[::1]:5" (or %5B-escaped), the bulk listener's "ipv6:::1:5", a plain "1.2.3.4:5".
+    None if it names no IP (a Unix socket). A dual-stack listener sees IPv4 callers as
+    ::ffff:a.b.c.d: they are returned as the IPv4 they are, so that quotas and rate limits
+    keyed by address do not lump every IPv4 caller into one IPv6 network."""
+    scheme, rest = transport_peer[:4], transport_peer[5:]
+    if scheme not in ("ipv4", "ipv6"):
+        scheme, rest = "", transport_peer
+    rest = rest.replace("%5B", "[").replace("%5D", "]")
+    if rest.startswith("["):
+        host = rest[1 : rest.find("]")]
+    elif scheme or rest.count(":") == 1:
+        host = rest.rpartition(":")[0]
+    else:
+        host = rest
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip

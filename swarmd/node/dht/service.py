@@ -11,7 +11,6 @@ call's source address (storage.py's per-address and per-network quotas).
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 
 from swarmd.node.dht.admission import Admission
@@ -22,7 +21,7 @@ from swarmd.node.dht.routing import RoutingTable
 from swarmd.node.dht.storage import Outcome, Storage
 from swarmd.protocol import dht_pb2 as pb
 from swarmd.protocol import rpc
-from swarmd.protocol.address import Address
+from swarmd.protocol.address import Address, peer_ip
 from swarmd.protocol.identity import Identity, PeerId
 
 #: Known-record fingerprints a Find may list (8 bytes each); readers send at most this many.
@@ -42,23 +41,10 @@ class ServiceLimits:
 
 
 def source_ip(transport_peer: str) -> str | None:
-    """The IP a call came from, as the transport saw it ("ipv4:1.2.3.4:5678"); None if the
-    transport named no IP (a Unix socket)."""
-    kind, _, rest = transport_peer.partition(":")
-    if kind == "ipv4":
-        host = rest.rpartition(":")[0]
-    elif kind == "ipv6":
-        host = rest.rpartition(":")[0].strip("[]")
-    else:
-        return None
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return None
-    # A dual-stack listener sees IPv4 callers as ::ffff:a.b.c.d; as IPv6 they would all share
-    # one /48 quota, so they are counted (and dialled back) as the IPv4 they are.
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return str(mapped or ip)
+    """The IP a call came from (address.peer_ip), as text; None if the transport named no IP
+    (a Unix socket)."""
+    ip = peer_ip(transport_peer)
+    return None if ip is None else str(ip)
 
 
 def caller_address(transport_peer: str, port: int) -> str | None:
