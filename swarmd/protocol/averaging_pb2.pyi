@@ -101,3 +101,17 @@ class PartProof(_message.Message):
     nonces: _containers.RepeatedCompositeFieldContainer[ProofNonce]
     digest: bytes
     def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class GatherInfo(_message.Message):
+    __slots__ = ("group_id", "step", "state_hash")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    step: int
+    state_hash: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., state_hash: _Optional[bytes] = ...) -> None: ...
+
+class GatherAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

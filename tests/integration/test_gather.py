@@ -1,0 +1,147 @@
+"""Sticky-group all-gather (averaging/gather.py, DeMo's exchange) between real processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+
+import trio
+
+from swarmd.node.averaging.gather import PUT_GATHER, GatherConfig, Gatherer
+from swarmd.node.averaging.group import Group, Member
+from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol import rpc
+from swarmd.protocol.framing import TensorMeta
+from swarmd.protocol.identity import Identity
+from tests.helpers import ROOT, Proc, ProcessGroup
+from tests.integration.gather_peer import digest, payload
+
+SCRIPT = str(ROOT / "tests" / "integration" / "gather_peer.py")
+PAYLOAD = 200_000
+
+
+def _peers(processes: ProcessGroup, hashes: list[str]) -> list[Proc]:
+    return processes.start_many(
+        [
+            [sys.executable, SCRIPT, json.dumps({"index": i, "hash": h})]
+            for i, h in enumerate(hashes)
+        ],
+        stdin=True,
+    )
+
+
+def _start(peers: list[Proc], group: str, steps: int) -> None:
+    members = sorted([str(p.info["peer_id"]), p.address] for p in peers)
+    for p in peers:
+        p.send({"group": group, "members": members, "steps": steps, "payload_bytes": PAYLOAD})
+
+
+def _expected(peers: list[Proc], step: int) -> dict[str, str]:
+    return {str(p.info["peer_id"]): digest(payload(i, step, PAYLOAD)) for i, p in enumerate(peers)}
+
+
+def test_every_member_gets_every_payload_every_step(processes: ProcessGroup) -> None:
+    peers = _peers(processes, ["same", "same", "same"])
+    _start(peers, "g1", steps=8)
+    for step in range(8):
+        outs = [p.receive(timeout=30) for p in peers]
+        for out in outs:
+            assert out["step"] == step
+            assert out["senders"] == _expected(peers, step), out
+            assert out["late"] == [] and out["dropped"] == [] and out["agree"] is True
+
+
+def test_a_killed_member_is_late_then_dropped_and_the_others_go_on(
+    processes: ProcessGroup,
+) -> None:
+    peers = _peers(processes, ["same", "same", "same"])
+    steps = 12
+    _start(peers, "g2", steps=steps)
+    for _ in range(3):
+        for p in peers:
+            p.receive(timeout=30)
+    victim, survivors = peers[2], peers[:2]
+    victim.process.send_signal(signal.SIGKILL)
+    dead = str(victim.info["peer_id"])
+    dropped_at: list[int] = []
+    after_drop: list[float] = []
+    for _ in range(3, steps):
+        outs = [p.receive(timeout=30) for p in survivors]
+        for out in outs:
+            senders = out["senders"]
+            assert isinstance(senders, dict)
+            live = {k: v for k, v in _expected(peers, int(str(out["step"]))).items() if k != dead}
+            # Every survivor's payload arrives every step; the dead member's never again
+            # after it died (a step in flight at the kill may still carry it).
+            assert {k: senders[k] for k in live} == live, out
+            assert out["seconds"] < 10, out  # within one deadline (max_deadline_s is 8)
+            if dropped_at and int(str(out["step"])) > max(dropped_at):
+                after_drop.append(float(str(out["seconds"])))
+            if out["dropped"]:
+                assert out["dropped"] == [dead]
+                dropped_at.append(int(str(out["step"])))
+    # Both survivors dropped it after two late steps, at the same step.
+    assert len(dropped_at) == 2 and dropped_at[0] == dropped_at[1], dropped_at
+    # Once dropped, steps no longer wait for it (min_deadline_s is 1: waiting would show).
+    assert after_drop and max(after_drop) < 1.0, after_drop
+
+
+def test_a_member_whose_state_differs_learns_it(processes: ProcessGroup) -> None:
+    peers = _peers(processes, ["same", "same", "drifted"])
+    _start(peers, "g3", steps=2)
+    for _ in range(2):
+        outs = [p.receive(timeout=30) for p in peers]
+        assert [o["agree"] for o in outs] == [True, True, False], outs
+
+
+def test_payloads_are_checked_before_they_are_received() -> None:
+    """Strangers, steps outside the window, oversized and duplicate payloads are refused
+    with their reason; the member's step still completes with the honest payload."""
+
+    async def main() -> None:
+        ids = [Identity.generate() for _ in range(2)]
+        clients = [rpc.RpcClient(i) for i in ids]
+        stranger = rpc.RpcClient(Identity.generate())
+        gatherer = Gatherer(clients[0], ids[0].peer_id, GatherConfig(max_payload_bytes=1000))
+        async with (
+            rpc.serve([gatherer.service()], "127.0.0.1", 0, identity=ids[0]) as server,
+            trio.open_nursery() as nursery,
+        ):
+            address = str(server.address)
+            members = tuple(Member(i.peer_id, address) for i in ids)  # the other never serves
+            group = Group(b"g" * 32, members)
+            gatherer.start(group, 0, nursery)
+
+            async def put(client: rpc.RpcClient, step: int, nbytes: int) -> rpc.StatusCode:
+                info = apb.GatherInfo(group_id=group.round_id, step=step)
+                meta = TensorMeta("uint8", (nbytes,), info=info.SerializeToString())
+                try:
+                    await client.put_tensor(address, PUT_GATHER, meta, bytes(nbytes), apb.GatherAck)
+                except rpc.RpcError as exc:
+                    return exc.code
+                return rpc.StatusCode.OK
+
+            codes = [
+                await put(stranger, 0, 10),
+                await put(clients[1], 0, 5000),
+                await put(clients[1], 9, 10),
+                await put(clients[1], 0, 10),
+                await put(clients[1], 0, 10),
+            ]
+            result = await gatherer.gather(b"mine")
+            nursery.cancel_scope.cancel()
+        for c in (*clients, stranger):
+            c.close()
+        S = rpc.StatusCode
+        assert codes == [
+            S.PERMISSION_DENIED,
+            S.INVALID_ARGUMENT,
+            S.FAILED_PRECONDITION,
+            S.OK,
+            S.ALREADY_EXISTS,
+        ]
+        assert result.payloads == {ids[0].peer_id: b"mine", ids[1].peer_id: bytes(10)}
+        assert result.late == []
+
+    trio.run(main)
