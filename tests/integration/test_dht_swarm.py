@@ -83,6 +83,11 @@ async def swarm(
     async with trio.open_nursery() as nursery:
         for _ in range(n):
             await nursery.start(host, rng.sample(s.addresses, min(3, len(s.addresses))))
+        # Callers enter a routing table once they answered a ping back (admission.py): let
+        # the joins' verifications finish, as a network that has been up a moment has.
+        with trio.fail_after(10):
+            while any(node.admission.pending for node in s.nodes):
+                await trio.sleep(0.01)
         yield s
         nursery.cancel_scope.cancel()
 

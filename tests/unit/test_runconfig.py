@@ -44,7 +44,10 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("data_shards = 65", r"data_shards must be an integer in \[1, 64\], got 65"),
         ("data_shards = 4.0", r"data_shards must be an integer in \[1, 64\], got 4.0"),
         ("this is not toml", "not valid TOML"),
-        ('algo = "demo"', "algo must be one of diloco, streaming-diloco"),
+        ('algo = "swarm"', "algo must be one of diloco, streaming-diloco, demo"),
+        ('algo = "demo"\ndemo_topk = 0', "demo options: .*topk"),
+        ('algo = "demo"\ndemo_decay = 1.0', "demo options: .*decay"),
+        ('algo = "demo"\ndemo_chunk = 2.5', "demo options: demo_chunk must be an integer"),
         (
             'algo = "streaming-diloco"\ninner_steps = 5\nfragments = 2',
             "H=5 must be divisible by fragments P=2",

@@ -194,7 +194,7 @@ def _group(key: str, commitment: _Commitment) -> Group:
     return Group(round_id_of(key, commitment.record), commitment.members)
 
 
-async def _answering(dht: DHTNode, members: list[Member], timeout: float) -> set[PeerId]:
+async def answering(dht: DHTNode, members: list[Member], timeout: float) -> set[PeerId]:
     """The members that answer a DHT ping (proving their peer id) within ``timeout``."""
     alive: set[PeerId] = set()
 
@@ -283,7 +283,7 @@ async def form_group(
     # lead the group (its followers would wait for a record that never comes, then train
     # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for
     # in the all-reduce. Everyone who sees it probes it, so they agree on leaving it out.
-    alive = await _answering(dht, [m for m in available if m.peer_id != me.peer_id], cfg.probe_s)
+    alive = await answering(dht, [m for m in available if m.peer_id != me.peer_id], cfg.probe_s)
     available = [m for m in available if m.peer_id == me.peer_id or m.peer_id in alive]
     candidates = sorted(available, key=lambda m: m.peer_id)[: cfg.target_group_size]
     if me not in candidates or len(candidates) < cfg.min_group_size:

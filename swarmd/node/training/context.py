@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import trio
 
 from swarmd.node.averaging.allreduce import Averager
+from swarmd.node.averaging.gather import Gatherer
 from swarmd.node.dht import DHTNode
 from swarmd.node.metrics import Metrics
 from swarmd.node.statesync.donor import StateDonor
@@ -52,6 +53,8 @@ class PeerContext:
     client: rpc.RpcClient
     dht: DHTNode
     averager: Averager
+    #: The sticky-group all-gather (DeMo's exchange), served whatever the algorithm.
+    gatherer: Gatherer
     donor: StateDonor
     metrics: Metrics
     out: Progress

@@ -21,6 +21,7 @@ import torch
 import trio
 
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
+from swarmd.node.averaging.gather import Gatherer
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.metrics import Metrics, MetricsServer
 from swarmd.node.runtime.errors import innermost
@@ -59,6 +60,7 @@ class Peer:
         self.averager = Averager(
             self.client, self.identity.peer_id, AllReduceConfig(), self.metrics
         )
+        self.gatherer = Gatherer(self.client, self.identity.peer_id)
         self.donor = StateDonor()
         self.address = ""
         #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
@@ -71,6 +73,7 @@ class Peer:
             peer_service(self.identity, Scratch(1 << 20)),
             self.dht.service(),
             self.averager.service(),
+            self.gatherer.service(),
             self.donor.service(),
         ]
 
@@ -191,6 +194,7 @@ class Peer:
             client=self.client,
             dht=self.dht,
             averager=self.averager,
+            gatherer=self.gatherer,
             donor=self.donor,
             metrics=self.metrics,
             out=self.out,

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 
 import trio
 
 from swarmd.node.dht import DHTNode, KeyReader
 from swarmd.node.training.runconfig import RunConfig, peers_key
+from swarmd.protocol.identity import PeerId
 
 #: How stale the count of live peers may be once it reaches the run's target group size.
 LIVE_PEERS_MAX_AGE_S = 10.0
@@ -33,11 +35,14 @@ class LivePeers:
     def __init__(self, dht: DHTNode, config: RunConfig) -> None:
         self._dht = dht
         self._config = config
-        #: (monotonic time, count) of the last read.
-        self._last: tuple[float, int] = (-math.inf, 0)
+        #: (monotonic time, live peer -> the address its heartbeat names) at the last read.
+        self._last: tuple[float, dict[PeerId, str]] = (-math.inf, {})
         self._reader: KeyReader | None = None
 
     async def count(self) -> int:
+        return len(await self.addresses())
+
+    async def addresses(self) -> dict[PeerId, str]:
         """How many peers' heartbeats the run has: the group size a round waits for.
 
         Read before every round while it is below the run's target group size (a joiner must
@@ -46,19 +51,22 @@ class LivePeers:
         30 s anyway. Each read is a few KB (every heartbeat record, from three nodes), paid
         in every streaming fragment round's peak otherwise.
         """
-        at, count = self._last
+        at, ids = self._last
         fresh = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
-        if not (fresh and count >= self._config.target_group_size):
+        if not (fresh and len(ids) >= self._config.target_group_size):
             if self._reader is None:
                 # Re-reads transfer only heartbeats (refreshes, withdrawals) not read before.
                 self._reader = self._dht.reader(peers_key(self._config.name))
-            count = len(await self._reader.peers())
-            self._last = (time.monotonic(), count)
-        return count
+            ids = {
+                p: v.value.decode(errors="replace") for p, v in (await self._reader.peers()).items()
+            }
+            self._last = (time.monotonic(), ids)
+        return ids
 
-    async def group_target(self) -> tuple[int, int]:
+    async def group_target(self, gone: Collection[PeerId] = ()) -> tuple[int, int]:
         """(live peers, the group size to wait for): as many as are alive, within the run's
-        min and target group sizes."""
-        live = await self.count()
+        min and target group sizes. ``gone``: peers known dead although their heartbeat has
+        not lapsed yet (dropped from a group for not answering), not waited for."""
+        live = len((await self.addresses()).keys() - set(gone))
         config = self._config
         return live, max(config.min_group_size, min(config.target_group_size, live))

@@ -25,6 +25,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, rou
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
 from swarmd.node.training.options import JoinError
+from swarmd.node.training.runconfig import RunConfig
 from swarmd.node.training.sharedstate import SharedState
 from swarmd.node.training.strategy import Strategy
 from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo, trainable
@@ -38,6 +39,49 @@ VALIDATION_BATCHES = 4
 ZSTD_LEVEL = 3
 
 Opt = TypeVar("Opt", DiLoCo, StreamingDiLoCo)
+
+
+def choose_shard(peer: PeerContext) -> int:
+    """The data shard this peer reads: --data-shard, else the one its peer id hashes to."""
+    config, shard = peer.config, peer.opts.data_shard
+    if shard is None:
+        return shard_for_peer(peer.identity.peer_id.raw, config.data_shards)
+    if shard >= config.data_shards:
+        raise JoinError(
+            f"--data-shard {shard}: run {config.name!r} cuts its data into "
+            f"{config.data_shards} shards (0 to {config.data_shards - 1})"
+        )
+    return shard
+
+
+def validation_loss(
+    model: torch.nn.Module,
+    source: TokenSource,
+    config: RunConfig,
+    params: Mapping[str, torch.Tensor] | None = None,
+) -> float:
+    """The model's loss on the run's first VALIDATION_BATCHES validation batches (with
+    ``params`` in place of its own, if given): the same batches on every peer."""
+    batches = source.validation_batches(
+        config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
+    )
+    return evaluate(model, batches, params)
+
+
+def judge_state(
+    model: torch.nn.Module,
+    names: list[str],
+    source: TokenSource,
+    config: RunConfig,
+    offered: Mapping[str, torch.Tensor],
+    ours: Mapping[str, torch.Tensor],
+) -> tuple[float, float]:
+    """The loss of an offered state's global parameters and of this peer's own, on the same
+    validation batches (statesync/vet.py decides what is too much worse)."""
+    return tuple(  # type: ignore[return-value]
+        validation_loss(model, source, config, {n: s[GLOBAL_PREFIX + n] for n in names})
+        for s in (offered, ours)
+    )
 
 
 @dataclass
@@ -110,19 +154,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         model = build_model(self.peer.config, self.peer.opts.device)
         return self.make_optimizer(model), load_source(self.peer.config.data)
 
-    def _choose_shard(self) -> int:
-        config, shard = self.peer.config, self.peer.opts.data_shard
-        if shard is None:
-            return shard_for_peer(self.peer.identity.peer_id.raw, config.data_shards)
-        if shard >= config.data_shards:
-            raise JoinError(
-                f"--data-shard {shard}: run {config.name!r} cuts its data into "
-                f"{config.data_shards} shards (0 to {config.data_shards - 1})"
-            )
-        return shard
-
     async def join(self) -> None:
-        self.shard = self._choose_shard()
+        self.shard = choose_shard(self.peer)
         opt, self._source = await trio.to_thread.run_sync(self._build)
         self._opt, self._state = opt, SharedState(self.peer, opt, self.judge)
         self.origin, self.first_step = await self._state.take_initial()
@@ -170,28 +203,12 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         stats.tokens += config.batch_size * config.block_size
 
     def validate(self) -> float:
-        config = self.peer.config
-        batches = self.source.validation_batches(
-            config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
-        )
-        return evaluate(self.opt.model, batches)
+        return validation_loss(self.opt.model, self.source, self.peer.config)
 
     def judge(self, state: Mapping[str, torch.Tensor]) -> tuple[float, float]:
-        """The loss of an offered state's global parameters and of this peer's own, on the
-        same validation batches (statesync/vet.py decides what is too much worse)."""
-        config = self.peer.config
-        batches = list(
-            self.source.validation_batches(
-                config.batch_size, config.block_size, max_batches=VALIDATION_BATCHES
-            )
-        )
         names, _ = trainable(self.opt.model)
-        ours = self.opt.state_dict()
-        theirs, mine = (
-            evaluate(self.opt.model, batches, {n: s[GLOBAL_PREFIX + n] for n in names})
-            for s in (state, ours)
-        )
-        return theirs, mine
+        config = self.peer.config
+        return judge_state(self.opt.model, names, self.source, config, state, self.opt.state_dict())
 
     def round_key(self, round_no: int, fragment: int = 0) -> str:
         """The matchmaking key of a round: per round (and fragment), and only among peers

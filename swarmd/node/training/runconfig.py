@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
+from swarmd.optim.demo import DeMoConfig
 from swarmd.optim.diloco import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.optim.streaming import LAYOUTS, StreamingConfig
@@ -29,7 +30,7 @@ from swarmd.optim.streaming import LAYOUTS, StreamingConfig
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
 _DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
 #: The training algorithms a run may use.
-ALGORITHMS = ("diloco", "streaming-diloco")
+ALGORITHMS = ("diloco", "streaming-diloco", "demo")
 #: The DHT keeps records at most a day; the creator re-publishes it while it runs.
 CONFIG_TTL_S = 23 * 3600.0
 
@@ -99,6 +100,15 @@ class RunConfig:
     mix_alpha: float = 0.5
     fragment_layout: str = "strided"
     eager: bool = False
+    #: `demo` (DeMo, Peng et al. 2024): every inner step each peer sends the top `demo_topk`
+    #: DCT coefficients per `demo_chunk`-sized block of its momentum (decay `demo_decay`) to
+    #: its group and applies the sign of everyone's, at inner_lr, with decoupled
+    #: `weight_decay`. Every `inner_steps` steps the group publishes its state (joiners take
+    #: it) and re-forms, so newcomers get in and drifted peers re-sync.
+    demo_topk: int = 32
+    demo_chunk: int = 64
+    demo_decay: float = 0.999
+    weight_decay: float = 0.0
     version: str = field(default=swarmd.__version__)
 
     def __post_init__(self) -> None:
@@ -145,6 +155,10 @@ class RunConfig:
                 self.streaming_config()
             except ValueError as exc:
                 raise RunConfigError(f"streaming-diloco: {exc}") from None
+        try:
+            self.demo_config()
+        except ValueError as exc:
+            raise RunConfigError(f"demo options: {exc}") from None
 
     def lr_schedule_config(self) -> LrSchedule:
         """The inner learning-rate schedule (raises ValueError with the reason if invalid)."""
@@ -188,6 +202,20 @@ class RunConfig:
             mix_alpha=self.mix_alpha,
             layout=layout,
             eager=self.eager,
+        )
+
+    def demo_config(self) -> DeMoConfig:
+        """DeMo's settings (raises ValueError with the reason if invalid)."""
+        for name in ("demo_topk", "demo_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        return DeMoConfig(
+            lr=self.inner_lr,
+            compression_decay=self.demo_decay,
+            compression_topk=self.demo_topk,
+            compression_chunk=self.demo_chunk,
+            weight_decay=self.weight_decay,
         )
 
     # -- serialisation ---------------------------------------------------------------------

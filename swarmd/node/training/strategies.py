@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from swarmd.node.training.demo import DeMoStrategy
 from swarmd.node.training.diloco import DiLoCoStrategy
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.strategy import Strategy
 from swarmd.node.training.streaming import StreamingStrategy
 
-STRATEGIES: dict[str, type[Strategy]] = {s.algo: s for s in (DiLoCoStrategy, StreamingStrategy)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    s.algo: s for s in (DiLoCoStrategy, StreamingStrategy, DeMoStrategy)
+}
 
 
 def strategy_for(algo: str) -> type[Strategy]:

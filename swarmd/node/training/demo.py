@@ -1,0 +1,272 @@
+"""DeMo (Peng, Quesnelle, Kingma 2024) as a swarm strategy: every inner step, each member of a
+sticky group sends the fast-moving part of its momentum and applies the sign of everyone's.
+
+The optimisation is `swarmd.optim.demo` (pure torch); the exchange is averaging/gather.py.
+Per-step DHT matchmaking would take seconds a step, so the group is formed once per period of
+`inner_steps` steps (a "round"): at each round boundary the members publish their state (its
+hash keys the next matchmaking, so only peers holding the very same parameters meet; joiners
+download it), validate, and re-form the group, which lets newcomers in and leaves the dead
+out. Within a round, a member late past the step deadline is skipped for that step and dropped
+after two; a member whose parameters drifted from the others' (it missed a payload the others
+got: its state hash, sent every HASH_EVERY steps, is not the majority's) leaves the group and
+takes the group's state at the next boundary (sharedstate.py's catch-up). Every member decodes
+and applies the same payloads in the same order (sorted by peer id, its own decoded from its
+own bytes), so members that heard the same payloads hold bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Mapping
+
+import torch
+import trio
+
+from swarmd.compression import CompressionError
+from swarmd.compression.sparse_wire import (
+    SparseLayout,
+    SparseUpdate,
+    decode_sparse,
+    encode_sparse,
+)
+from swarmd.node.averaging.gather import Gatherer, GatherResult
+from swarmd.node.averaging.group import Group, Member
+from swarmd.node.averaging.matchmaking import (
+    MatchmakingConfig,
+    answering,
+    form_group,
+    round_key,
+)
+from swarmd.node.training.context import PeerContext
+from swarmd.node.training.model import build_model
+from swarmd.node.training.outer import choose_shard, judge_state, validation_loss
+from swarmd.node.training.sharedstate import SharedState
+from swarmd.node.training.strategy import Strategy
+from swarmd.optim.demo_state import DeMoRun
+from swarmd.protocol.identity import PeerId
+from swarmd.workloads import TokenSource, load_source
+
+log = logging.getLogger("swarmd.demo")
+
+#: How long a live heartbeat's peer has to answer a boundary's probe.
+PROBE_S = 1.0
+#: Steps between state-hash checks in the exchange (a hash costs a pass over the parameters).
+HASH_EVERY = 10
+
+
+def decode_payloads(
+    payloads: Mapping[PeerId, bytes], layout: SparseLayout, max_bytes: int
+) -> list[list[SparseUpdate]]:
+    """Every payload that decodes against this model's layout, in peer-id order (the order
+    every member applies them in). A malformed one (another shape, indices out of range,
+    NaN, sizes that do not add up) is refused with a log line naming its sender, who is left
+    out of this step; every member decodes the same bytes the same way, so all leave it out
+    (a sender that sends different bytes to different members makes their states differ,
+    which the state-hash check finds)."""
+    out: list[list[SparseUpdate]] = []
+    for sender in sorted(payloads, key=str):
+        try:
+            out.append(decode_sparse(payloads[sender], layout, max_bytes))
+        except CompressionError as exc:
+            log.warning("refused DeMo payload from %s: %s", sender.short(), exc)
+    return out
+
+
+class DeMoStrategy(Strategy):
+    algo = "demo"
+
+    def __init__(self, peer: PeerContext) -> None:
+        super().__init__(peer)
+        self._run: DeMoRun | None = None
+        self._source: TokenSource | None = None
+        self._state: SharedState | None = None
+        self.gatherer: Gatherer = peer.gatherer
+        self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
+        self.shard = 0
+        self.origin = "fresh"
+        #: The group of this round (None: training alone until the next boundary).
+        self.group: Group | None = None
+        #: Members the exchange dropped (dead or stalled) whose heartbeats may still be live:
+        #: the next boundary does not wait for them (10 s a boundary until the heartbeat
+        #: lapsed, seen). Forgotten once they lapse or are seen in a group again.
+        self.gone: set[PeerId] = set()
+        config = peer.config
+        self.mm = MatchmakingConfig(
+            target_group_size=config.target_group_size,
+            min_group_size=config.min_group_size,
+            gather_s=10.0,
+            commit_wait_s=15.0,
+        )
+
+    @property
+    def run(self) -> DeMoRun:
+        assert self._run is not None, "join() first"
+        return self._run
+
+    @property
+    def state(self) -> SharedState:
+        assert self._state is not None, "join() first"
+        return self._state
+
+    @property
+    def round(self) -> int:
+        return self.run.step // self.peer.config.inner_steps
+
+    def _build(self) -> tuple[DeMoRun, TokenSource]:
+        config = self.peer.config
+        model = build_model(config, self.peer.opts.device)
+        run = DeMoRun(model, config.demo_config(), config.lr_schedule_config())
+        return run, load_source(config.data)
+
+    async def join(self) -> None:
+        self.shard = choose_shard(self.peer)
+        self._run, self._source = await trio.to_thread.run_sync(self._build)
+        self._state = SharedState(self.peer, self.run, self.judge)
+        self.origin, _ = await self._state.take_initial()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def train(self, nursery: trio.Nursery) -> int:
+        config, run = self.peer.config, self.run
+        self.peer.out.event(
+            "training",
+            f"training {run.numel / 1e6:.2f}M parameters with demo (top {config.demo_topk} "
+            f"of each {config.demo_chunk}-wide DCT block, decay {config.demo_decay}), group "
+            f"re-formed every {config.inner_steps} steps, data shard {self.shard}/"
+            f"{config.data_shards} ({self.origin} start)",
+            params=run.numel,
+            origin=self.origin,
+            algo=config.algo,
+        )
+        start, steps = time.monotonic(), 0
+        while not self.peer.should_stop(steps, start):
+            # A peer left out of a round's group trains alone until the next boundary, then
+            # takes the group's state there: matchmaking every step would cost its gather
+            # window every step.
+            if steps == 0 or run.step % config.inner_steps == 0:
+                await self._boundary(nursery)
+            await self._step()
+            steps += 1
+        self.gatherer.stop()
+        return steps
+
+    async def _boundary(self, nursery: trio.Nursery) -> None:
+        """Publish, validate, catch up if this peer's state is not the group's, re-form."""
+        t0 = time.monotonic()
+        if self.state.last_hash is not None and await self.state.catch_up():
+            log.info("took the group's state at step %d", self.run.step)
+        snap = await self.state.publish(self.run.step)
+        val = await trio.to_thread.run_sync(self.validate)
+        await self._find_gone()
+        live, target = await self.peer.live.group_target(self.gone)
+        key = f"{round_key(self.peer.config.name, self.run.step)}/{snap.state_hash.hex()[:16]}"
+        mm = dataclasses.replace(self.mm, target_group_size=target)
+        group = await form_group(self.peer.dht, key, self.me, mm)
+        self.group = group if group is not None and len(group.members) > 1 else None
+        if self.group is not None:
+            self.gone -= {m.peer_id for m in self.group.members}
+        if self.group is not None:
+            self.gatherer.start(self.group, self.run.step, nursery)
+        else:
+            self.gatherer.stop()
+        size = len(self.group.members) if self.group else 1
+        waited = time.monotonic() - t0
+        self.peer.clock.wait_s += waited
+        stats = self.peer.stats
+        stats.round, stats.peers = self.round, size
+        self.peer.out.event(
+            "outer_step",
+            f"round {self.round}: group of {size} at step {self.run.step}, validation loss "
+            f"{val:.4f}, state {snap.state_hash.hex()[:12]}, {waited:.1f}s",
+            round=self.round,
+            status="grouped" if self.group else "alone",
+            group_size=size,
+            live_peers=live,
+            dropped=0,
+            val_loss=val,
+            state_hash=snap.state_hash.hex(),
+            wait_s=round(waited, 3),
+            seconds=round(self.peer.clock.held(t0), 3),
+        )
+
+    async def _find_gone(self) -> None:
+        """Live heartbeats of peers that do not answer (killed: a heartbeat outlives its
+        peer by up to 30 s) are not waited for: without this each boundary in those 30 s sat
+        out matchmaking's whole 10 s gather window. Members of this round's group answered
+        every step and are not probed."""
+        live = await self.peer.live.addresses()
+        self.gone &= live.keys()
+        known = {m.peer_id for m in self.group.members} if self.group else set()
+        known |= self.gone | {self.me.peer_id}
+        others = [Member(p, a) for p, a in live.items() if p not in known]
+        if others:
+            alive = await answering(self.peer.dht, others, PROBE_S)
+            self.gone |= {m.peer_id for m in others} - alive
+
+    async def _step(self) -> None:
+        config, run = self.peer.config, self.run
+        batch = self.source.train_batch(
+            self.shard,
+            config.data_shards,
+            config.batch_size,
+            config.block_size,
+            config.seed,
+            run.step,
+        )
+        loss = await trio.to_thread.run_sync(run.gradients, batch)
+        mine = await trio.to_thread.run_sync(run.prepare)
+        if self.group is None:
+            gathered, shared = [mine], False
+        else:
+            gathered, shared = await self._exchange(mine)
+        await trio.to_thread.run_sync(run.apply, gathered)
+        if shared:  # the step every member that heard the same payloads took alike
+            self.state.averaged("averaged", len(gathered), 0)
+        stats = self.peer.stats
+        stats.step, stats.loss = run.step, loss
+        stats.tokens += config.batch_size * config.block_size
+
+    async def _exchange(self, mine: list[SparseUpdate]) -> tuple[list[list[SparseUpdate]], bool]:
+        """This step's updates of every member heard, in peer-id order, each decoded from
+        the bytes that travelled (this peer's own too: the others see its rounding), and
+        whether the step was shared with others."""
+        run = self.run
+        payload = await trio.to_thread.run_sync(encode_sparse, mine)
+        check = run.step % HASH_EVERY == 0
+        state_hash = await trio.to_thread.run_sync(run.param_hash) if check else b""
+        t0 = time.monotonic()
+        result = await self.gatherer.gather(payload, state_hash)
+        self.peer.clock.wait_s += time.monotonic() - t0
+        self.gone.update(result.dropped)
+        gathered = await trio.to_thread.run_sync(self._decode_all, result)
+        if result.agree(self.peer.identity.peer_id) is False:
+            log.warning(
+                "step %d: this peer's parameters differ from the group's; leaving the group "
+                "to take its state at the next boundary",
+                run.step,
+            )
+            self.group = None
+            self.gatherer.stop()
+            return gathered, False
+        self.state.meet(result.payloads)
+        return gathered, len(gathered) > 1
+
+    def _decode_all(self, result: GatherResult) -> list[list[SparseUpdate]]:
+        limit = self.gatherer.config.max_payload_bytes
+        return decode_payloads(result.payloads, self.run.opt.layout(), limit)
+
+    # -- validation and judging offered states -------------------------------------------------
+
+    @property
+    def source(self) -> TokenSource:
+        assert self._source is not None, "join() first"
+        return self._source
+
+    def validate(self) -> float:
+        return validation_loss(self.run.model, self.source, self.peer.config)
+
+    def judge(self, state: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        run, config = self.run, self.peer.config
+        return judge_state(run.model, run.names, self.source, config, state, run.state_dict())
