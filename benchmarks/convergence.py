@@ -28,8 +28,12 @@ while one round was on the wire: matchmaking and all-reduce) of DiLoCo over that
 DiLoCo; `compute_utilisation` is 1 − (time the trainer waited for the network / wall time),
 summed over the streaming peers (`diloco_utilisation`: the same for plain DiLoCo).
 
+(d) DeMo (`--algos ddp,demo`): the same daemon with `algo = "demo"`, sign-SGD at `--demo-lr`
+under the same schedule, the group re-formed every `--demo-inner-steps` steps.
+
 The last line is `ddp_loss=… diloco_loss=… loss_gap=… bytes_ratio=… streaming_loss=…
-peak_bytes_ratio=… compute_utilisation=… diloco_utilisation=… loss_gap_max=…`: with `--seeds`,
+peak_bytes_ratio=… compute_utilisation=… diloco_utilisation=… demo_loss=… demo_bytes_ratio=…
+loss_gap_max=…` (runs not made are nan): with `--seeds`,
 each figure is the mean over the seeds (a line per seed comes before it) and loss_gap_max the
 largest gap of one seed.
 """
@@ -150,7 +154,14 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--algos", default="ddp,diloco,streaming",
-        help="which runs, comma-separated from ddp, diloco, streaming",
+        help="which runs, comma-separated from ddp, diloco, streaming, demo",
+    )  # fmt: skip
+    p.add_argument("--demo-lr", type=float, default=5e-4, help="demo: sign-SGD lr (cosine)")
+    p.add_argument("--demo-topk", type=int, default=32, help="demo: coefficients per block")
+    p.add_argument("--demo-chunk", type=int, default=64, help="demo: block side")
+    p.add_argument(
+        "--demo-inner-steps", type=int, default=50,
+        help="demo: steps between group re-formations (state published, joiners let in)",
     )  # fmt: skip
     p.add_argument(
         "--data-shards", type=int, default=None,
@@ -330,14 +341,19 @@ fragments = {fragments}
 overlap_steps = {overlap_steps}
 mix_alpha = {mix_alpha}
 fragment_layout = "{fragment_layout}"
+demo_topk = {demo_topk}
+demo_chunk = {demo_chunk}
 """
 
 
 def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> Outcome:
-    name = "streaming" if algo == "streaming-diloco" else "diloco"
+    """A run of the daemon: DiLoCo, streaming DiLoCo or DeMo (`algo`)."""
+    name = {"streaming-diloco": "streaming"}.get(algo, algo)
     options = vars(a) | {"algo": algo, "zstd_toml": "true" if a.zstd else "false"}
     if algo == "streaming-diloco":
         options["inner_steps"] = a.streaming_inner_steps
+    if algo == "demo":
+        options |= {"inner_steps": a.demo_inner_steps, "lr": a.demo_lr}
     (root / "run.toml").write_text(RUN_TOML.format(**options))
     env = {}
     if a.bandwidth_mbit > 0:
@@ -421,7 +437,7 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
 
 FIGURES = (
     "ddp_loss", "diloco_loss", "loss_gap", "bytes_ratio", "streaming_loss", "peak_bytes_ratio",
-    "compute_utilisation", "diloco_utilisation",
+    "compute_utilisation", "diloco_utilisation", "demo_loss", "demo_bytes_ratio",
 )  # fmt: skip
 
 
@@ -435,7 +451,7 @@ def run_seed(a: argparse.Namespace, algos: set[str], root: Path) -> dict[str, fl
     )
     # Generous: a step costs well under a second here even with 4 processes on 2 cores.
     timeout = 600 + 2.0 * a.steps
-    ddp = dil = stream = None
+    ddp = dil = stream = demo = None
     if "ddp" in algos:
         (root / "ddp").mkdir(parents=True, exist_ok=True)
         ddp = run_ddp(a, root / "ddp", timeout)
@@ -444,11 +460,11 @@ def run_seed(a: argparse.Namespace, algos: set[str], root: Path) -> dict[str, fl
             f"peer, {ddp.seconds:.0f} s ({ddp.detail})",
             flush=True,
         )
-    for algo in ("diloco", "streaming"):
+    for algo in ("diloco", "streaming", "demo"):
         if algo not in algos:
             continue
         (root / algo).mkdir(parents=True, exist_ok=True)
-        run = "streaming-diloco" if algo == "streaming" else "diloco"
+        run = "streaming-diloco" if algo == "streaming" else algo
         out = run_diloco(a, root / algo, timeout, run)
         print(
             f"  [{algo}] val {out.val_loss:.4f}, {out.sent_per_peer / 2**20:.2f} MiB sent "
@@ -457,6 +473,8 @@ def run_seed(a: argparse.Namespace, algos: set[str], root: Path) -> dict[str, fl
         )
         if algo == "diloco":
             dil = out
+        elif algo == "demo":
+            demo = out
         else:
             stream = out
     nan = math.nan
@@ -475,11 +493,13 @@ def run_seed(a: argparse.Namespace, algos: set[str], root: Path) -> dict[str, fl
         ),
         "compute_utilisation": stream.utilisation if stream else nan,
         "diloco_utilisation": dil.utilisation if dil else nan,
+        "demo_loss": demo.val_loss if demo else nan,
+        "demo_bytes_ratio": ddp.sent_per_peer / demo.sent_per_peer if ddp and demo else nan,
     }
 
 
 def line(figures: dict[str, float]) -> str:
-    digits = {"bytes_ratio": 1, "peak_bytes_ratio": 2}
+    digits = {"bytes_ratio": 1, "peak_bytes_ratio": 2, "demo_bytes_ratio": 1}
     return " ".join(
         f"{k}={v:.{digits.get(k, 3 if 'utilisation' in k else 4)}f}" for k, v in figures.items()
     )
@@ -489,7 +509,7 @@ def main() -> None:
     a = parse_args()
     torch.set_num_threads(1)
     algos = {x.strip() for x in a.algos.split(",") if x.strip()}
-    if unknown := algos - {"ddp", "diloco", "streaming"}:
+    if unknown := algos - {"ddp", "diloco", "streaming", "demo"}:
         raise SystemExit(f"unknown --algos {sorted(unknown)}")
     params = GPT(model_config(a)).num_params()
     tokens = a.steps * a.peers * a.batch_size * a.block_size

@@ -89,6 +89,23 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     assert len(resumed) == 2 and resumed[1]["origin"] in ("saved", "group")
 
 
+@pytest.mark.timeout(420)
+def test_short_chaos_run_of_demo_keeps_every_invariant(tmp_path: Path) -> None:
+    """The same faults on a DeMo run: its per-step exchange survives the kill, the lossy link
+    and the pause, and the live peers end with one state."""
+    out = tmp_path / "chaos"
+    schedule = ROOT / "deploy" / "chaos" / "ci.json"
+    done = run_chaos(
+        out, "--peers", "3", "--duration", "45", "--schedule", str(schedule), "--algo", "demo",
+        timeout=400,
+    )  # fmt: skip
+    figures = check_outputs(done, out)
+    assert figures["faults"] == "3" and figures["survived"] == "3"
+    records = [json.loads(line) for line in (out / "chaos.jsonl").read_text().splitlines()]
+    trained = {r.get("algo") for r in records if r["type"] == "peer" and r["event"] == "training"}
+    assert trained == {"demo"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_soak(tmp_path: Path) -> None:

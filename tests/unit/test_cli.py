@@ -125,3 +125,10 @@ def test_join_refuses_a_device_it_does_not_know(
     monkeypatch.setenv("SWARMD_DEVICE", "tpu")  # the environment reaches the same check
     assert cli.main(argv[:-2]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_the_cli_offers_every_algorithm_a_run_can_use() -> None:
+    from swarmd.node.cli.parser import ALGORITHMS as OFFERED
+    from swarmd.node.training.runconfig import ALGORITHMS
+
+    assert OFFERED == ALGORITHMS

@@ -28,6 +28,7 @@ class ChaosOptions:
     #: A JSON schedule to run instead of a seeded random one.
     schedule_file: Path | None = None
     inner_steps: int = 10
+    algo: str = "diloco"
     min_group_size: int = 2
     resume_bound_s: float = 90.0
     liveness_bound_s: float = 90.0
@@ -82,6 +83,7 @@ def run_chaos(opts: ChaosOptions) -> int:
             out_dir=out,
             schedule=schedule,
             inner_steps=opts.inner_steps,
+            algo=opts.algo,
             min_group_size=opts.min_group_size,
         )
     )

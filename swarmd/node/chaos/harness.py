@@ -49,6 +49,7 @@ inner_lr = 0.003
 outer_momentum = 0.5
 codec = "int8"
 min_group_size = {min_group_size}
+algo = "{algo}"
 """
 
 
@@ -59,6 +60,7 @@ class HarnessOptions:
     out_dir: Path
     schedule: Schedule
     inner_steps: int = 10
+    algo: str = "diloco"
     min_group_size: int = 2
     #: How long startup (imports, DHT bootstrap, first validation) may take before giving up.
     startup_timeout_s: float = 300.0
@@ -145,7 +147,11 @@ class Harness:
         self.boot_address = ""
         self.run_file = out / "run.toml"
         self.run_file.write_text(
-            CHAOS_RUN.format(inner_steps=options.inner_steps, min_group_size=options.min_group_size)
+            CHAOS_RUN.format(
+                inner_steps=options.inner_steps,
+                min_group_size=options.min_group_size,
+                algo=options.algo,
+            )
         )
         self.training = trio.Event()
         self.boot_ready = trio.Event()
@@ -345,6 +351,7 @@ class Harness:
             duration_s=opts.duration_s,
             min_group_size=opts.min_group_size,
             inner_steps=opts.inner_steps,
+            algo=opts.algo,
             seed=opts.schedule.seed,
             schedule=[e.to_dict() for e in opts.schedule.events],
         )

@@ -161,7 +161,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return transport_demo(peers=args.peers, tensor_mib=args.tensor_mib)
     from swarmd.node.cli.demo import run_demo
 
-    return run_demo(peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps)
+    return run_demo(
+        peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps, algo=args.algo
+    )
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -176,6 +178,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             out_dir=args.out,
             schedule_file=args.schedule,
             inner_steps=args.inner_steps,
+            algo=args.algo,
             resume_bound_s=args.resume_bound,
             liveness_bound_s=args.liveness_bound,
         )

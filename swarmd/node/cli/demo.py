@@ -2,8 +2,9 @@
 
 Everything here is the real daemon: a `swarmd dht` bootstrap process and `swarmd join`
 processes on loopback, talking gRPC to each other, training the built-in GPT on the built-in
-corpus with DiLoCo and int8 all-reduce. Midway one peer is SIGKILLed and a new one joins (it
-downloads the group's state). The summary is computed from the peers' own JSON event lines.
+corpus with DiLoCo and int8 all-reduce (or `--algo`: streaming DiLoCo, DeMo). Midway one peer
+is SIGKILLed and a new one joins (it downloads the group's state). The summary is computed
+from the peers' own JSON event lines.
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ n_embd = 128
 block_size = 64
 batch_size = 8
 inner_steps = {inner_steps}
-inner_lr = 0.002
+inner_lr = {inner_lr}
 codec = "int8"
 min_group_size = 2
+algo = "{algo}"
 """
+#: DeMo's sign steps move every parameter by lr each step (AdamW's steps are about that size
+#: only when gradients are consistent), so it may want another lr than DiLoCo's inner AdamW.
+DEMO_LR = {"demo": 0.0005}
 
 
 def _spawn(name: str, args: list[str], log_dir: Path) -> EventChild:
@@ -37,14 +42,24 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_demo(peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25) -> int:
-    _say(f"swarmd demo: a real {peers}-peer DiLoCo run on this machine for ~{duration_s:.0f}s.")
+def run_demo(
+    peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25, algo: str = "diloco"
+) -> int:
+    _say(f"swarmd demo: a real {peers}-peer {algo} run on this machine for ~{duration_s:.0f}s.")
     _say("Every peer is a `swarmd join` process; they find each other through a `swarmd dht`")
-    _say("bootstrap process and average int8-compressed pseudo-gradients over gRPC.\n")
+    exchange = (
+        "exchange top-k DCT coefficients of their momentum every step"
+        if algo == "demo"
+        else "average int8-compressed pseudo-gradients"
+    )
+    _say(f"bootstrap process and {exchange} over gRPC.\n")
     started: list[EventChild] = []
     with tempfile.TemporaryDirectory(prefix="swarmd-demo-") as tmp:
         root = Path(tmp)
-        (root / "run.toml").write_text(DEMO_RUN.format(inner_steps=inner_steps))
+        lr = DEMO_LR.get(algo, 0.002)
+        (root / "run.toml").write_text(
+            DEMO_RUN.format(inner_steps=inner_steps, inner_lr=lr, algo=algo)
+        )
         try:
             boot = _spawn("bootstrap", ["dht", "--state-dir", str(root / "boot")], root)
             started.append(boot)
@@ -82,11 +97,15 @@ def run_demo(peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25) -
                 p.process.wait(timeout=duration_s + 180)
         finally:
             stop_all((p.process for p in started), timeout=15)
-        return _summary(survivors, victim, newcomer, inner_steps)
+        return _summary(survivors, victim, newcomer, inner_steps, algo)
 
 
 def _summary(
-    survivors: list[EventChild], victim: EventChild, newcomer: EventChild, inner_steps: int
+    survivors: list[EventChild],
+    victim: EventChild,
+    newcomer: EventChild,
+    inner_steps: int,
+    algo: str,
 ) -> int:
     params = next(
         (e["params"] for p in survivors for e in p.events if e.get("event") == "training"), 0
@@ -113,7 +132,11 @@ def _summary(
     )
     data_parallel = steps * params * 4 * 2  # ring all-reduce sends ~2x the gradient per step
     _say("\n== summary ==")
-    _say(f"model: {params / 1e6:.2f}M parameters, DiLoCo H={inner_steps}, int8 pseudo-gradients")
+    what = {
+        "demo": f"DeMo (top-k DCT momentum every step, groups of {inner_steps} steps)",
+        "streaming-diloco": f"streaming DiLoCo H={inner_steps}, int8 pseudo-gradients",
+    }.get(algo, f"DiLoCo H={inner_steps}, int8 pseudo-gradients")
+    _say(f"model: {params / 1e6:.2f}M parameters, {what}")
     _say(
         f"validation loss: {start_loss:.3f} at start -> {end_loss:.3f} at the end "
         f"(best {best_loss:.3f})"

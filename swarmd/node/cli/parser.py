@@ -26,6 +26,10 @@ from swarmd.node.cli.options import (
     usage,
 )
 
+#: runconfig.ALGORITHMS, spelled out so that parsing a command line imports no torch (a DHT
+#: node stays small); tests/unit/test_cli.py checks that the two agree.
+ALGORITHMS = ("diloco", "streaming-diloco", "demo")
+
 #: The object whose `add_parser` makes a sub-command's parser.
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
@@ -188,7 +192,7 @@ def _add_join_run(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--algo",
-        choices=["diloco", "streaming-diloco"],
+        choices=ALGORITHMS,
         default=None,
         help="with --create-run: the run's algorithm (overrides the file's `algo`); without "
         "it: refuse to join a run that uses another one",
@@ -283,7 +287,18 @@ def _add_demo(sub: Subparsers) -> None:
     )
     p.add_argument("--peers", type=positive_int, default=3, help="peer processes (default: 3)")
     p.add_argument("--duration", type=positive_float, default=150.0, help="seconds (default: 150)")
-    p.add_argument("--inner-steps", type=positive_int, default=25, help="DiLoCo H (default: 25)")
+    p.add_argument(
+        "--inner-steps",
+        type=positive_int,
+        default=25,
+        help="DiLoCo H; DeMo: steps between group re-formations (default: 25)",
+    )
+    p.add_argument(
+        "--algo",
+        choices=ALGORITHMS,
+        default="diloco",
+        help="the run's algorithm (default: diloco)",
+    )
     p.add_argument(
         "--transport-only",
         action="store_true",
@@ -326,7 +341,15 @@ def _add_chaos(sub: Subparsers) -> None:
     p.add_argument(
         "--schedule", type=Path, default=None, help="JSON schedule instead of a seeded one"
     )
-    p.add_argument("--inner-steps", type=positive_int, default=10, help="DiLoCo H (default: 10)")
+    p.add_argument(
+        "--inner-steps",
+        type=positive_int,
+        default=10,
+        help="DiLoCo H; DeMo: steps between group re-formations (default: 10)",
+    )
+    p.add_argument(
+        "--algo", choices=ALGORITHMS, default="diloco", help="the run's algorithm (default: diloco)"
+    )
     p.add_argument(
         "--resume-bound",
         type=positive_float,

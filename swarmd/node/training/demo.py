@@ -39,6 +39,7 @@ from swarmd.node.averaging.matchmaking import (
     form_group,
     round_key,
 )
+from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
 from swarmd.node.training.outer import choose_shard, judge_state, validation_loss
@@ -52,6 +53,9 @@ log = logging.getLogger("swarmd.demo")
 
 #: How long a live heartbeat's peer has to answer a boundary's probe.
 PROBE_S = 1.0
+#: A peer with no group retries matchmaking with this gather window: shorter than the
+#: group's, so that it comes round again within the window of a group forming meanwhile.
+RETRY_GATHER_S = 3.0
 #: Steps between state-hash checks in the exchange (a hash costs a pass over the parameters).
 HASH_EVERY = 10
 
@@ -92,6 +96,11 @@ class DeMoStrategy(Strategy):
         #: the next boundary does not wait for them (10 s a boundary until the heartbeat
         #: lapsed, seen). Forgotten once they lapse or are seen in a group again.
         self.gone: set[PeerId] = set()
+        self._published: StateSnapshot | None = None
+        self.started, self.steps = 0.0, 0
+        #: Members whose payloads this peer applied in its last step (1: alone, 0: none yet):
+        #: a boundary's `outer_step` reports the round that just ended.
+        self.last_size = 0
         config = peer.config
         self.mm = MatchmakingConfig(
             target_group_size=config.target_group_size,
@@ -140,49 +149,64 @@ class DeMoStrategy(Strategy):
             origin=self.origin,
             algo=config.algo,
         )
-        start, steps = time.monotonic(), 0
-        while not self.peer.should_stop(steps, start):
-            # A peer left out of a round's group trains alone until the next boundary, then
-            # takes the group's state there: matchmaking every step would cost its gather
-            # window every step.
-            if steps == 0 or run.step % config.inner_steps == 0:
+        first_val = await trio.to_thread.run_sync(self.validate)
+        self.peer.out.event(
+            "validation", f"validation loss {first_val:.4f}", round=self.round, val_loss=first_val
+        )
+        self.started, self.steps = time.monotonic(), 0
+        while not self._should_stop():
+            # Groups re-form at each boundary; a member that left its group mid-round (its
+            # state drifted) at once, unless the run lets a peer train alone.
+            if self.steps == 0 or run.step % config.inner_steps == 0 or self._must_wait():
                 await self._boundary(nursery)
+                if self._must_wait():
+                    continue  # stopping while waiting for a first group
             await self._step()
-            steps += 1
+            self.steps += 1
         self.gatherer.stop()
-        return steps
+        return self.steps
+
+    def _should_stop(self) -> bool:
+        return self.peer.should_stop(self.steps, self.started)
+
+    def _must_wait(self) -> bool:
+        """No group, and none ever: with the run's min_group_size above one such a peer waits
+        for a group rather than stepping alone. Lone states of peers that never met anyone
+        can never be reconciled (a peer follows only states of peers it met, or that several
+        hold): seen, three peers that started a few seconds apart each trained alone for the
+        whole demo. A peer that has been in a group trains alone when none forms (its
+        partners left or stalled) and takes the group's state at a later boundary."""
+        return self.group is None and self.peer.config.min_group_size > 1 and not self.state.met
 
     async def _boundary(self, nursery: trio.Nursery) -> None:
-        """Publish, validate, catch up if this peer's state is not the group's, re-form."""
+        """Publish, validate, then find the group (waiting for a first one: `_must_wait`,
+        taking the group's newer state as it appears)."""
         t0 = time.monotonic()
-        if self.state.last_hash is not None and await self.state.catch_up():
-            log.info("took the group's state at step %d", self.run.step)
-        snap = await self.state.publish(self.run.step)
+        snap = await self._sync_and_publish()
         val = await trio.to_thread.run_sync(self.validate)
-        await self._find_gone()
-        live, target = await self.peer.live.group_target(self.gone)
-        key = f"{round_key(self.peer.config.name, self.run.step)}/{snap.state_hash.hex()[:16]}"
-        mm = dataclasses.replace(self.mm, target_group_size=target)
-        group = await form_group(self.peer.dht, key, self.me, mm)
-        self.group = group if group is not None and len(group.members) > 1 else None
-        if self.group is not None:
-            self.gone -= {m.peer_id for m in self.group.members}
-        if self.group is not None:
-            self.gatherer.start(self.group, self.run.step, nursery)
-        else:
-            self.gatherer.stop()
+        live = await self._form(nursery, snap, self.mm.gather_s)
+        if self._must_wait():
+            log.info("step %d: no group yet; waiting for one", self.run.step)
+        while self._must_wait():
+            if self._should_stop():
+                return
+            snap = await self._sync_and_publish()
+            live = await self._form(nursery, snap, RETRY_GATHER_S)
         size = len(self.group.members) if self.group else 1
+        status = "averaged" if self.last_size > 1 else "alone" if self.last_size else "start"
         waited = time.monotonic() - t0
         self.peer.clock.wait_s += waited
         stats = self.peer.stats
         stats.round, stats.peers = self.round, size
         self.peer.out.event(
             "outer_step",
-            f"round {self.round}: group of {size} at step {self.run.step}, validation loss "
-            f"{val:.4f}, state {snap.state_hash.hex()[:12]}, {waited:.1f}s",
+            f"round {self.round}: {status} with {max(self.last_size, 1)} peer(s), now a group "
+            f"of {size} at step {self.run.step}, validation loss {val:.4f}, state "
+            f"{snap.state_hash.hex()[:12]}, {waited:.1f}s",
             round=self.round,
-            status="grouped" if self.group else "alone",
-            group_size=size,
+            status=status,
+            group_size=max(self.last_size, 1),
+            next_group_size=size,
             live_peers=live,
             dropped=0,
             val_loss=val,
@@ -190,6 +214,31 @@ class DeMoStrategy(Strategy):
             wait_s=round(waited, 3),
             seconds=round(self.peer.clock.held(t0), 3),
         )
+
+    async def _sync_and_publish(self) -> StateSnapshot:
+        """The group's state if this peer's is not it, published (once per state)."""
+        took = self.state.last_hash is not None and await self.state.catch_up()
+        if took:
+            log.info("took the group's state at step %d", self.run.step)
+        if took or self._published is None or self._published.round != self.run.step:
+            self._published = await self.state.publish(self.run.step)
+        return self._published
+
+    async def _form(self, nursery: trio.Nursery, snap: StateSnapshot, gather_s: float) -> int:
+        """Matchmaking for this step and state; starts the exchange with the group found.
+        Returns the live peer count it waited for."""
+        await self._find_gone()
+        live, target = await self.peer.live.group_target(self.gone)
+        key = f"{round_key(self.peer.config.name, self.run.step)}/{snap.state_hash.hex()[:16]}"
+        mm = dataclasses.replace(self.mm, target_group_size=target, gather_s=gather_s)
+        group = await form_group(self.peer.dht, key, self.me, mm)
+        self.group = group if group is not None and len(group.members) > 1 else None
+        if self.group is not None:
+            self.gone -= {m.peer_id for m in self.group.members}
+            self.gatherer.start(self.group, self.run.step, nursery)
+        else:
+            self.gatherer.stop()
+        return live
 
     async def _find_gone(self) -> None:
         """Live heartbeats of peers that do not answer (killed: a heartbeat outlives its
@@ -224,6 +273,7 @@ class DeMoStrategy(Strategy):
         await trio.to_thread.run_sync(run.apply, gathered)
         if shared:  # the step every member that heard the same payloads took alike
             self.state.averaged("averaged", len(gathered), 0)
+        self.last_size = len(gathered) if shared else 1
         stats = self.peer.stats
         stats.step, stats.loss = run.step, loss
         stats.tokens += config.batch_size * config.block_size
