@@ -56,6 +56,9 @@ PROBE_S = 1.0
 #: A peer with no group retries matchmaking with this gather window: shorter than the
 #: group's, so that it comes round again within the window of a group forming meanwhile.
 RETRY_GATHER_S = 3.0
+#: How long a peer that has been in groups looks for one at a boundary, while others are
+#: live, before it steps alone (a peer that never had one looks until it finds one).
+REGROUP_WAIT_S = 60.0
 #: Steps between state-hash checks in the exchange (a hash costs a pass over the parameters).
 HASH_EVERY = 10
 
@@ -185,9 +188,18 @@ class DeMoStrategy(Strategy):
         snap = await self._sync_and_publish()
         val = await trio.to_thread.run_sync(self.validate)
         live = await self._form(nursery, snap, self.mm.gather_s)
-        if self._must_wait():
-            log.info("step %d: no group yet; waiting for one", self.run.step)
-        while self._must_wait():
+        # Others are alive but no group formed (they were still downloading the state this
+        # peer kept, or saw another set of peers): come round again, taking the group's
+        # newer state as it appears, before stepping alone. Without this, peers whose
+        # states had split each took the state they agreed on (15 s to download under a
+        # 5 Mbit/s limit), missed the 10 s window of the one that kept it, and all trained
+        # alone from then on (benchmarks/convergence.py --algos demo).
+        regroup_until = time.monotonic() + REGROUP_WAIT_S
+        if self.group is None and live > 1:
+            log.info("step %d: no group; looking again", self.run.step)
+        while self._must_wait() or (
+            self.group is None and live > 1 and time.monotonic() < regroup_until
+        ):
             if self._should_stop():
                 return
             snap = await self._sync_and_publish()
