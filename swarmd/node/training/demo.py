@@ -241,6 +241,13 @@ class DeMoStrategy(Strategy):
         Returns the live peer count it waited for."""
         await self._find_gone()
         live, target = await self.peer.live.group_target(self.gone)
+        if not self.state.met:
+            # A run's first group: peers that start together may not see each other's
+            # heartbeats yet, and groups formed from who was visible then never meet again
+            # (their states differ, and a peer follows only states of peers it met): seen, 4
+            # peers split 2+2 at step 0 for a whole run. Wait the gather window for the run's
+            # target instead, once.
+            target = self.peer.config.target_group_size
         key = f"{round_key(self.peer.config.name, self.run.step)}/{snap.state_hash.hex()[:16]}"
         mm = dataclasses.replace(self.mm, target_group_size=target, gather_s=gather_s)
         group = await form_group(self.peer.dht, key, self.me, mm)
