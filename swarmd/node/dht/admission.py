@@ -31,6 +31,11 @@ from swarmd.protocol import rpc
 from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import PeerId
 
+#: How long an id whose claimed address did not answer is not pinged again.
+RETRY_AFTER_S = 60.0
+#: Failed ids remembered at most (the oldest forgotten first).
+FAILED_KEPT = 4096
+
 
 class Admission:
     """Not thread-safe: used from the trio loop only."""
@@ -44,6 +49,13 @@ class Admission:
         self._send, self._receive = trio.open_memory_channel[tuple[PeerId, str]](math.inf)
         #: Offers dropped because max_pending verifications were already running.
         self.dropped = 0
+        #: Ids whose verification failed, until when they are not pinged again. Kept here,
+        #: not in the routing table: a failed dial-back says the *claimed* address does not
+        #: answer, not that the peer is gone. Held against its table entry, it evicted peers
+        #: whose calls leave from another address than they listen on (a multi-homed host;
+        #: `swarmd chaos`, whose peers listen on 127.0.0.10+ and call from 127.0.0.1), and
+        #: barred them from the table even after they answered our own calls.
+        self._failed_until: dict[PeerId, float] = {}
 
     @property
     def pending(self) -> int:
@@ -52,6 +64,8 @@ class Admission:
     def offer(self, peer_id: PeerId, address: str) -> None:
         """A caller that signed a request and says it listens at ``address``."""
         if peer_id == self.table.own or self.table.in_backoff(peer_id):
+            return
+        if self._failed_until.get(peer_id, -math.inf) > trio.current_time():
             return
         current = self.table.get(peer_id)
         if current is not None and current.address == address:
@@ -77,15 +91,23 @@ class Admission:
                 self.table.seen(peer_id, address)
             else:
                 try:
-                    # Enters the table on success (Caller._accept); on failure the caller
-                    # marks the id failed, which bars it for a back-off period.
-                    await self.caller.ping(address, peer_id)
+                    # Enters the table on success (Caller._accept).
+                    await self.caller.ping(address, peer_id, record_failure=False)
                 except (rpc.RpcError, ProtocolError):
+                    self._remember_failure(peer_id)
                     return
             if peer_id not in self.table:
                 await self._challenge_oldest(peer_id)
         finally:
             self._pending.discard(peer_id)
+
+    def _remember_failure(self, peer_id: PeerId) -> None:
+        now = trio.current_time()
+        if len(self._failed_until) >= FAILED_KEPT:  # a flood of fresh ids: forget the expired
+            self._failed_until = {p: t for p, t in self._failed_until.items() if t > now}
+            while len(self._failed_until) >= FAILED_KEPT:
+                del self._failed_until[next(iter(self._failed_until))]
+        self._failed_until[peer_id] = now + RETRY_AFTER_S
 
     async def _challenge_oldest(self, newcomer: PeerId) -> None:
         """Pings the full bucket's least-recently-seen contact unless it was heard from lately;

@@ -183,10 +183,17 @@ class Caller:
             self.table.failed(peer_id)
 
     async def ping(
-        self, address: str, peer_id: PeerId | None = None, *, timeout: float | None = None
+        self,
+        address: str,
+        peer_id: PeerId | None = None,
+        *,
+        timeout: float | None = None,
+        record_failure: bool = True,
     ) -> PeerId:
         """Pings ``address`` (whose peer id may be unknown, e.g. a bootstrap peer). ``timeout``
-        overrides the round-trip-based deadline."""
+        overrides the round-trip-based deadline. ``record_failure=False``: a failure says
+        nothing about the peer itself (an address only claimed, admission.py), so it is not
+        held against the peer's routing-table entry."""
         challenge = secrets.token_bytes(CHALLENGE_BYTES)
         req = pb.PingRequest(sender_port=self.port, challenge=challenge)
         try:
@@ -195,7 +202,8 @@ class Caller:
             )
             return self._accept(address, peer_id, resp.peer_id, resp.proof, challenge)
         except (rpc.RpcError, ProtocolError):
-            self._failed(peer_id)
+            if record_failure:
+                self._failed(peer_id)
             raise
 
     async def find(
