@@ -10,8 +10,8 @@ after answering our own calls (caller.py).
 
 The pings are bounded: at most ``RoutingConfig.max_pending`` verifications at once (one per
 node id); offers beyond that are dropped, which costs an honest caller nothing lasting, since
-it calls again and a node it calls learns of it from its answers. A failed verification puts
-the id in back-off, so the same id is not pinged again at once.
+it calls again and a node it calls learns of it from its answers. An id whose verification
+failed is not pinged again for a minute (remembered here, not in the routing table).
 
 A full bucket keeps its long-lived contacts (Kademlia: they are the likeliest to stay): a
 verified newcomer goes to the bucket's replacement cache and its least-recently-seen contact
