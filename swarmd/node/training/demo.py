@@ -34,7 +34,6 @@ from swarmd.compression.sparse_wire import (
 from swarmd.node.averaging.gather import Gatherer, GatherResult
 from swarmd.node.averaging.group import Group, Member
 from swarmd.node.averaging.matchmaking import (
-    MatchmakingConfig,
     answering,
     form_group,
     round_key,
@@ -42,7 +41,12 @@ from swarmd.node.averaging.matchmaking import (
 from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
-from swarmd.node.training.outer import choose_shard, judge_state, validation_loss
+from swarmd.node.training.outer import (
+    choose_shard,
+    judge_state,
+    matchmaking_config,
+    validation_loss,
+)
 from swarmd.node.training.sharedstate import SharedState
 from swarmd.node.training.strategy import Strategy
 from swarmd.optim.demo_state import DeMoRun
@@ -104,13 +108,7 @@ class DeMoStrategy(Strategy):
         #: Members whose payloads this peer applied in its last step (1: alone, 0: none yet):
         #: a boundary's `outer_step` reports the round that just ended.
         self.last_size = 0
-        config = peer.config
-        self.mm = MatchmakingConfig(
-            target_group_size=config.target_group_size,
-            min_group_size=config.min_group_size,
-            gather_s=10.0,
-            commit_wait_s=15.0,
-        )
+        self.mm = matchmaking_config(peer.config)
 
     @property
     def run(self) -> DeMoRun:

@@ -41,6 +41,18 @@ ZSTD_LEVEL = 3
 Opt = TypeVar("Opt", DiLoCo, StreamingDiLoCo)
 
 
+def matchmaking_config(config: RunConfig) -> MatchmakingConfig:
+    """How a run's peers form groups (every strategy that matchmakes through the DHT)."""
+    return MatchmakingConfig(
+        target_group_size=config.target_group_size,
+        min_group_size=config.min_group_size,
+        gather_s=10.0,
+        # A follower must outwait the leader's own gathering, or it gives up on a group
+        # record that is about to appear and trains alone.
+        commit_wait_s=15.0,
+    )
+
+
 def choose_shard(peer: PeerContext) -> int:
     """The data shard this peer reads: --data-shard, else the one its peer id hashes to."""
     config, shard = peer.config, peer.opts.data_shard
@@ -109,14 +121,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         self.shard = 0
         self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
         config = peer.config
-        self.mm = MatchmakingConfig(
-            target_group_size=config.target_group_size,
-            min_group_size=config.min_group_size,
-            gather_s=10.0,
-            # A follower must outwait the leader's own gathering, or it gives up on a group
-            # record that is about to appear and trains alone.
-            commit_wait_s=15.0,
-        )
+        self.mm = matchmaking_config(config)
 
     # -- what the subclasses supply --------------------------------------------------------
 
