@@ -145,3 +145,33 @@ def test_payloads_are_checked_before_they_are_received() -> None:
         assert result.late == []
 
     trio.run(main)
+
+
+def test_a_member_that_dropped_us_is_dropped_at_once() -> None:
+    """A member whose group no longer names us (it dropped us while we were paused) refuses
+    our payload: we stop waiting for it that step instead of striking it out deadline after
+    deadline."""
+
+    async def main() -> None:
+        ids = [Identity.generate() for _ in range(3)]
+        clients = [rpc.RpcClient(i) for i in ids[:2]]
+        config = GatherConfig(min_deadline_s=6.0, max_deadline_s=8.0)
+        gatherers = [Gatherer(c, i.peer_id, config) for c, i in zip(clients, ids, strict=False)]
+        async with (
+            rpc.serve([gatherers[0].service()], "127.0.0.1", 0, identity=ids[0]) as s0,
+            rpc.serve([gatherers[1].service()], "127.0.0.1", 0, identity=ids[1]) as s1,
+            trio.open_nursery() as nursery,
+        ):
+            a, b = Member(ids[0].peer_id, str(s0.address)), Member(ids[1].peer_id, str(s1.address))
+            other = Member(ids[2].peer_id, "127.0.0.1:9")
+            gatherers[0].start(Group(b"g" * 32, (a, b)), 0, nursery)
+            gatherers[1].start(Group(b"g" * 32, (b, other)), 0, nursery)  # a was dropped
+            result = await gatherers[0].gather(b"mine")
+            nursery.cancel_scope.cancel()
+        for c in clients:
+            c.close()
+        assert result.dropped == [ids[1].peer_id]
+        assert result.seconds < 2.0, result.seconds  # not the 4 s first deadline
+        assert gatherers[0].group is not None and gatherers[0].group.members == (a,)
+
+    trio.run(main)

@@ -111,6 +111,11 @@ class _Session:
     inbox: dict[int, dict[PeerId, tuple[bytes, bytes]]] = field(default_factory=dict)
     arrived: dict[int, trio.Event] = field(default_factory=dict)
     strikes: dict[PeerId, int] = field(default_factory=dict)
+    #: Members that refused our payload as not of their group: they dropped us (we were late
+    #: while paused, say). Not waited for again and dropped at once: waiting out deadlines
+    #: for them kept a resumed peer 9 s a step in a group that no longer had it (`swarmd
+    #: chaos`, a DeMo run with a paused peer).
+    left: set[PeerId] = field(default_factory=set)
 
     def event(self, step: int) -> trio.Event:
         return self.arrived.setdefault(step, trio.Event())
@@ -211,9 +216,12 @@ class Gatherer:
         meta = TensorMeta("uint8", (len(payload),), info=info.SerializeToString())
         heard_all_at: float | None = None
         for member in others:
-            session.nursery.start_soon(self._send, member, meta, payload, deadline)
+            session.nursery.start_soon(self._send, session, member, meta, payload, deadline)
         with trio.move_on_after(deadline):
-            while not all(m.peer_id in session.inbox.get(step, {}) for m in others):
+            while not all(
+                m.peer_id in session.inbox.get(step, {}) or m.peer_id in session.left
+                for m in others
+            ):
                 event = session.event(step)
                 await event.wait()
                 session.arrived[step] = trio.Event()
@@ -224,16 +232,21 @@ class Gatherer:
             self._times.append(heard_all_at)
         return self._result(session, step, payload, state_hash, got, time.monotonic() - start)
 
-    async def _send(self, member: Member, meta: TensorMeta, payload: bytes, timeout: float) -> None:
+    async def _send(
+        self, session: _Session, member: Member, meta: TensorMeta, payload: bytes, timeout: float
+    ) -> None:
         """Retries while the member is not there yet (it starts the group or reaches this step
         a little after us: FAILED_PRECONDITION) or unreachable, until the step's deadline;
         other refusals are final."""
         with trio.move_on_after(timeout):
-            await self._send_until_taken(member, meta, payload, timeout)
+            if not await self._send_until_taken(member, meta, payload, timeout):
+                session.left.add(member.peer_id)
+                session.event(session.step).set()
 
     async def _send_until_taken(
         self, member: Member, meta: TensorMeta, payload: bytes, timeout: float
-    ) -> None:
+    ) -> bool:
+        """False if the member refused us as not of its group (it dropped us)."""
         pause = 0.05
         while True:
             try:
@@ -246,12 +259,12 @@ class Gatherer:
                     timeout=timeout,
                     expect=member.peer_id,
                 )
-                return
+                return True
             except (rpc.RpcError, OSError) as exc:
                 code = exc.code if isinstance(exc, rpc.RpcError) else rpc.StatusCode.UNAVAILABLE
                 if code not in _RETRY:
                     log.info("gather payload to %s refused: %s", member.peer_id.short(), exc)
-                    return
+                    return code != rpc.StatusCode.PERMISSION_DENIED
             await trio.sleep(pause)
             pause = min(2 * pause, 0.5)
 
@@ -271,7 +284,9 @@ class Gatherer:
         late = [m.peer_id for m in session.group.members if m.peer_id not in payloads]
         dropped = []
         for m in session.group.members:
-            if m.peer_id in late:
+            if m.peer_id in session.left and m.peer_id in late:
+                dropped.append(m.peer_id)
+            elif m.peer_id in late:
                 session.strikes[m.peer_id] = session.strikes.get(m.peer_id, 0) + 1
                 if session.strikes[m.peer_id] >= self.config.max_strikes:
                     dropped.append(m.peer_id)

@@ -63,6 +63,11 @@ RETRY_GATHER_S = 3.0
 #: How long a peer that has been in groups looks for one at a boundary, while others are
 #: live, before it steps alone (a peer that never had one looks until it finds one).
 REGROUP_WAIT_S = 60.0
+#: A peer taken for gone (it did not answer a probe, or the exchange dropped it) is probed
+#: again after this long: a peer that was only paused or busy (its heartbeat never lapsed)
+#: must be able to come back. Seen under `swarmd chaos`: a peer that missed one probe was
+#: left out of every group for the rest of the run although it kept asking to join.
+GONE_RECHECK_S = 10.0
 #: Steps between state-hash checks in the exchange (a hash costs a pass over the parameters).
 HASH_EVERY = 10
 
@@ -99,10 +104,11 @@ class DeMoStrategy(Strategy):
         self.origin = "fresh"
         #: The group of this round (None: training alone until the next boundary).
         self.group: Group | None = None
-        #: Members the exchange dropped (dead or stalled) whose heartbeats may still be live:
-        #: the next boundary does not wait for them (10 s a boundary until the heartbeat
-        #: lapsed, seen). Forgotten once they lapse or are seen in a group again.
-        self.gone: set[PeerId] = set()
+        #: Peers the exchange dropped or a probe found dead, whose heartbeats may still be
+        #: live, with when: boundaries do not wait for them (10 s a boundary until the
+        #: heartbeat lapsed, seen). Forgotten once they lapse, are seen in a group again, or
+        #: answer a probe made GONE_RECHECK_S later.
+        self.gone: dict[PeerId, float] = {}
         self._published: StateSnapshot | None = None
         self.started, self.steps = 0.0, 0
         #: Members whose payloads this peer applied in its last step (1: alone, 0: none yet):
@@ -255,7 +261,8 @@ class DeMoStrategy(Strategy):
         group = await form_group(self.peer.dht, key, self.me, mm)
         self.group = group if group is not None and len(group.members) > 1 else None
         if self.group is not None:
-            self.gone -= {m.peer_id for m in self.group.members}
+            for m in self.group.members:
+                self.gone.pop(m.peer_id, None)
             self.gatherer.start(self.group, self.run.step, nursery)
         else:
             self.gatherer.stop()
@@ -265,15 +272,26 @@ class DeMoStrategy(Strategy):
         """Live heartbeats of peers that do not answer (killed: a heartbeat outlives its
         peer by up to 30 s) are not waited for: without this each boundary in those 30 s sat
         out matchmaking's whole 10 s gather window. Members of this round's group answered
-        every step and are not probed."""
+        every step and are not probed; peers taken for gone are probed again after
+        GONE_RECHECK_S."""
         live = await self.peer.live.addresses()
-        self.gone &= live.keys()
+        now = time.monotonic()
+        self.gone = {p: at for p, at in self.gone.items() if p in live}
         known = {m.peer_id for m in self.group.members} if self.group else set()
-        known |= self.gone | {self.me.peer_id}
+        known |= {p for p, at in self.gone.items() if now - at < GONE_RECHECK_S}
+        known.add(self.me.peer_id)
         others = [Member(p, a) for p, a in live.items() if p not in known]
-        if others:
-            alive = await answering(self.peer.dht, others, PROBE_S)
-            self.gone |= {m.peer_id for m in others} - alive
+        if not others:
+            return
+        alive = await answering(self.peer.dht, others, PROBE_S)
+        for m in others:
+            if m.peer_id in alive:
+                if self.gone.pop(m.peer_id, None) is not None:
+                    log.info("peer %s answers again; waiting for it in groups", m.peer_id)
+            else:
+                if m.peer_id not in self.gone:
+                    log.info("peer %s does not answer; not waiting for it", m.peer_id)
+                self.gone[m.peer_id] = now
 
     async def _step(self) -> None:
         config, run = self.peer.config, self.run
@@ -310,7 +328,7 @@ class DeMoStrategy(Strategy):
         t0 = time.monotonic()
         result = await self.gatherer.gather(payload, state_hash)
         self.peer.clock.wait_s += time.monotonic() - t0
-        self.gone.update(result.dropped)
+        self.gone.update(dict.fromkeys(result.dropped, time.monotonic()))
         gathered = await trio.to_thread.run_sync(self._decode_all, result)
         if result.agree(self.peer.identity.peer_id) is False:
             log.warning(
