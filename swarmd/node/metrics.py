@@ -98,6 +98,30 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.gather_steps = Counter(
+            "swarmd_gather_steps",
+            "DeMo exchange steps by outcome: complete (every member heard), late (some not)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.gather_duration = Histogram(
+            "swarmd_gather_step_duration_seconds",
+            "Wall time of one DeMo exchange step, until every member was heard or the deadline",
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.gather_dropped = Counter(
+            "swarmd_gather_members_dropped",
+            "Members dropped from a DeMo group (late twice running, or they dropped us)",
+            registry=self.registry,
+        )
+
+    def on_gather(self, late: int, duration_s: float, dropped: int) -> None:
+        self.gather_steps.labels(outcome="late" if late else "complete").inc()
+        self.gather_duration.observe(duration_s)
+        if dropped:
+            self.gather_dropped.inc(dropped)
+
     def on_round(self, outcome: str, duration_s: float, dropped: int) -> None:
         self.averaging_rounds.labels(outcome=outcome).inc()
         self.averaging_duration.observe(duration_s)

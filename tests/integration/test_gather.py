@@ -10,6 +10,7 @@ import trio
 
 from swarmd.node.averaging.gather import PUT_GATHER, GatherConfig, Gatherer
 from swarmd.node.averaging.group import Group, Member
+from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta
@@ -152,11 +153,15 @@ def test_a_member_that_dropped_us_is_dropped_at_once() -> None:
     our payload: we stop waiting for it that step instead of striking it out deadline after
     deadline."""
 
+    metrics = Metrics()
+
     async def main() -> None:
         ids = [Identity.generate() for _ in range(3)]
         clients = [rpc.RpcClient(i) for i in ids[:2]]
         config = GatherConfig(min_deadline_s=6.0, max_deadline_s=8.0)
-        gatherers = [Gatherer(c, i.peer_id, config) for c, i in zip(clients, ids, strict=False)]
+        gatherers = [
+            Gatherer(c, i.peer_id, config, metrics) for c, i in zip(clients, ids, strict=False)
+        ]
         async with (
             rpc.serve([gatherers[0].service()], "127.0.0.1", 0, identity=ids[0]) as s0,
             rpc.serve([gatherers[1].service()], "127.0.0.1", 0, identity=ids[1]) as s1,
@@ -175,3 +180,6 @@ def test_a_member_that_dropped_us_is_dropped_at_once() -> None:
         assert gatherers[0].group is not None and gatherers[0].group.members == (a,)
 
     trio.run(main)
+    text = metrics.render().decode()
+    assert 'swarmd_gather_steps_total{outcome="late"} 1.0' in text
+    assert "swarmd_gather_members_dropped_total 1.0" in text

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import trio
 
 from swarmd.node.averaging.group import Group, Member
+from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta
@@ -124,10 +125,17 @@ class _Session:
 class Gatherer:
     """One member's side of the sticky group's all-gather: its service and its steps."""
 
-    def __init__(self, client: rpc.RpcClient, me: PeerId, config: GatherConfig | None = None):
+    def __init__(
+        self,
+        client: rpc.RpcClient,
+        me: PeerId,
+        config: GatherConfig | None = None,
+        metrics: Metrics | None = None,
+    ):
         self.client = client
         self.me = me
         self.config = config or GatherConfig()
+        self._metrics = metrics
         self._session: _Session | None = None
         self._times: deque[float] = deque(maxlen=16)
 
@@ -301,4 +309,6 @@ class Gatherer:
         session.step = step + 1
         for old in [s for s in session.inbox if s <= step]:  # nothing older is wanted now
             del session.inbox[old]
+        if self._metrics is not None:
+            self._metrics.on_gather(len(late), seconds, len(dropped))
         return GatherResult(step, payloads, late, dropped, hashes, seconds)

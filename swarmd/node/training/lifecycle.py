@@ -60,7 +60,7 @@ class Peer:
         self.averager = Averager(
             self.client, self.identity.peer_id, AllReduceConfig(), self.metrics
         )
-        self.gatherer = Gatherer(self.client, self.identity.peer_id)
+        self.gatherer = Gatherer(self.client, self.identity.peer_id, metrics=self.metrics)
         self.donor = StateDonor()
         self.address = ""
         #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
