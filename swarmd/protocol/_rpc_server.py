@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarmd.protocol import bulk, faults
 from swarmd.protocol import swarmd_pb2 as pb
-from swarmd.protocol._rate_limit import RateLimiter
+from swarmd.protocol._rate_limit import RateLimiter, address_key
 from swarmd.protocol._receive_budget import ReceiveBudget, Reservation
 from swarmd.protocol._rpc_config import TransportConfig
 from swarmd.protocol._rpc_service import (
@@ -267,7 +267,7 @@ class RpcServer:
             raise RpcError(StatusCode.UNIMPLEMENTED, f"no tensor method {path}")
         if method.admit is not None:
             await method.admit(meta, ctx)
-        sender = str(ctx.peer_id) if ctx.peer_id is not None else ctx.peer.rpartition(":")[0]
+        sender = str(ctx.peer_id) if ctx.peer_id is not None else address_key(ctx.peer)
         return await self.receive_budget.reserve(sender, meta.nbytes)
 
     def _run_in_trio(
