@@ -42,6 +42,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=64, help="block side")
     p.add_argument("--decay", type=float, default=0.999, help="momentum decay β")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument(
+        "--grad-clip", type=float, default=1.0,
+        help="gradient norm bound before δ (0: none; the daemon clips at 1.0)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
@@ -79,7 +83,8 @@ def main() -> None:
     model = GPT(gpt, seed=a.seed)
     # One DeMoRun per peer over the same parameters: each keeps its own δ (prepare touches
     # only δ and the gradients); the group's step is applied once, by the first.
-    runs = [DeMoRun(model, demo_config(a), lr_schedule(a)) for _ in range(a.peers)]
+    clip = a.grad_clip or None
+    runs = [DeMoRun(model, demo_config(a), lr_schedule(a), clip) for _ in range(a.peers)]
     layout = runs[0].opt.layout()
     started, payload = time.monotonic(), 0
     for step in range(a.steps):
@@ -99,7 +104,7 @@ def main() -> None:
     ratio = ddp_per_step / ((k - 1) * payload) if k > 1 else float("nan")
     print(f"demo seed {a.seed} lr {a.lr}: {time.monotonic() - started:.0f} s", flush=True)
     print(
-        f"algo=demo seed={a.seed} lr={a.lr} topk={a.topk} val_loss={loss:.4f} "
+        f"algo=demo seed={a.seed} lr={a.lr} topk={a.topk} clip={a.grad_clip} val_loss={loss:.4f} "
         f"payload_bytes={payload} bytes_ratio={ratio:.1f}"
     )
 

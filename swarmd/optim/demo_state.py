@@ -26,9 +26,20 @@ from swarmd.optim.schedule import LrSchedule
 
 
 class DeMoRun:
-    def __init__(self, model: nn.Module, config: DeMoConfig, schedule: LrSchedule) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DeMoConfig,
+        schedule: LrSchedule,
+        grad_clip: float | None = 1.0,
+    ) -> None:
         self.model = model
         self.config, self.schedule = config, schedule
+        #: The gradient's norm bound before it is folded into δ: the reference's training
+        #: runs clip at 1.0 (bloc97/DeMo's OLMo configs, `max_grad_norm`), as swarmd's
+        #: AdamW steps do. With β = 0.999, δ remembers an early huge gradient for thousands
+        #: of steps.
+        self.grad_clip = grad_clip
         self.names, self._params = trainable(model)
         self._shapes = [p.shape for p in self._params]
         self.opt = DeMo(self._params, config)
@@ -56,6 +67,8 @@ class DeMoRun:
         if not isinstance(loss, torch.Tensor):
             raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
         torch.autograd.backward(loss)
+        if self.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self._params, self.grad_clip)
         return float(loss.detach())
 
     def prepare(self) -> list[SparseUpdate]:
