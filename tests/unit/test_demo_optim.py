@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from swarmd.optim.demo import DeMo, DeMoConfig, SparseUpdate
+from swarmd.optim.demo_state import DeMoRun
+from swarmd.optim.schedule import LrSchedule
 
 # -- the paper, plainly ---------------------------------------------------------------------------
 
@@ -413,3 +415,23 @@ def test_apply_validates_every_update_before_moving_anything() -> None:
         assert float(a.sum()) == 8 and float(b.sum()) == 12
     demo.apply([good, good])
     assert float((a - 1).abs().max()) > 0
+
+
+class _Scaled(torch.nn.Module):
+    """A model whose loss is its weight's sum times a large factor: a gradient of norm ~1e4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(8, 16))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = 1000.0 * (self.w * x.float().mean()).sum()
+        return loss, loss
+
+
+@pytest.mark.parametrize("clip", [1.0, None])
+def test_a_run_clips_the_gradient_before_the_momentum(clip: float | None) -> None:
+    run = DeMoRun(_Scaled(), DeMoConfig(lr=1e-3), LrSchedule("constant", 0, 0), clip)
+    run.gradients((torch.ones(2, 4), torch.ones(2, 4)))
+    norm = float(torch.linalg.vector_norm(run.model.w.grad))
+    assert norm == pytest.approx(1.0, rel=1e-5) if clip else norm > 1000
