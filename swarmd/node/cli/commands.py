@@ -142,6 +142,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             device=args.device,
             creator=args.creator,
             allowed=AllowedWorkloads(tuple(args.model), tuple(args.data)),
+            public_name=args.public_name,
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None

@@ -249,7 +249,17 @@ def _add_join_limits(p: argparse.ArgumentParser) -> None:
         help="text progress on stderr, or JSON lines on stdout (default: text)",
     )
     p.add_argument(
-        "--progress-interval", type=positive_float, default=5.0, help="seconds between lines"
+        "--progress-interval",
+        type=positive_float,
+        default=5.0,
+        help="seconds between progress lines and progress records in the DHT (default: 5)",
+    )
+    p.add_argument(
+        "--public-name",
+        default="",
+        metavar="NAME",
+        help="a name the run's dashboard shows for this peer (at most 64 printable "
+        "characters; published to everyone in the run). Default: none, the peer id is shown",
     )
     p.add_argument(
         "--join-timeout",

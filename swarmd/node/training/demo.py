@@ -157,6 +157,7 @@ class DeMoStrategy(Strategy):
             algo=config.algo,
         )
         first_val = await trio.to_thread.run_sync(self.validate)
+        self.peer.stats.val_loss = first_val
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=self.round, val_loss=first_val
         )
@@ -213,7 +214,8 @@ class DeMoStrategy(Strategy):
         waited = time.monotonic() - t0
         self.peer.clock.wait_s += waited
         stats = self.peer.stats
-        stats.round, stats.peers = self.round, size
+        stats.round, stats.peers, stats.val_loss = self.round, size, val
+        stats.last_outer = status
         self.peer.out.event(
             "outer_step",
             f"round {self.round}: {status} with {max(self.last_size, 1)} peer(s), now a group "

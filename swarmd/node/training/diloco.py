@@ -68,6 +68,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         val = await trio.to_thread.run_sync(self.validate)
         stats = self.peer.stats
         stats.round, stats.peers, stats.last_outer = self.opt.round, avg.group_size, status
+        stats.val_loss = val
         size, dropped = avg.group_size, avg.dropped
         self.peer.out.event(
             "outer_step",

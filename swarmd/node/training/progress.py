@@ -38,6 +38,8 @@ class TrainStats:
     step: int = 0
     round: int = 0
     loss: float = math.nan
+    #: Validation loss at the last outer round (or at the start), NaN before it.
+    val_loss: float = math.nan
     #: Size of the last outer round's group (1: alone).
     peers: int = 1
     tokens: int = 0

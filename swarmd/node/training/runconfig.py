@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
+from swarmd.node.runkeys import config_key as config_key
+from swarmd.node.runkeys import peers_key as peers_key
 from swarmd.optim.demo import DeMoConfig
 from swarmd.optim.diloco import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
@@ -276,11 +278,3 @@ class RunConfig:
     @property
     def hash(self) -> str:
         return hashlib.sha256(self.to_json()).hexdigest()[:16]
-
-
-def config_key(run: str) -> str:
-    return f"swarmd/{run}/config"
-
-
-def peers_key(run: str) -> str:
-    return f"swarmd/{run}/peers"

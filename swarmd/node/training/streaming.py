@@ -225,6 +225,8 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
             flight.group_size,
             report.status,
         )
+        if val is not None:
+            stats.val_loss = val
         self._report(report, flight, snap.state_hash.hex(), val, waited, self.peer.clock.held(t0))
 
     def _report(
