@@ -4,6 +4,10 @@ donor, whose modules define what is stored under them, do)."""
 
 from __future__ import annotations
 
+#: The run config's lifetime in the DHT: records live at most a day; the creator re-publishes
+#: it while it runs.
+CONFIG_TTL_S = 23 * 3600.0
+
 
 def config_key(run: str) -> str:
     """The run's signed config, one entry per signer (training/runrecord.py)."""

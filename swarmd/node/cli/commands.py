@@ -155,6 +155,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status(args.run, args.peers, args.json)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from swarmd.node.dashboard.server import DashboardOptions, dashboard
+
+    try:
+        options = DashboardOptions(
+            run=args.run, peers=tuple(args.peers), listen=args.listen, poll_s=args.poll
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    return dashboard(options)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.transport_only:
         from swarmd.node.cli.transport_demo import run_demo as transport_demo

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
+from swarmd.node.runkeys import CONFIG_TTL_S as CONFIG_TTL_S
 from swarmd.node.runkeys import config_key as config_key
 from swarmd.node.runkeys import peers_key as peers_key
 from swarmd.optim.demo import DeMoConfig
@@ -33,8 +34,6 @@ _MODEL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
 _DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
 #: The training algorithms a run may use.
 ALGORITHMS = ("diloco", "streaming-diloco", "demo")
-#: The DHT keeps records at most a day; the creator re-publishes it while it runs.
-CONFIG_TTL_S = 23 * 3600.0
 
 
 class RunConfigError(ValueError):
