@@ -92,14 +92,14 @@ class Board:
         if view is None:
             view = self.peers[peer_id] = PeerView(peer_id, first_seen=now, last_seen=now)
             view.live = False
+        record = reading.progress.get(peer_id)
         if beating:
             view.last_seen, view.address = now, reading.heartbeats[peer_id]
             if not view.live:
                 view.live = True
                 verb = "is in the run" if self.polls == 1 else "joined"
-                view.record = reading.progress.get(peer_id, view.record)
-                self.event("joined", f"{self.label(view)} {verb}", peer_id, now)
-        record = reading.progress.get(peer_id)
+                label = self.label_of(peer_id, record or view.record)
+                self.event("joined", f"{label} {verb}", peer_id, now)
         if record is not None:
             self._record(view, record, now)
         advert = reading.adverts.get(peer_id)
@@ -135,9 +135,14 @@ class Board:
             del self.peers[view.peer_id]
 
     @staticmethod
+    def label_of(peer_id: str, record: ProgressRecord | None) -> str:
+        """The peer's --public-name with its short id, or the short id alone."""
+        name = record.name if record else ""
+        return f"{name} ({peer_id[:10]})" if name else peer_id[:10]
+
+    @staticmethod
     def label(view: PeerView) -> str:
-        name = view.record.name if view.record and view.record.name else ""
-        return f"{name} ({view.peer_id[:10]})" if name else view.peer_id[:10]
+        return Board.label_of(view.peer_id, view.record)
 
     def agreed_hash(self) -> str | None:
         """The state hash most live peers advertise at the newest round advertised."""
