@@ -62,8 +62,9 @@ def _peer_row(view: PeerView, agreed: str | None, now: float) -> dict[str, Any]:
         "sent_bytes": record.sent_bytes if record else None,
         "received_bytes": record.received_bytes if record else None,
         "state_hash": view.state_hash,
+        # A gone peer's last advert is stale: not compared.
         "state_agrees": None
-        if agreed is None or view.state_hash is None
+        if agreed is None or view.state_hash is None or not view.live
         else view.state_hash == agreed,
         "last_seen_s_ago": round(now - view.last_seen, 1),
     }

@@ -47,8 +47,11 @@ function renderRun(run) {
   status.classList.toggle("bad", Boolean(run.poll_error || run.error || !run.found));
   const config = run.config || {};
   text("algo", config.algo);
-  text("model", config.model === undefined ? null :
-    config.model + " " + config.n_layer + "×" + config.n_embd + " (" + config.n_head + " heads)");
+  let model = config.model === undefined ? null : config.model;
+  if (model !== null && typeof config.n_layer === "number" && typeof config.n_embd === "number") {
+    model += ", " + config.n_layer + " layers × " + config.n_embd;
+  }
+  text("model", model);
   text("config-hash", config.hash);
   text("creator", config.creator ? config.creator.slice(0, 10) : null);
   text("age", config.age_s === undefined ? null : fmtAge(config.age_s));
