@@ -175,7 +175,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from swarmd.node.cli.demo import run_demo
 
     return run_demo(
-        peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps, algo=args.algo
+        peers=args.peers,
+        duration_s=args.duration,
+        inner_steps=args.inner_steps,
+        algo=args.algo,
+        dashboard=None if args.no_dashboard else str(args.dashboard),
     )
 
 

@@ -344,6 +344,15 @@ def _add_demo(sub: Subparsers) -> None:
         help="instead: relay a tensor through peers, ping, forged request (seconds)",
     )
     p.add_argument(
+        "--dashboard",
+        type=listen_address,
+        default=Address("127.0.0.1", 8080),
+        metavar="HOST:PORT",
+        help="serve `swarmd dashboard` of the demo run here while it runs (default: "
+        "127.0.0.1:8080; port 0 lets the OS choose)",
+    )
+    p.add_argument("--no-dashboard", action="store_true", help="run the demo without it")
+    p.add_argument(
         "--tensor-mib",
         type=positive_int,
         default=64,
