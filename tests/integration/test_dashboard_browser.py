@@ -1,5 +1,5 @@
 """The dashboard's page in a real browser: Debian's headless Chromium driven by Selenium
-(deploy/setup-browser.sh installs both), against real processes on loopback.
+(deploy/setup-test-tools.sh installs both), against real processes on loopback.
 
 - a real 3-peer run: the table shows 3 live rows, the loss chart has points, a SIGKILLed peer
   is marked gone within the heartbeat's bound, and the page keeps updating without a reload;

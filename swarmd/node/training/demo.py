@@ -213,9 +213,7 @@ class DeMoStrategy(Strategy):
         status = "averaged" if self.last_size > 1 else "alone" if self.last_size else "start"
         waited = time.monotonic() - t0
         self.peer.clock.wait_s += waited
-        stats = self.peer.stats
-        stats.round, stats.peers, stats.val_loss = self.round, size, val
-        stats.last_outer = status
+        self.peer.stats.outer_done(self.round, size, status, val)
         self.peer.out.event(
             "outer_step",
             f"round {self.round}: {status} with {max(self.last_size, 1)} peer(s), now a group "

@@ -205,6 +205,7 @@ class Peer:
         self.averager.limit_weights(config.max_weight)
         strategy = strategy_for(config.algo)(peer)
         await strategy.join()
+        self.metrics.watch_training(lambda: peer.stats.figures(peer.clock.wait_s))
         nursery.start_soon(heartbeat, self.dht, config, self.address)
         nursery.start_soon(
             report_progress, self.out, peer.stats, self.metrics, self.opts.progress_interval_s
