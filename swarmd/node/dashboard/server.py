@@ -46,13 +46,15 @@ class DashboardOptions:
 
 
 async def poll(dht: DHTNode, board: Board, poll_s: float) -> None:
-    """Reads the run every ``poll_s`` into ``board`` until cancelled; a failed read is shown
-    on the page and retried, never fatal."""
+    """Reads the run every ``poll_s`` into ``board`` until cancelled. A failed read is shown
+    on the page, logged and retried, never fatal: the page is worth more up with the last
+    reading and the error than down."""
     while True:
         try:
             with trio.fail_after(max(10.0, 3 * poll_s)):
                 board.update(await read_run(dht, board.run))
-        except (trio.TooSlowError, OSError, rpc.RpcError) as exc:
+        except Exception as exc:
+            log.warning("reading run %r failed: %r", board.run, exc, exc_info=True)
             board.failed_poll(f"{type(exc).__name__}: {exc}")
         await trio.sleep(poll_s)
 
