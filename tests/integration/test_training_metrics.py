@@ -67,3 +67,17 @@ def test_promtool_refuses_what_breaks_the_naming_rules() -> None:
     """The lint is live: a counter without _total is reported."""
     lint = promtool_check("# HELP bad_counter x\n# TYPE bad_counter counter\nbad_counter 1\n")
     assert 'counter metrics should have "_total" suffix' in lint.stdout + lint.stderr
+
+
+def test_prometheus_config_scrapes_the_compose_peers_metrics_port() -> None:
+    """deploy/prometheus.yml is valid, and scrapes the port the compose file's peers serve
+    their metrics on (a mismatch would scrape nothing, silently)."""
+    config = ROOT / "deploy" / "prometheus.yml"
+    check = subprocess.run(
+        [PROMTOOL, "check", "config", str(config)], capture_output=True, text=True, timeout=30
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    ports = re.findall(r"^\s+port: (\d+)$", config.read_text(), re.MULTILINE)
+    compose = (ROOT / "deploy" / "docker-compose.yml").read_text()
+    served = re.findall(r"- --metrics\n\s+- 0\.0\.0\.0:(\d+)\n", compose)
+    assert ports == ["9400"] and served == ["9400", "9400"]  # the creator and the workers
