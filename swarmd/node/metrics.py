@@ -7,6 +7,9 @@ blow up the time-series count.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -17,6 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
 import swarmd
@@ -25,6 +29,62 @@ import swarmd
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 _DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True)
+class TrainingFigures:
+    """A training peer's figures at one scrape (TrainStats.figures makes them)."""
+
+    step: int = 0
+    round: int = 0
+    loss: float = float("nan")
+    val_loss: float = float("nan")
+    group_size: int = 0
+    tokens: int = 0
+    wait_s: float = 0.0
+    outcomes: Mapping[str, int] = field(default_factory=dict)
+
+
+class _TrainingCollector:
+    """Reads the trainer's figures when Prometheus scrapes, so the training loop updates
+    nothing of Prometheus's (it already keeps TrainStats for its progress line)."""
+
+    def __init__(self, read: Callable[[], TrainingFigures]) -> None:
+        self.read = read
+
+    def describe(self) -> Iterator[Any]:
+        return self._families(TrainingFigures())
+
+    def collect(self) -> Iterator[Any]:
+        return self._families(self.read())
+
+    @staticmethod
+    def _families(f: TrainingFigures) -> Iterator[Any]:
+        gauges = (
+            ("step", "Inner steps this peer has taken", f.step),
+            ("outer_round", "The outer round this peer reached", f.round),
+            ("loss", "Training loss of the last inner step (NaN before the first)", f.loss),
+            ("validation_loss", "Validation loss after the last outer round", f.val_loss),
+            ("group_size", "Peers in the last outer round's group (1: alone)", f.group_size),
+        )
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(f"swarmd_training_{name}", text, value=value)
+        yield CounterMetricFamily(
+            "swarmd_training_tokens", "Tokens this peer trained on", value=f.tokens
+        )
+        yield CounterMetricFamily(
+            "swarmd_training_network_wait_seconds",
+            "Seconds the trainer waited for the network (matchmaking, averaging, state sync)",
+            value=f.wait_s,
+        )
+        rounds = CounterMetricFamily(
+            "swarmd_training_outer_rounds",
+            "Outer rounds (or streaming fragment rounds) finished, by outcome",
+            labels=["outcome"],
+        )
+        for outcome, count in sorted(f.outcomes.items()):
+            rounds.add_metric([outcome], count)
+        yield rounds
 
 
 class Metrics:
@@ -121,6 +181,10 @@ class Metrics:
         self.gather_duration.observe(duration_s)
         if dropped:
             self.gather_dropped.inc(dropped)
+
+    def watch_training(self, read: Callable[[], TrainingFigures]) -> None:
+        """Exports a training peer's figures (swarmd_training_*), read at each scrape."""
+        self.registry.register(_TrainingCollector(read))
 
     def on_round(self, outcome: str, duration_s: float, dropped: int) -> None:
         self.averaging_rounds.labels(outcome=outcome).inc()

@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -115,18 +116,43 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
 
 
 def test_demo_kills_a_peer_adds_one_and_survivors_agree(tmp_path: Path) -> None:
-    """The README's first command, shortened: real processes, churn, and its own checks."""
-    done = subprocess.run(
-        swarmd_cmd("demo", "--duration", "45", "--inner-steps", "10"),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "killed peer1" in done.stdout
-    assert "joined (group start" in done.stdout
-    assert "states after averaged rounds: identical" in done.stdout
-    assert "result: loss fell and the survivors agree" in done.stdout
+    """The README's first command, shortened: real processes, churn, and its own checks; its
+    dashboard shows the run's peers while it runs."""
+    out = tmp_path / "demo.out"
+    with open(out, "w") as stdout:
+        demo = subprocess.Popen(
+            swarmd_cmd(
+                "demo", "--duration", "45", "--inner-steps", "10", "--dashboard", "127.0.0.1:0"
+            ),
+            stdout=stdout,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        peers_seen = _dashboard_peers_while_running(out, demo)
+        assert demo.wait(timeout=400) == 0, out.read_text()
+    finally:
+        demo.kill()
+    text = out.read_text()
+    assert peers_seen >= 3, text
+    assert "killed peer1" in text
+    assert "joined (group start" in text
+    assert "states after averaged rounds: identical" in text
+    assert "result: loss fell and the survivors agree" in text
+
+
+def _dashboard_peers_while_running(out: Path, demo: subprocess.Popen[str]) -> int:
+    """The most live peers the demo's dashboard (its URL read from the demo's output) showed
+    in its JSON API before the demo ended (stops asking once it showed 3)."""
+    url, most = None, 0
+    while demo.poll() is None and most < 3:
+        time.sleep(0.5)
+        lines = [line for line in out.read_text().splitlines() if line.startswith("dashboard: ")]
+        url = url or (lines[0].split()[1] if lines else None)
+        if url is not None:
+            with urllib.request.urlopen(url + "api/run", timeout=10) as response:
+                most = max(most, json.loads(response.read())["live_peers"])
+    return most
 
 
 def test_crashed_peer_resumes_from_its_saved_state(processes: ProcessGroup, tmp_path: Path) -> None:

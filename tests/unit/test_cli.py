@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,29 @@ def test_the_cli_offers_every_algorithm_a_run_can_use() -> None:
     from swarmd.node.training.runconfig import ALGORITHMS
 
     assert OFFERED == ALGORITHMS
+
+
+def test_join_refuses_a_public_name_it_could_not_publish(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["join", "--run", "r", "--state-dir", str(tmp_path), "--public-name"]
+    assert cli.main([*argv, "x" * 65]) == 2
+    assert "public_name is longer than 64 characters" in capsys.readouterr().err
+    assert cli.main([*argv, "bell\a"]) == 2
+    assert "public_name holds control characters" in capsys.readouterr().err
+
+
+def test_dashboard_options_and_no_torch() -> None:
+    """`swarmd dashboard` serves on 127.0.0.1:8080 by default and never imports torch (its
+    modules are meant for a machine that does not train)."""
+    from swarmd.node.cli.parser import build_parser
+
+    args = build_parser().parse_args(["dashboard", "--run", "r", "--peers", "127.0.0.1:1"])
+    assert args.listen == Address("127.0.0.1", 8080) and args.poll == 2.0
+    code = (
+        "import sys\n"
+        "import swarmd.node.cli.app, swarmd.node.dashboard.server\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

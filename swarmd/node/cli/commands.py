@@ -142,6 +142,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             device=args.device,
             creator=args.creator,
             allowed=AllowedWorkloads(tuple(args.model), tuple(args.data)),
+            public_name=args.public_name,
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None
@@ -154,6 +155,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status(args.run, args.peers, args.json)
 
 
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    from swarmd.node.dashboard.server import DashboardOptions, dashboard
+
+    try:
+        options = DashboardOptions(
+            run=args.run, peers=tuple(args.peers), listen=args.listen, poll_s=args.poll
+        )
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    return dashboard(options)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.transport_only:
         from swarmd.node.cli.transport_demo import run_demo as transport_demo
@@ -162,7 +175,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from swarmd.node.cli.demo import run_demo
 
     return run_demo(
-        peers=args.peers, duration_s=args.duration, inner_steps=args.inner_steps, algo=args.algo
+        peers=args.peers,
+        duration_s=args.duration,
+        inner_steps=args.inner_steps,
+        algo=args.algo,
+        dashboard=None if args.no_dashboard else str(args.dashboard),
     )
 
 

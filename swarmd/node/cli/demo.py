@@ -4,7 +4,8 @@ Everything here is the real daemon: a `swarmd dht` bootstrap process and `swarmd
 processes on loopback, talking gRPC to each other, training the built-in GPT on the built-in
 corpus with DiLoCo and int8 all-reduce (or `--algo`: streaming DiLoCo, DeMo). Midway one peer
 is SIGKILLed and a new one joins (it downloads the group's state). The summary is computed
-from the peers' own JSON event lines.
+from the peers' own JSON event lines. A `swarmd dashboard` process shows the run live while
+it lasts (its URL is printed first).
 """
 
 from __future__ import annotations
@@ -42,8 +43,28 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+def _start_dashboard(address: str, listen: str, root: Path) -> EventChild | None:
+    """`swarmd dashboard` of the demo run on ``listen``; its URL is printed. The demo goes on
+    without it if it cannot serve there (the port is taken, say)."""
+    dashboard = _spawn(
+        "dashboard", ["dashboard", "--run", "demo", "--peers", address, "--listen", listen], root
+    )
+    try:
+        url = dashboard.first("dashboard", 30)["url"]
+    except RuntimeError:
+        _say(f"(no dashboard: it could not serve on {listen}; try --dashboard 127.0.0.1:0)")
+        stop_all([dashboard.process], timeout=5)
+        return None
+    _say(f"dashboard: {url}  (open it in a browser while the demo runs)")
+    return dashboard
+
+
 def run_demo(
-    peers: int = 3, duration_s: float = 150.0, inner_steps: int = 25, algo: str = "diloco"
+    peers: int = 3,
+    duration_s: float = 150.0,
+    inner_steps: int = 25,
+    algo: str = "diloco",
+    dashboard: str | None = "127.0.0.1:8080",
 ) -> int:
     _say(f"swarmd demo: a real {peers}-peer {algo} run on this machine for ~{duration_s:.0f}s.")
     _say("Every peer is a `swarmd join` process; they find each other through a `swarmd dht`")
@@ -65,6 +86,8 @@ def run_demo(
             started.append(boot)
             address = boot.first("listening", 30)["address"]
             _say(f"bootstrap DHT node on {address}")
+            board = _start_dashboard(address, dashboard, root) if dashboard else None
+            started += [board] if board else []
 
             def join(name: str, extra: list[str], seconds: float) -> EventChild:
                 args = ["join", "--run", "demo", "--peers", address, "--log-format", "json"]

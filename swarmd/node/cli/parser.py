@@ -19,12 +19,14 @@ from swarmd.node.cli.options import (
     add_state_dir,
     address,
     address_list,
+    listen_address,
     non_negative_int,
     peer_id,
     positive_float,
     positive_int,
     usage,
 )
+from swarmd.protocol.address import Address
 
 #: runconfig.ALGORITHMS, spelled out so that parsing a command line imports no torch (a DHT
 #: node stays small); tests/unit/test_cli.py checks that the two agree.
@@ -249,7 +251,17 @@ def _add_join_limits(p: argparse.ArgumentParser) -> None:
         help="text progress on stderr, or JSON lines on stdout (default: text)",
     )
     p.add_argument(
-        "--progress-interval", type=positive_float, default=5.0, help="seconds between lines"
+        "--progress-interval",
+        type=positive_float,
+        default=5.0,
+        help="seconds between progress lines and progress records in the DHT (default: 5)",
+    )
+    p.add_argument(
+        "--public-name",
+        default="",
+        metavar="NAME",
+        help="a name the run's dashboard shows for this peer (at most 64 printable "
+        "characters; published to everyone in the run). Default: none, the peer id is shown",
     )
     p.add_argument(
         "--join-timeout",
@@ -273,6 +285,33 @@ def _add_status(sub: Subparsers) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=commands.cmd_status)
+
+
+def _add_dashboard(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "dashboard",
+        help="a live web page of a run: peers, loss, throughput, events (no training)",
+        description="Joins the DHT as a client only (no training, no torch), reads the run's "
+        "config, heartbeats, progress records and state adverts every --poll seconds, and "
+        "serves a page that updates live, with a JSON API (/api/run, /api/peers, /api/events, "
+        "/api/history) for scripts. Prints the page's URL. Exit code 3 if no bootstrap answers.",
+    )
+    p.add_argument("--run", required=True, help="the run's name")
+    p.add_argument(
+        "--peers", type=address_list, required=True, help="bootstrap peers, HOST:PORT[,...]"
+    )
+    p.add_argument(
+        "--listen",
+        type=listen_address,
+        default=Address("127.0.0.1", 8080),
+        help="HOST:PORT the page is served on; port 0 lets the OS choose (default: "
+        "127.0.0.1:8080). The page shows what the run's peers publish: serve it beyond "
+        "loopback only where those may be seen",
+    )
+    p.add_argument(
+        "--poll", type=positive_float, default=2.0, help="seconds between reads (default: 2)"
+    )
+    p.set_defaults(func=commands.cmd_dashboard)
 
 
 def _add_demo(sub: Subparsers) -> None:
@@ -304,6 +343,15 @@ def _add_demo(sub: Subparsers) -> None:
         action="store_true",
         help="instead: relay a tensor through peers, ping, forged request (seconds)",
     )
+    p.add_argument(
+        "--dashboard",
+        type=listen_address,
+        default=Address("127.0.0.1", 8080),
+        metavar="HOST:PORT",
+        help="serve `swarmd dashboard` of the demo run here while it runs (default: "
+        "127.0.0.1:8080; port 0 lets the OS choose)",
+    )
+    p.add_argument("--no-dashboard", action="store_true", help="run the demo without it")
     p.add_argument(
         "--tensor-mib",
         type=positive_int,
@@ -373,6 +421,7 @@ _BUILDERS: tuple[Callable[[Subparsers], None], ...] = (
     _add_dht,
     _add_join,
     _add_status,
+    _add_dashboard,
     _add_demo,
     _add_chaos,
 )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from swarmd.node.runkeys import advert_key as advert_key
 from swarmd.node.statesync.snapshot import HASH_BYTES, MAX_STATE_BYTES, StateSnapshot
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb
@@ -208,12 +209,6 @@ class StateDonor:
 
 class AdvertError(ProtocolError):
     """A state advertisement read from the DHT is malformed; it is ignored."""
-
-
-def advert_key(run: str) -> str:
-    """The DHT key under which donors of ``run`` advertise; each donor uses its peer id as
-    sub-key, so a peer has exactly one current advert and nobody can overwrite another's."""
-    return f"{run}/state"
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,7 @@ class DeMoStrategy(Strategy):
             algo=config.algo,
         )
         first_val = await trio.to_thread.run_sync(self.validate)
+        self.peer.stats.val_loss = first_val
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=self.round, val_loss=first_val
         )
@@ -212,8 +213,7 @@ class DeMoStrategy(Strategy):
         status = "averaged" if self.last_size > 1 else "alone" if self.last_size else "start"
         waited = time.monotonic() - t0
         self.peer.clock.wait_s += waited
-        stats = self.peer.stats
-        stats.round, stats.peers = self.round, size
+        self.peer.stats.outer_done(self.round, size, status, val)
         self.peer.out.event(
             "outer_step",
             f"round {self.round}: {status} with {max(self.last_size, 1)} peer(s), now a group "

@@ -66,8 +66,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
     ) -> None:
         snap = await self.state.publish(step)
         val = await trio.to_thread.run_sync(self.validate)
-        stats = self.peer.stats
-        stats.round, stats.peers, stats.last_outer = self.opt.round, avg.group_size, status
+        self.peer.stats.outer_done(self.opt.round, avg.group_size, status, val)
         size, dropped = avg.group_size, avg.dropped
         self.peer.out.event(
             "outer_step",

@@ -33,12 +33,13 @@ from swarmd.node.training.context import PeerContext
 from swarmd.node.training.membership import LivePeers, heartbeat
 from swarmd.node.training.options import JoinError, JoinOptions
 from swarmd.node.training.progress import Progress, report_progress
+from swarmd.node.training.progress_publish import PeerFacts, publish_progress
 from swarmd.node.training.runconfig import RunConfig, RunConfigError
 from swarmd.node.training.runrecord import choose, claims, publish_config
 from swarmd.node.training.strategies import strategy_for
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity
-from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed
+from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed, resolve_device
 
 
 class Peer:
@@ -204,9 +205,21 @@ class Peer:
         self.averager.limit_weights(config.max_weight)
         strategy = strategy_for(config.algo)(peer)
         await strategy.join()
+        self.metrics.watch_training(lambda: peer.stats.figures(peer.clock.wait_s))
         nursery.start_soon(heartbeat, self.dht, config, self.address)
         nursery.start_soon(
             report_progress, self.out, peer.stats, self.metrics, self.opts.progress_interval_s
+        )
+        facts = PeerFacts(
+            config.name, config.algo, str(resolve_device(self.opts.device)), self.opts.public_name
+        )
+        nursery.start_soon(
+            publish_progress,
+            self.dht,
+            facts,
+            peer.stats,
+            self.metrics,
+            self.opts.progress_interval_s,
         )
         start = time.monotonic()
         step = await strategy.train(nursery)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmd.node.training.progress_record import check_text
 from swarmd.node.training.runconfig import RunConfig
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
@@ -56,6 +57,8 @@ class JoinOptions:
     creator: PeerId | None = None
     #: Models and data this peer's user allowed beyond the built-ins (--model, --data).
     allowed: AllowedWorkloads = field(default_factory=AllowedWorkloads)
+    #: A name this peer shows on the run's dashboard (--public-name; "" for none).
+    public_name: str = ""
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -69,3 +72,4 @@ class JoinOptions:
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
         resolve_device(self.device)  # a missing GPU is a usage error, said before joining
+        check_text("public_name", self.public_name)  # published: printable, at most 64 chars

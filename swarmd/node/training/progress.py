@@ -10,12 +10,12 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from swarmd.node.metrics import Metrics
+from swarmd.node.metrics import Metrics, TrainingFigures
 
 
 class Progress:
@@ -38,11 +38,36 @@ class TrainStats:
     step: int = 0
     round: int = 0
     loss: float = math.nan
+    #: Validation loss at the last outer round (or at the start), NaN before it.
+    val_loss: float = math.nan
     #: Size of the last outer round's group (1: alone).
     peers: int = 1
     tokens: int = 0
     #: The last outer step's status ("averaged", "local", ...), "-" before the first.
     last_outer: str = "-"
+    #: Outer rounds finished, by status (the metrics' swarmd_training_outer_rounds_total).
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def outer_done(self, round_no: int, group_size: int, status: str, val: float | None) -> None:
+        """A finished outer round (or fragment round): its number, group, status and the
+        validation loss after it (None: not validated this time)."""
+        self.round, self.peers, self.last_outer = round_no, group_size, status
+        self.outcomes[status] = self.outcomes.get(status, 0) + 1
+        if val is not None:
+            self.val_loss = val
+
+    def figures(self, wait_s: float) -> TrainingFigures:
+        """What the metrics export at a scrape (``wait_s``: the peer's WaitClock)."""
+        return TrainingFigures(
+            step=self.step,
+            round=self.round,
+            loss=self.loss,
+            val_loss=self.val_loss,
+            group_size=self.peers,
+            tokens=self.tokens,
+            wait_s=wait_s,
+            outcomes=dict(self.outcomes),
+        )
 
 
 async def report_progress(

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import swarmd
+from swarmd.node.runkeys import CONFIG_TTL_S as CONFIG_TTL_S
+from swarmd.node.runkeys import config_key as config_key
+from swarmd.node.runkeys import peers_key as peers_key
 from swarmd.optim.demo import DeMoConfig
 from swarmd.optim.diloco import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
@@ -31,8 +34,6 @@ _MODEL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
 _DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
 #: The training algorithms a run may use.
 ALGORITHMS = ("diloco", "streaming-diloco", "demo")
-#: The DHT keeps records at most a day; the creator re-publishes it while it runs.
-CONFIG_TTL_S = 23 * 3600.0
 
 
 class RunConfigError(ValueError):
@@ -276,11 +277,3 @@ class RunConfig:
     @property
     def hash(self) -> str:
         return hashlib.sha256(self.to_json()).hexdigest()[:16]
-
-
-def config_key(run: str) -> str:
-    return f"swarmd/{run}/config"
-
-
-def peers_key(run: str) -> str:
-    return f"swarmd/{run}/peers"

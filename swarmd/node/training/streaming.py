@@ -219,12 +219,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
             if report.turn % self.opt.fragments == 0
             else None
         )
-        stats = self.peer.stats
-        stats.round, stats.peers, stats.last_outer = (
-            self.opt.round,
-            flight.group_size,
-            report.status,
-        )
+        self.peer.stats.outer_done(self.opt.round, flight.group_size, report.status, val)
         self._report(report, flight, snap.state_hash.hex(), val, waited, self.peer.clock.held(t0))
 
     def _report(

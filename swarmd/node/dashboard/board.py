@@ -1,0 +1,154 @@
+"""What the dashboard knows of a run over time: the latest reading, bounded history, events.
+
+Each poll's Reading is folded in by `update`; the JSON API reads the `*_json` views. Every
+collection is bounded (peers tracked, rounds and time points kept, events), so a long run or
+a flood of short-lived peer ids costs the dashboard a fixed amount of memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any
+
+from swarmd.node.dashboard.reading import Reading
+from swarmd.node.training.progress_record import ProgressRecord
+
+#: Peers remembered (live and gone); the longest-gone are forgotten first.
+MAX_PEERS = 256
+#: Rounds of validation loss and group size kept, and time points of swarm tokens/s.
+MAX_ROUNDS = 500
+MAX_TIME_POINTS = 900
+MAX_EVENTS = 200
+#: Outer-round outcomes worth an event (an averaged round is the normal case).
+_NOTABLE = frozenset({"local", "alone", "partial", "deferred", "failed"})
+
+
+@dataclass
+class PeerView:
+    """One peer as the table shows it."""
+
+    peer_id: str
+    first_seen: float
+    last_seen: float
+    live: bool = True
+    address: str = ""
+    record: ProgressRecord | None = None
+    advert_round: int | None = None
+    state_hash: str | None = None
+
+
+class Board:
+    """The run's state for the page; `update` is its only writer."""
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self.reading = Reading()
+        self.polls = 0
+        self.updated_at: float | None = None
+        self.poll_error = ""
+        self.peers: dict[str, PeerView] = {}
+        #: round -> peer -> validation loss that peer reported at that round.
+        self.losses: dict[int, dict[str, float]] = {}
+        #: round -> the largest group a peer reported for it.
+        self.groups: dict[int, int] = {}
+        #: (unix time, the live peers' tokens/s summed).
+        self.tokens: deque[tuple[float, float]] = deque(maxlen=MAX_TIME_POINTS)
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+
+    def event(self, kind: str, text: str, peer: str | None = None, at: float | None = None) -> None:
+        self.events.append(
+            {"time": round(at or time.time(), 3), "kind": kind, "text": text, "peer": peer}
+        )
+
+    def failed_poll(self, reason: str) -> None:
+        self.poll_error = reason[:500]
+
+    def update(self, reading: Reading, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if self.reading.run is None and reading.run is not None:
+            self.event("run", f"run config found (hash {reading.run.config_hash})", at=now)
+        self.reading, self.polls, self.updated_at, self.poll_error = (
+            reading,
+            self.polls + 1,
+            now,
+            "",
+        )
+        for peer_id in reading.heartbeats.keys() | reading.progress.keys():
+            self._see(peer_id, reading, now)
+        for view in self.peers.values():
+            if view.live and view.peer_id not in reading.heartbeats:
+                view.live = False
+                self.event("left", f"{self.label(view)} left (no heartbeat)", view.peer_id, now)
+        self._forget_oldest()
+        live = [v.record for v in self.peers.values() if v.live and v.record is not None]
+        if live:
+            self.tokens.append((round(now, 3), round(sum(r.tokens_per_s for r in live), 1)))
+
+    def _see(self, peer_id: str, reading: Reading, now: float) -> None:
+        view = self.peers.get(peer_id)
+        beating = peer_id in reading.heartbeats
+        if view is None:
+            view = self.peers[peer_id] = PeerView(peer_id, first_seen=now, last_seen=now)
+            view.live = False
+        record = reading.progress.get(peer_id)
+        if beating:
+            view.last_seen, view.address = now, reading.heartbeats[peer_id]
+            if not view.live:
+                view.live = True
+                verb = "is in the run" if self.polls == 1 else "joined"
+                label = self.label_of(peer_id, record or view.record)
+                self.event("joined", f"{label} {verb}", peer_id, now)
+        if record is not None:
+            self._record(view, record, now)
+        advert = reading.adverts.get(peer_id)
+        if advert is not None:
+            view.advert_round, view.state_hash = advert.round, advert.state_hash
+
+    def _record(self, view: PeerView, record: ProgressRecord, now: float) -> None:
+        old, view.record = view.record, record
+        if record.val_loss is not None:
+            self.losses.setdefault(record.round, {})[view.peer_id] = record.val_loss
+            while len(self.losses) > MAX_ROUNDS:
+                del self.losses[min(self.losses)]
+        if record.last_outer == "-":
+            return
+        self.groups[record.round] = max(self.groups.get(record.round, 0), record.group_size)
+        while len(self.groups) > MAX_ROUNDS:
+            del self.groups[min(self.groups)]
+        new_round = old is None or old.round != record.round
+        if new_round and record.last_outer in _NOTABLE:
+            self.event(
+                "round",
+                f"{self.label(view)}: round {record.round} {record.last_outer} "
+                f"(group of {record.group_size})",
+                view.peer_id,
+                now,
+            )
+
+    def _forget_oldest(self) -> None:
+        if len(self.peers) <= MAX_PEERS:
+            return
+        gone = sorted((v for v in self.peers.values() if not v.live), key=lambda v: v.last_seen)
+        for view in gone[: len(self.peers) - MAX_PEERS]:
+            del self.peers[view.peer_id]
+
+    @staticmethod
+    def label_of(peer_id: str, record: ProgressRecord | None) -> str:
+        """The peer's --public-name with its short id, or the short id alone."""
+        name = record.name if record else ""
+        return f"{name} ({peer_id[:10]})" if name else peer_id[:10]
+
+    @staticmethod
+    def label(view: PeerView) -> str:
+        return Board.label_of(view.peer_id, view.record)
+
+    def agreed_hash(self) -> str | None:
+        """The state hash most live peers advertise at the newest round advertised."""
+        live = [v for v in self.peers.values() if v.live and v.state_hash is not None]
+        if not live:
+            return None
+        newest = max(v.advert_round or 0 for v in live)
+        counts = Counter(v.state_hash for v in live if v.advert_round == newest)
+        return counts.most_common(1)[0][0] if counts else None

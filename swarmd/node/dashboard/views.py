@@ -1,0 +1,106 @@
+"""The JSON API's bodies, built from the Board: /api/run, /api/peers, /api/events, /api/history.
+
+Plain dicts of str, int, finite float, bool and None (every number was validated finite when
+read), so any JSON encoder that refuses NaN can send them. Field names are a contract with
+the page (static/dashboard.js) and with scripts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from swarmd.node.dashboard.board import Board, PeerView
+
+
+def run_view(board: Board) -> dict[str, Any]:
+    reading, now = board.reading, time.time()
+    info = reading.run
+    records = [v.record for v in board.peers.values() if v.live and v.record is not None]
+    rounds = [r.round for r in records] + [a.round for a in reading.adverts.values()]
+    return {
+        "run": board.run,
+        "found": info is not None,
+        "error": reading.run_error or None,
+        "config": None
+        if info is None
+        else {
+            **info.fields,
+            "hash": info.config_hash,
+            "creator": info.creator,
+            "age_s": info.age_s,
+        },
+        "round": max(rounds, default=None),
+        "step": max((r.step for r in records), default=None),
+        "live_peers": sum(v.live for v in board.peers.values()),
+        "gone_peers": sum(not v.live for v in board.peers.values()),
+        "tokens_per_s": round(sum(r.tokens_per_s for r in records), 1),
+        "refused_values": reading.refused,
+        "polls": board.polls,
+        "updated_s_ago": None if board.updated_at is None else round(now - board.updated_at, 1),
+        "poll_error": board.poll_error or None,
+    }
+
+
+def _peer_row(view: PeerView, agreed: str | None, now: float) -> dict[str, Any]:
+    record = view.record
+    return {
+        "peer_id": view.peer_id,
+        "short_id": view.peer_id[:10],
+        "name": record.name if record else "",
+        "live": view.live,
+        "address": view.address,
+        "device": record.device if record else None,
+        "tokens_per_s": record.tokens_per_s if record else None,
+        "loss": record.loss if record else None,
+        "val_loss": record.val_loss if record else None,
+        "step": record.step if record else None,
+        "round": record.round if record else view.advert_round,
+        "group_size": record.group_size if record else None,
+        "last_outer": record.last_outer if record else None,
+        "algo": record.algo if record else None,
+        "sent_bytes": record.sent_bytes if record else None,
+        "received_bytes": record.received_bytes if record else None,
+        "state_hash": view.state_hash,
+        # A gone peer's last advert is stale: not compared.
+        "state_agrees": None
+        if agreed is None or view.state_hash is None or not view.live
+        else view.state_hash == agreed,
+        "last_seen_s_ago": round(now - view.last_seen, 1),
+    }
+
+
+def peers_view(board: Board) -> dict[str, Any]:
+    now, agreed = time.time(), board.agreed_hash()
+    views = sorted(board.peers.values(), key=lambda v: (not v.live, v.peer_id))
+    return {"agreed_state_hash": agreed, "peers": [_peer_row(v, agreed, now) for v in views]}
+
+
+def events_view(board: Board) -> dict[str, Any]:
+    return {"events": list(reversed(board.events))}
+
+
+def history_view(board: Board) -> dict[str, Any]:
+    """Chart data in uPlot's aligned form: one x array, one y array per series (None: gap)."""
+    rounds = sorted(board.losses)
+    peers = sorted({p for losses in board.losses.values() for p in losses})
+    names = {p: Board.label(board.peers[p]) if p in board.peers else p[:10] for p in peers}
+    group_rounds = sorted(board.groups)
+    return {
+        "loss": {
+            "rounds": rounds,
+            "series": [
+                {
+                    "peer_id": p,
+                    "label": names[p],
+                    "values": [board.losses[r].get(p) for r in rounds],
+                }
+                for p in peers
+            ],
+        },
+        "tokens": {
+            "times": [t for t, _ in board.tokens],
+            "values": [v for _, v in board.tokens],
+        },
+        "groups": {"rounds": group_rounds, "sizes": [board.groups[r] for r in group_rounds]},
+    }

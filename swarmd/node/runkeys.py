@@ -1,0 +1,31 @@
+"""The DHT keys of a run, in a module of their own so that readers that never train (`swarmd
+dashboard`, `swarmd status`) name them without importing torch (runconfig.py and the state
+donor, whose modules define what is stored under them, do)."""
+
+from __future__ import annotations
+
+#: The run config's lifetime in the DHT: records live at most a day; the creator re-publishes
+#: it while it runs.
+CONFIG_TTL_S = 23 * 3600.0
+
+
+def config_key(run: str) -> str:
+    """The run's signed config, one entry per signer (training/runrecord.py)."""
+    return f"swarmd/{run}/config"
+
+
+def peers_key(run: str) -> str:
+    """Heartbeats: one entry per live peer, naming its address (training/membership.py)."""
+    return f"swarmd/{run}/peers"
+
+
+def progress_key(run: str) -> str:
+    """Progress records: one entry per training peer, refreshed with its progress line
+    (progress_record.py); what the dashboard shows."""
+    return f"swarmd/{run}/progress"
+
+
+def advert_key(run: str) -> str:
+    """The DHT key under which donors of ``run`` advertise; each donor uses its peer id as
+    sub-key, so a peer has exactly one current advert and nobody can overwrite another's."""
+    return f"{run}/state"

@@ -1,0 +1,115 @@
+"""The dashboard's board: churn events, gone peers, state agreement, bounded history, and the
+views' JSON; plus the validation of configs and adverts read from the DHT."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+from swarmd.node.dashboard import board as board_module
+from swarmd.node.dashboard.board import Board
+from swarmd.node.dashboard.reading import Advert, Reading, parse_advert, parse_config
+from swarmd.node.dashboard.views import events_view, history_view, peers_view, run_view
+from swarmd.node.dht import Value
+from swarmd.node.runkeys import CONFIG_TTL_S
+from swarmd.node.training.progress_record import ProgressRecord
+from swarmd.protocol import statesync_pb2
+from swarmd.protocol.identity import Identity
+
+RECORD = ProgressRecord(
+    step=10,
+    round=1,
+    loss=3.0,
+    val_loss=3.5,
+    tokens_per_s=100.0,
+    device="cpu",
+    name="",
+    sent_bytes=5,
+    received_bytes=6,
+    group_size=2,
+    last_outer="averaged",
+    algo="diloco",
+)
+
+
+def reading(peers: dict[str, tuple[int, float | None, str]]) -> Reading:
+    """peer -> (round, val loss, last outer status): each with a heartbeat and a record."""
+    found = Reading()
+    for peer, (round_no, val, status) in peers.items():
+        found.heartbeats[peer] = "127.0.0.1:1"
+        found.progress[peer] = dataclasses.replace(
+            RECORD, round=round_no, val_loss=val, last_outer=status
+        )
+        found.adverts[peer] = Advert(round_no, f"hash{round_no}")
+    return found
+
+
+def test_churn_events_gone_peers_and_history() -> None:
+    board = Board("r")
+    board.update(reading({"a" * 52: (1, 3.5, "averaged"), "b" * 52: (1, 3.4, "averaged")}), 1.0)
+    board.update(reading({"a" * 52: (2, 3.0, "averaged"), "c" * 52: (2, 3.1, "alone")}), 2.0)
+    kinds = [(e["kind"], e["peer"][0]) for e in board.events]
+    assert sorted(kinds[:2]) == [("joined", "a"), ("joined", "b")]  # the first poll
+    assert kinds[2:] == [("joined", "c"), ("round", "c"), ("left", "b")]
+    assert (
+        "is in the run" in board.events[0]["text"]
+        and board.events[2]["text"] == "c" * 10 + " joined"
+    )
+    assert board.events[3]["text"] == "c" * 10 + ": round 2 alone (group of 2)"
+    rows = {row["peer_id"][0]: row for row in peers_view(board)["peers"]}
+    assert [rows[p]["live"] for p in "abc"] == [True, False, True]
+    history = history_view(board)
+    assert history["loss"]["rounds"] == [1, 2]
+    values = {s["peer_id"][0]: s["values"] for s in history["loss"]["series"]}
+    assert values == {"a": [3.5, 3.0], "b": [3.4, None], "c": [None, 3.1]}
+    assert history["groups"] == {"rounds": [1, 2], "sizes": [2, 2]}
+    assert history["tokens"]["values"] == [200.0, 200.0]
+    run = run_view(board)
+    assert (run["round"], run["live_peers"], run["gone_peers"]) == (2, 2, 1)
+    assert events_view(board)["events"][0]["kind"] == "left"  # newest first
+    json.dumps([run, peers_view(board), history, events_view(board)], allow_nan=False)
+
+
+def test_state_agreement_is_the_majority_at_the_newest_round() -> None:
+    board = Board("r")
+    found = reading({p * 52: (3, 3.0, "averaged") for p in "abc"})
+    found.adverts["c" * 52] = Advert(3, "other")
+    board.update(found)
+    rows = {row["peer_id"][0]: row for row in peers_view(board)["peers"]}
+    assert [rows[p]["state_agrees"] for p in "abc"] == [True, True, False]
+
+
+def test_memory_is_bounded() -> None:
+    board = Board("r")
+    for i in range(board_module.MAX_PEERS + 50):
+        board.update(reading({f"{i:052d}": (i, 1.0, "alone")}), float(i))
+    assert len(board.peers) == board_module.MAX_PEERS
+    assert len(board.losses) <= board_module.MAX_ROUNDS
+    assert len(board.events) == board_module.MAX_EVENTS
+    assert sys.getsizeof(board.tokens) < 1 << 16
+
+
+def _value(raw: bytes, age: float = 10.0) -> dict[object, Value]:
+    owner = Identity.generate().peer_id
+    now = time.time()
+    return {owner: Value(raw, now + CONFIG_TTL_S - age, owner)}
+
+
+def test_parse_config_keeps_only_well_typed_printable_fields() -> None:
+    raw = b'{"algo": "demo", "n_layer": NaN, "n_embd": "1", "n_head": true, "model": "a\\u0007"}'
+    info, error = parse_config(_value(raw), time.time())  # type: ignore[arg-type]
+    assert error == "" and info is not None
+    assert info.fields == {"algo": "demo"}
+    assert info.age_s is not None and 9 <= info.age_s <= 12
+    for bad in (b"[]", b"{", b"\xff"):
+        assert parse_config(_value(bad), time.time())[0] is None  # type: ignore[arg-type]
+    assert parse_config({}, time.time()) == (None, "")
+
+
+def test_parse_advert() -> None:
+    good = statesync_pb2.StateAdvert(round=4, state_hash=b"\x01" * 32, address="h:1")
+    assert parse_advert(good.SerializeToString()) == Advert(4, "01" * 8)
+    assert parse_advert(b"\xff\xff\xff") is None
+    assert parse_advert(statesync_pb2.StateAdvert(round=4).SerializeToString()) is None
