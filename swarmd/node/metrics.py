@@ -158,6 +158,10 @@ class Metrics:
             registry=self.registry,
         )
 
+        self._add_gather_metrics()
+
+    def _add_gather_metrics(self) -> None:
+        """DeMo's exchange (averaging/gather.py): steps by outcome, their time, drops."""
         self.gather_steps = Counter(
             "swarmd_gather_steps",
             "DeMo exchange steps by outcome: complete (every member heard), late (some not)",
