@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,13 +14,18 @@ import torch
 from swarmd.compression import DecodeLimits, TopKCodec, TopKConfig, decode
 from swarmd.node.averaging.group import part_bounds
 from swarmd.node.averaging.reduction import ReductionConfig, aggregate
-from tests.helpers import ProcessGroup
+from tests.helpers import Proc, ProcessGroup
 from tests.integration.allreduce_peer import local_values
 from tests.integration.test_allreduce import NUMEL, WEIGHTS, load, members, run_round, start_peers
 
-# 4 parts of 12,500 values: three whole chunks of 1024 and a short one each.
+# 4 parts of 12,500 values: twelve whole chunks of 1024 and a short one each.
 CONFIG = TopKConfig(chunk=1024, density=1 / 32, bits=2)
-SETTINGS = {"codec": "topk", "topk_chunk": 1024, "topk_density": 1 / 32, "topk_bits": 2}
+SETTINGS: dict[str, Any] = {
+    "codec": "topk",
+    "topk_chunk": 1024,
+    "topk_density": 1 / 32,
+    "topk_bits": 2,
+}
 LIMITS = DecodeLimits(max_elements=NUMEL, max_bytes=1 << 24)
 
 
@@ -74,7 +80,7 @@ def check_against_the_sum(result: torch.Tensor, sent: dict[int, torch.Tensor]) -
     assert float(result[alone]) == pytest.approx(float(truth[alone]), rel=0.02)
 
 
-def positions(peers: list) -> dict[int, int]:  # type: ignore[type-arg]
+def positions(peers: list[Proc]) -> dict[int, int]:
     order = [m[0] for m in members(peers)]
     return {i: order.index(str(p.info["peer_id"])) for i, p in enumerate(peers)}
 
