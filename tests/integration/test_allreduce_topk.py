@@ -124,3 +124,22 @@ def test_topk_member_killed_or_stopped_mid_round(
     ((want, sent),) = reference([0, 1, 3], positions(peers), rounds=1)
     assert all(torch.equal(r, want) for r in results)
     check_against_the_sum(want, sent)
+
+
+def test_topk_reducer_serving_a_flipped_part_is_refused(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """The proof's bound for a sparse 8-bit part is tight enough to catch a flip: the honest
+    members refuse peer 1's part and re-reduce it among themselves."""
+    peers = start_peers(processes, tmp_path, behaviors={1: "flip"}, **SETTINGS)
+    outs = run_round(peers, peers, "liar1")
+    where = positions(peers)
+    honest = [o for i, o in enumerate(outs) if i != 1]
+    for o in honest:
+        assert o["ok"] and where[1] in o["recovered_parts"], o
+    results = [load(o) for o in honest]
+    ((all_four, _),) = reference([0, 1, 2, 3], where, rounds=1)
+    ((without, _),) = reference([0, 2, 3], where, rounds=1)
+    for j, (s, e) in enumerate(part_bounds(NUMEL, [1.0] * 4)):
+        expected = without if j == where[1] else all_four
+        assert all(torch.equal(r[s:e], expected[s:e]) for r in results), f"part {j}"
