@@ -189,6 +189,8 @@ class Claim:
     result: torch.Tensor
     blob: bytes | bytearray
     codec: str
+    #: The result's rounding unit and bits: int8's blocks, or top-k's chunks at the result's
+    #: bits (AllReduceConfig.proof_block).
     int8_block_size: int
     int8_bits: int
     density: float
