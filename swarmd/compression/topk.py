@@ -14,8 +14,14 @@ serves the mean of sparse contributions (`averaging/codecs.py`).
 Layout after the shared header (`wire`; little-endian)::
 
     params: chunk u32 | bits u8 | index width u8 | kept count u64
-    scales f32 x chunks | counts u16 x chunks | indices (kept x width, unsigned, within
-    their chunk, increasing) | codes (kept x bits, packed low bits first)
+    scales f32 x chunks | counts u16 x chunks | support | codes (kept x bits, packed low bits
+    first)
+
+The support is either the indices (index width 1 or 2: kept x width bytes, unsigned, within
+their chunk, increasing) or, with index width 0, a bitmap of the whole tensor (bit i, low bits
+first, set where value i was kept), whichever is smaller: a contribution at 1/32 is 2 bytes a
+kept value as indices and 4 as a bitmap; a reducer's mean of 4 of them (up to 1/8 dense) is
+smaller as a bitmap.
 
 The decoder checks every size against the header (and the header's element count against
 the caller's limits) before allocating, then refuses counts beyond a chunk, indices out of
@@ -60,6 +66,12 @@ _ROWS = 256
 def index_width(chunk: int) -> int:
     """Bytes per index: the narrowest unsigned type holding chunk - 1."""
     return 1 if chunk <= 256 else 2
+
+
+def _support_bytes(numel: int, kept: int, chunk: int) -> tuple[int, int]:
+    """(index width, bytes) of the smaller support: indices, or a bitmap (width 0)."""
+    indices, bitmap = index_width(chunk) * kept, -(-numel // 8)
+    return (0, bitmap) if bitmap < indices else (index_width(chunk), indices)
 
 
 def _largest_scale(levels: int) -> float:
@@ -138,6 +150,43 @@ def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return wide.reshape(-1)[:count].to(torch.uint8)
 
 
+def _support(pos: torch.Tensor, numel: int, chunk: int, width: int) -> bytes | memoryview:
+    if width == 0:
+        bitmap = np.zeros(-(-numel // 8) * 8, dtype=np.uint8)
+        bitmap[pos.numpy()] = 1
+        return np.packbits(bitmap, bitorder="little").tobytes()
+    index = (pos % chunk).to(torch.int32 if width == 2 else torch.uint8)
+    return index.numpy().astype("<u2").tobytes() if width == 2 else byte_view(index)
+
+
+def _read_support(
+    raw: memoryview, width: int, counts: torch.Tensor, chunk: int, numel: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, their chunks), checked against the counts and the chunks' lengths."""
+    nchunks = counts.numel()
+    if width == 0:
+        bits = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")
+        if bits[numel:].any():
+            raise CompressionError("TOPK bitmap marks values beyond the tensor")
+        pos = torch.from_numpy(np.flatnonzero(bits).astype(np.int64))
+        owner = pos // chunk
+        if not torch.equal(torch.bincount(owner, minlength=nchunks), counts):
+            raise CompressionError("TOPK bitmap does not match the chunk counts")
+        return pos, owner
+    lengths = torch.full((nchunks,), chunk, dtype=torch.int64)
+    if nchunks:
+        lengths[-1] = numel - (nchunks - 1) * chunk
+    index = np.frombuffer(raw, "<u2" if width == 2 else "u1")
+    owner = torch.repeat_interleave(torch.arange(nchunks), counts)
+    offsets = torch.from_numpy(index.astype(np.int64))
+    if bool((offsets >= lengths[owner]).any()):
+        raise CompressionError("TOPK index beyond its chunk")
+    pos = owner * chunk + offsets
+    if pos.numel() > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        raise CompressionError("TOPK indices are not increasing within their chunks")
+    return pos, owner
+
+
 class TopKCodec:
     codec_id = CodecId.TOPK
 
@@ -178,13 +227,12 @@ class TopKCodec:
         kept = torch.cat(values) if values else torch.zeros(0)
         per_value = scales.repeat_interleave(count)
         codes = ((kept / per_value + levels) / 2).round_().clamp_(0, levels).to(torch.uint8)
-        width = index_width(chunk)
-        index = (pos % chunk).to(torch.int32 if width == 2 else torch.uint8)
-        index_bytes = index.numpy().astype("<u2").tobytes() if width == 2 else byte_view(index)
+        width, _ = _support_bytes(n, int(pos.numel()), chunk)
         params = _PARAMS.pack(chunk, cfg.bits, width, int(pos.numel()))
         header = pack_header(CodecId.TOPK, VERSION, tensor.dtype, tuple(tensor.shape), params)
         count16 = count.numpy().astype("<u2").tobytes()
-        return [header, byte_view(scales), count16, index_bytes, byte_view(_pack(codes, cfg.bits))]
+        support = _support(pos, n, chunk, width)
+        return [header, byte_view(scales), count16, support, byte_view(_pack(codes, cfg.bits))]
 
     def decode(self, data: bytes | bytearray | memoryview, limits: DecodeLimits) -> torch.Tensor:
         return decode_topk(parse_header(data, limits), data)
@@ -198,8 +246,8 @@ def _read_params(header: Header) -> tuple[int, int, int, int]:
         raise CompressionError(f"TOPK chunk {chunk} outside [{MIN_CHUNK}, {MAX_CHUNK}]")
     if bits not in BITS:
         raise CompressionError(f"TOPK declares {bits} bits; only 1, 2, 4, 8 exist")
-    if width != index_width(chunk):
-        raise CompressionError(f"TOPK index width {width} is not {index_width(chunk)}")
+    if width not in (0, index_width(chunk)):
+        raise CompressionError(f"TOPK index width {width} is neither 0 nor {index_width(chunk)}")
     if kept > header.numel:
         raise CompressionError(f"TOPK keeps {kept} of {header.numel} values")
     return chunk, bits, width, kept
@@ -211,26 +259,17 @@ def decode_topk(header: Header, data: bytes | bytearray | memoryview) -> torch.T
     chunk, bits, width, kept = _read_params(header)
     n = header.numel
     nchunks = -(-n // chunk)
-    sizes = (4 * nchunks, 2 * nchunks, width * kept, -(-kept * bits // 8))
+    support = -(-n // 8) if width == 0 else width * kept
+    sizes = (4 * nchunks, 2 * nchunks, support, -(-kept * bits // 8))
     body = payload(data, header, sum(sizes))
     ends = np.cumsum(sizes).tolist()
     scales = from_bytes(body[: ends[0]], torch.float32, nchunks)
     if nchunks and not bool(((scales >= 0) & (scales <= _SCALE_MAX[bits])).all()):
         raise CompressionError("TOPK payload has a negative, NaN or overflowing chunk scale")
     counts = torch.from_numpy(np.frombuffer(body[ends[0] : ends[1]], "<u2").astype(np.int64))
-    lengths = torch.full((nchunks,), chunk, dtype=torch.int64)
-    if nchunks:
-        lengths[-1] = n - (nchunks - 1) * chunk
-    if bool((counts > lengths).any()) or int(counts.sum()) != kept:
+    if bool((counts > chunk).any()) or int(counts.sum()) != kept:
         raise CompressionError(f"TOPK chunk counts exceed their chunks or do not sum to {kept}")
-    index = np.frombuffer(body[ends[1] : ends[2]], "<u2" if width == 2 else "u1")
-    owner = torch.repeat_interleave(torch.arange(nchunks), counts)
-    offsets = torch.from_numpy(index.astype(np.int64))
-    if bool((offsets >= lengths[owner]).any()):
-        raise CompressionError("TOPK index beyond its chunk")
-    pos = owner * chunk + offsets
-    if kept > 1 and not bool((pos[1:] > pos[:-1]).all()):
-        raise CompressionError("TOPK indices are not increasing within their chunks")
+    pos, owner = _read_support(body[ends[1] : ends[2]], width, counts, chunk, n)
     packed = torch.from_numpy(np.frombuffer(body[ends[2] : ends[3]], np.uint8).copy())
     codes = _unpack(packed, bits, kept).to(torch.float32)
     levels = (1 << bits) - 1
@@ -244,4 +283,5 @@ def decode_topk(header: Header, data: bytes | bytearray | memoryview) -> torch.T
 def encoded_size(numel: int, kept: int, config: TopKConfig) -> int:
     """Payload bytes after the header for `kept` values of `numel` (for tests and sizing)."""
     nchunks = math.ceil(numel / config.chunk)
-    return 6 * nchunks + index_width(config.chunk) * kept + -(-kept * config.bits // 8)
+    support = _support_bytes(numel, kept, config.chunk)[1]
+    return 6 * nchunks + support + -(-kept * config.bits // 8)

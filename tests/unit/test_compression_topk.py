@@ -148,7 +148,7 @@ def test_error_feedback_sent_plus_residual_is_the_sum_of_the_inputs() -> None:
 
 
 PAYLOADS = [
-    TopKCodec(TopKConfig(chunk=64, density=0.2, bits=2)).encode(torch.randn(300)),
+    TopKCodec(TopKConfig(chunk=64, density=0.05, bits=2)).encode(torch.randn(300)),
     TopKCodec(TopKConfig(chunk=300, density=0.1, bits=4)).encode(torch.randn(6, 100)),
     TopKCodec(TopKConfig(chunk=64, density=1.0, bits=8)).encode(torch.randn(100)),
     TopKCodec(TopKConfig(chunk=128, density=0.5, bits=1)).encode(torch.randn(129)),
@@ -178,7 +178,7 @@ def test_inconsistent_params_are_refused(params: bytes, message: str) -> None:
 
 
 def test_bad_scales_counts_and_indices_are_refused() -> None:
-    blob = bytearray(PAYLOADS[0])  # 300 values, chunk 64: 5 chunks, k = 13
+    blob = bytearray(PAYLOADS[0])  # 300 values, chunk 64: 5 chunks, k = 3, indices
     _, body = _params(bytes(blob))
     for offset, raw, message in [
         (body, struct.pack("<f", float("nan")), "scale"),
@@ -192,6 +192,27 @@ def test_bad_scales_counts_and_indices_are_refused() -> None:
         bad[offset : offset + len(raw)] = raw
         with pytest.raises(CompressionError, match=message):
             decode(bytes(bad), LIMITS)
+
+
+def test_the_smaller_support_is_sent_and_a_bad_bitmap_refused() -> None:
+    assert _params(PAYLOADS[0]) and PAYLOADS[0][_params(PAYLOADS[0])[0] + 5] == 1  # indices
+    blob = PAYLOADS[2]  # 100 values, every one kept: a 13-byte bitmap beats 100 indices
+    start, body = _params(blob)
+    assert blob[start + 5] == 0
+    bitmap = body + 4 * 2 + 2 * 2
+    for offset, value, message in [
+        (bitmap + 12, 0xFF, "beyond the tensor"),
+        (bitmap, 0xFE, "does not match the chunk counts"),
+    ]:
+        bad = bytearray(blob)
+        bad[offset] = value
+        with pytest.raises(CompressionError, match=message):
+            decode(bytes(bad), LIMITS)
+    sparse = torch.zeros(4096)
+    sparse[::8] = 1.0  # 512 kept: 1024 bytes of indices, 512 of bitmap
+    blob = TopKCodec(TopKConfig(density=1.0, bits=8)).encode(sparse)
+    assert blob[_params(blob)[0] + 5] == 0
+    assert torch.equal(decode(blob, LIMITS), sparse)
 
 
 def test_declared_size_over_limit_is_refused_before_decoding() -> None:
