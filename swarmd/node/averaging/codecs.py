@@ -33,9 +33,10 @@ from swarmd.protocol.framing import RECEIVE_BUFFERS
 
 CodecName = Literal["fp32", "fp16", "int8", "topk"]
 #: Wire bytes per value, for deadlines (int8 includes its per-block scales). topk's is its
-#: worst case, a reduced part whose every entry is nonzero (a 2-byte index and a byte each,
-#: see `result_codec`): a deadline too long only delays giving up on a dead peer.
-BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02, "topk": 3.0}
+#: worst case, a reduced part whose every entry is nonzero (a bitmap bit, a byte, and a
+#: chunk's scale and count, see `result_codec`): a deadline too long only delays giving up
+#: on a dead peer.
+BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02, "topk": 1.25}
 #: Bits of a reduced top-k part's values (`result_codec`).
 TOPK_RESULT_BITS = 8
 #: An encoded payload in pieces (codec header, then views of tensors' memory): sent and
@@ -91,9 +92,10 @@ def result_codec(name: CodecName, contribution: Codec) -> Codec:
 
     The mean of sparse contributions is sparse too, nonzero on the union of what the members
     sent (at most members x k entries a chunk), so it goes back sparse: every nonzero, at
-    `TOPK_RESULT_BITS` bits with a scale per chunk (a 2-byte index and 1 byte a value).
-    Served dense through int8 it would cost 1.02 bytes for *every* value, 14x what each
-    member sent at the defaults (4 members, density 1/32: 0.38 bytes a value sparse); top-k
+    `TOPK_RESULT_BITS` bits with a scale per chunk (1 byte a value, and a 2-byte index each
+    or a bitmap of the part, whichever is smaller: at the defaults and 4 members, the mean
+    is up to 1/8 dense, and a bitmap costs 1/8 byte a value). Served dense through int8 it
+    would cost 1.02 bytes for *every* value, 14x what each member sent; top-k
     again at the reducer would drop mass that nobody's error feedback holds (the reducer's
     residual would be lost whenever a fallback reducer takes over). 8 bits, not the
     contributions' 2: the result has no error feedback, so its rounding must be small (one
