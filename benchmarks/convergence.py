@@ -73,7 +73,15 @@ def parse_args() -> argparse.Namespace:
         "in-process at seed 1, H=50, 20 and 5 leave 14.6%%, 8.5%% and 4.4%% "
         "(benchmarks/convergence.md)",
     )  # fmt: skip
-    p.add_argument("--codec", default="int8", choices=["int8", "fp16", "fp32"])
+    p.add_argument("--codec", default="int8", choices=["int8", "fp16", "fp32", "topk"])
+    p.add_argument(
+        "--topk-density", type=float, default=1 / 32,
+        help="DiLoCo topk: share of each chunk of 4096 values sent (the run option topk_density)",
+    )  # fmt: skip
+    p.add_argument(
+        "--topk-bits", type=int, default=2, choices=[1, 2, 4, 8],
+        help="DiLoCo topk: bits per sent value (the run option topk_bits)",
+    )  # fmt: skip
     p.add_argument(
         "--int8-block-size", type=int, default=4096,
         help="DiLoCo int8: values per scale (the run option int8_block_size)",
@@ -332,6 +340,8 @@ codec = "{codec}"
 int8_block_size = {int8_block_size}
 int8_bits = {int8_bits}
 zstd = {zstd_toml}
+topk_density = {topk_density}
+topk_bits = {topk_bits}
 target_group_size = {peers}
 min_group_size = 2
 seed = {seed}
@@ -519,6 +529,7 @@ def main() -> None:
         f"tokens per method; lr {a.lr} {a.lr_schedule} (warm-up {a.warmup_steps}); "
         f"DiLoCo H={a.inner_steps}, {a.codec}"
         f"{f' block {a.int8_block_size} {a.int8_bits} bits' if a.codec == 'int8' else ''}"
+        f"{f' density {a.topk_density:.4g} {a.topk_bits} bits' if a.codec == 'topk' else ''}"
         f"{' + zstd' if a.zstd else ''}, outer lr "
         f"{a.outer_lr} momentum {a.outer_momentum}; streaming H={a.streaming_inner_steps} "
         f"P={a.fragments} τ={a.overlap_steps} α={a.mix_alpha} {a.fragment_layout}; "

@@ -22,6 +22,7 @@ from swarmd.compression.int8 import Int8Codec, Int8Config, dequantize_int8, quan
 from swarmd.compression.lowrank import LowRankCodec, PowerSGD, PowerSGDConfig, PowerSGDRound
 from swarmd.compression.raw import RawCodec
 from swarmd.compression.registry import decode, decode_into, peek_header
+from swarmd.compression.topk import TopKCodec, TopKConfig
 from swarmd.compression.wire import CodecId, DecodeLimits, Header
 from swarmd.compression.zstd_frame import (
     FRAME_OVERHEAD,
@@ -53,6 +54,8 @@ __all__ = [
     "RawCodec",
     "ResidualStore",
     "SegmentedCodec",
+    "TopKCodec",
+    "TopKConfig",
     "ZstdConfig",
     "ZstdFramed",
     "average_components",

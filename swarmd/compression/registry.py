@@ -13,6 +13,7 @@ from swarmd.compression.halfcast import decode_half
 from swarmd.compression.int8 import decode_int8
 from swarmd.compression.lowrank import decode_lowrank
 from swarmd.compression.raw import decode_raw
+from swarmd.compression.topk import decode_topk
 from swarmd.compression.wire import CodecId, DecodeLimits, Header, parse_header
 from swarmd.compression.zstd_frame import _decompress
 
@@ -24,6 +25,7 @@ _DECODERS: dict[CodecId, Callable[[Header, Buffer], torch.Tensor]] = {
     CodecId.INT8: decode_int8,
     CodecId.LOWRANK: decode_lowrank,
     CodecId.DCT_TOPK: lambda header, data: to_dense(_decode_components(header, data)),
+    CodecId.TOPK: decode_topk,
 }
 
 

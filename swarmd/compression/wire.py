@@ -41,6 +41,7 @@ class CodecId(IntEnum):
     LOWRANK = 4
     DCT_TOPK = 5
     ZSTD = 6
+    TOPK = 7
 
 
 _DTYPE_CODES: dict[torch.dtype, int] = {

@@ -1,6 +1,7 @@
 """A real peer process for all-reduce tests, honest or misbehaving on purpose.
 
-argv[1] is JSON: {"index", "numel", "codec", "weight", "behavior", "linger_s", "out_dir"}.
+argv[1] is JSON: {"index", "numel", "codec", "weight", "behavior", "linger_s", "out_dir"}, and
+for codec "topk" optionally "topk_density", "topk_bits", "topk_chunk".
 Prints {"address", "peer_id", "pid"} once serving. Then, for every line on stdin
 ({"round": name, "members": [[peer_id, address], ...]}), runs one all-reduce and prints
 {"ok", "dropped", "failed_parts", "recovered_parts", "seconds", "file"}; the result tensor is
@@ -70,7 +71,12 @@ async def main(cfg: dict[str, Any]) -> None:
     identity = Identity.generate()
     client = rpc.RpcClient(identity)
     config = AllReduceConfig(
-        codec=cfg.get("codec", "fp32"), linger_s=cfg.get("linger_s", 60.0), min_deadline_s=3.0
+        codec=cfg.get("codec", "fp32"),
+        linger_s=cfg.get("linger_s", 60.0),
+        min_deadline_s=3.0,
+        topk_density=cfg.get("topk_density", 1 / 32),
+        topk_bits=cfg.get("topk_bits", 2),
+        topk_chunk=cfg.get("topk_chunk", 4096),
     )
     behavior = cfg.get("behavior", "honest")
     liar = (

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 import swarmd
@@ -67,11 +68,15 @@ def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
     return boot.address
 
 
-def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_three_peers_train_and_end_identical(
+    processes: ProcessGroup, tmp_path: Path, codec: str
+) -> None:
     # A group needs all three: with min_group_size = 2 the first two peers up can finish the
     # whole run (6 rounds of this tiny model take ~1 s) before the third one has started
     # training (seen in CI: it started 1.4 s after the others and then trained alone).
-    (tmp_path / "run.toml").write_text(TINY_RUN.replace("min_group_size = 2", "min_group_size = 3"))
+    run = TINY_RUN.replace("min_group_size = 2", "min_group_size = 3")
+    (tmp_path / "run.toml").write_text(f'{run}codec = "{codec}"\n')
     boot = start_bootstrap(processes, tmp_path)
     # All three start together (the others wait for the creator's config in the DHT), so no
     # peer is left to train alone while the others are still importing torch.
@@ -103,7 +108,8 @@ def test_three_peers_train_and_end_identical(processes: ProcessGroup, tmp_path: 
         # others, and slower peers may pull after this peer's round ended: seen in CI).
         params = next(e["params"] for e in events if e["event"] == "training")
         full_rounds = [e for e in outer if e["group_size"] == 3 and e["dropped"] == 0]
-        assert all(e["sync_bytes"] >= 0.66 * params for e in full_rounds), full_rounds
+        if codec == "int8":
+            assert all(e["sync_bytes"] >= 0.66 * params for e in full_rounds), full_rounds
         start = next(e["val_loss"] for e in events if e["event"] == "validation")
         assert outer[-1]["val_loss"] < start
     # After every outer step all three averaged, every peer holds the same global state.

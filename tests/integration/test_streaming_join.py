@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import Proc, ProcessGroup
 from tests.integration.test_join import TINY_RUN, events_until_exit, join_cmd, start_bootstrap
 
@@ -48,8 +50,11 @@ def _summary(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     ]
 
 
-def test_streaming_peers_overlap_and_agree(processes: ProcessGroup, tmp_path: Path) -> None:
-    (tmp_path / "run.toml").write_text(STREAMING_RUN_OF_3)
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_streaming_peers_overlap_and_agree(
+    processes: ProcessGroup, tmp_path: Path, codec: str
+) -> None:
+    (tmp_path / "run.toml").write_text(f'{STREAMING_RUN_OF_3}codec = "{codec}"\n')
     boot = start_bootstrap(processes, tmp_path)
     peers = processes.start_many(
         [

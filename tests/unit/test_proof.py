@@ -11,8 +11,8 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from swarmd.compression import DecodeLimits, decode, encode_segments
-from swarmd.node.averaging.codecs import make_codec
+from swarmd.compression import DecodeLimits, TopKCodec, TopKConfig, decode, encode_segments
+from swarmd.node.averaging.codecs import TOPK_RESULT_BITS, make_codec
 from swarmd.node.averaging.proof import (
     NONCE_BYTES,
     Claim,
@@ -258,3 +258,21 @@ def test_the_sample_is_drawn_from_the_seed_and_whole_blocks() -> None:
     assert all(a % 4096 == 0 and 0 < b - a <= 4096 for a, b in ranges)
     assert 0.06 < len(ranges) / (1_000_003 / 4096) < 0.2
     assert sample(seed, 50_000, 4096, 0.125) == [(0, 50_000)]  # small parts: read whole
+
+
+def test_quantization_bound_holds_for_a_sparse_topk_mean() -> None:
+    """A reduced top-k part is served sparse at 8 bits (codecs.result_codec): the bound holds,
+    and it counts only the entries that are not exactly zero."""
+    served = TopKCodec(TopKConfig(chunk=512, density=1.0, bits=TOPK_RESULT_BITS))
+    gen = torch.Generator().manual_seed(0)
+    for scale in (1e-30, 1e-3, 1.0, 1e3):
+        r = torch.zeros(5000)
+        at = torch.randperm(5000, generator=gen)[:400]
+        r[at] = torch.randn(400, generator=gen) * scale
+        r[at[0]] = 40 * scale
+        decoded = decode(served.encode(r), DecodeLimits(max_elements=5000, max_bytes=1 << 20))
+        err = float(torch.linalg.vector_norm((r - decoded).double()))
+        bound = quantization_bound(decoded, "topk", 512, TOPK_RESULT_BITS)
+        assert err <= bound, (scale, err, bound)
+        ceiling = 400**0.5 * float(decoded.abs().max()) / 255
+        assert bound <= ceiling * 1.001 + 1e-35, (scale, bound, ceiling)

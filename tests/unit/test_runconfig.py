@@ -40,6 +40,11 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("int8_bits = 1", r"int8_bits must be an integer in \[2, 8\], got 1"),
         ("int8_bits = 16", r"int8_bits must be an integer in \[2, 8\], got 16"),
         ("int8_block_size = 0", r"int8_block_size must be an integer in \[1, 65536\]"),
+        ('codec = "topk"\ntopk_density = 0.0', r"topk_density must be in \[1/4096, 1\]"),
+        ('codec = "topk"\ntopk_density = 1.5', r"topk_density must be in \[1/4096, 1\]"),
+        ('codec = "topk"\ntopk_density = "dense"', "topk_density must be a number"),
+        ('codec = "topk"\ntopk_bits = 3', "topk_bits must be 1, 2, 4 or 8, got 3"),
+        ('codec = "topk"\ntopk_bits = true', "topk_bits must be 1, 2, 4 or 8, got True"),
         ("data_shards = 0", r"data_shards must be an integer in \[1, 64\], got 0"),
         ("data_shards = 65", r"data_shards must be an integer in \[1, 64\], got 65"),
         ("data_shards = 4.0", r"data_shards must be an integer in \[1, 64\], got 4.0"),
@@ -128,3 +133,11 @@ def test_streaming_run_file(tmp_path: Path) -> None:
     config = RunConfig.from_toml(path, name="r")
     settings = config.streaming_config()
     assert settings.layout == "sequential" and settings.eager and settings.stride == 4
+
+
+def test_topk_codec_is_accepted_with_its_options(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('codec = "topk"\ntopk_density = 0.01\ntopk_bits = 4')
+    config = RunConfig.from_toml(path, name="r")
+    assert (config.codec, config.topk_density, config.topk_bits) == ("topk", 0.01, 4)
+    assert RunConfig.from_json(config.to_json()) == config

@@ -337,7 +337,8 @@ class Averager:
         await exchange.run()
         if residual is not None:
             s, e = rnd.bounds[rnd.me]
-            await trio.to_thread.run_sync(residual[s:e].zero_)  # it never crossed the wire
+            if not rnd.sparse:  # a sparse codec's own part was encoded too (Exchange.sent_values)
+                await trio.to_thread.run_sync(residual[s:e].zero_)  # it never crossed the wire
             self._residuals.store(key, residual)
             if to_send is not local:
                 self._spare[key] = to_send  # nothing refers to it any more: next round's buffer

@@ -20,6 +20,8 @@ from swarmd.compression import (
     Int8Codec,
     Int8Config,
     RawCodec,
+    TopKCodec,
+    TopKConfig,
     ZstdConfig,
     decode,
     decode_into,
@@ -29,9 +31,14 @@ from swarmd.compression import (
 from swarmd.compression.codec import Codec
 from swarmd.protocol.framing import RECEIVE_BUFFERS
 
-CodecName = Literal["fp32", "fp16", "int8"]
-#: Wire bytes per value, for deadlines (int8 includes its per-block scales).
-BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02}
+CodecName = Literal["fp32", "fp16", "int8", "topk"]
+#: Wire bytes per value, for deadlines (int8 includes its per-block scales). topk's is its
+#: worst case, a reduced part whose every entry is nonzero (a bitmap bit, a byte, and a
+#: chunk's scale and count, see `result_codec`): a deadline too long only delays giving up
+#: on a dead peer.
+BYTES_PER_VALUE: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "int8": 1.02, "topk": 1.25}
+#: Bits of a reduced top-k part's values (`result_codec`).
+TOPK_RESULT_BITS = 8
 #: An encoded payload in pieces (codec header, then views of tensors' memory): sent and
 #: served without joining the pieces into one buffer first.
 Encoded = list[bytes | memoryview]
@@ -62,7 +69,15 @@ def decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.Te
     return decode(data, limits), data
 
 
-def make_codec(name: CodecName, int8_block_size: int = 256, int8_bits: int = 8) -> Codec:
+def make_codec(
+    name: CodecName,
+    int8_block_size: int = 256,
+    int8_bits: int = 8,
+    topk: TopKConfig | None = None,
+) -> Codec:
+    """The codec a member's contribution travels with."""
+    if name == "topk":
+        return TopKCodec(topk)
     if name == "fp32":
         return RawCodec()
     if name == "fp16":
@@ -70,6 +85,25 @@ def make_codec(name: CodecName, int8_block_size: int = 256, int8_bits: int = 8) 
     if name == "int8":
         return Int8Codec(Int8Config(int8_block_size, int8_bits))
     raise ValueError(f"unknown codec {name!r}")
+
+
+def result_codec(name: CodecName, contribution: Codec) -> Codec:
+    """The codec a reducer serves its part with: the contributions' own, except for top-k.
+
+    The mean of sparse contributions is sparse too, nonzero on the union of what the members
+    sent (at most members x k entries a chunk), so it goes back sparse: every nonzero, at
+    `TOPK_RESULT_BITS` bits with a scale per chunk (1 byte a value, and a 2-byte index each
+    or a bitmap of the part, whichever is smaller: at the defaults and 4 members, the mean
+    is up to 1/8 dense, and a bitmap costs 1/8 byte a value). Served dense through int8 it
+    would cost 1.02 bytes for *every* value, 14x what each member sent; top-k
+    again at the reducer would drop mass that nobody's error feedback holds (the reducer's
+    residual would be lost whenever a fallback reducer takes over). 8 bits, not the
+    contributions' 2: the result has no error feedback, so its rounding must be small (one
+    255th of the chunk's largest value, int8's step)."""
+    if name == "topk" and isinstance(contribution, TopKCodec):
+        chunk = contribution.config.chunk
+        return TopKCodec(TopKConfig(chunk=chunk, density=1.0, bits=TOPK_RESULT_BITS))
+    return contribution
 
 
 def zstd_framed(segments: Encoded, level: int | None) -> Encoded:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarmd.compression import Int8Config, ZstdConfig
-from swarmd.node.averaging.codecs import BYTES_PER_VALUE, CodecName
+from swarmd.compression import Int8Config, TopKConfig, ZstdConfig
+from swarmd.node.averaging.codecs import BYTES_PER_VALUE, TOPK_RESULT_BITS, CodecName
 from swarmd.node.averaging.reduction import ReductionConfig
 from swarmd.protocol.identity import PeerId
 
@@ -23,6 +23,11 @@ class AllReduceConfig:
     int8_block_size: int = 256
     #: int8: code range in bits (see Int8Config.bits): below 8 only pays with ``zstd_level``.
     int8_bits: int = 8
+    #: topk: share of each chunk of ``topk_chunk`` values a member sends, and the bits of
+    #: each sent value (see TopKConfig and `codecs.result_codec` for the reduced part).
+    topk_density: float = 1 / 32
+    topk_bits: int = 2
+    topk_chunk: int = 4096
     #: zstd level for a lossless frame around every lossy-coded part (int8 and fp16), or None.
     #: Costs about 3 ms per MB at level 3; fp32 parts are never framed (mantissas are noise).
     zstd_level: int | None = None
@@ -49,8 +54,9 @@ class AllReduceConfig:
 
     def __post_init__(self) -> None:
         if self.codec not in BYTES_PER_VALUE:
-            raise ValueError(f"unknown codec {self.codec!r}; expected fp32, fp16 or int8")
+            raise ValueError(f"unknown codec {self.codec!r}; expected fp32, fp16, int8 or topk")
         Int8Config(self.int8_block_size, self.int8_bits)  # raises ValueError with the reason
+        TopKConfig(self.topk_chunk, self.topk_density, self.topk_bits)  # the same, for top-k
         if self.zstd_level is not None:
             ZstdConfig(self.zstd_level)
         if not 0 <= self.probes <= 16:
@@ -63,6 +69,19 @@ class AllReduceConfig:
             raise ValueError("deadline_slack must be >= 1 and initial_throughput > 0")
         if self.linger_s < 0 or self.unknown_round_wait_s < 0 or self.max_pending_rounds < 1:
             raise ValueError("linger_s, unknown_round_wait_s must be >= 0, max_pending_rounds >= 1")
+
+    @property
+    def topk(self) -> TopKConfig:
+        """The top-k codec's settings (raises ValueError with the reason if invalid)."""
+        return TopKConfig(chunk=self.topk_chunk, density=self.topk_density, bits=self.topk_bits)
+
+    def proof_block(self, codec: str) -> tuple[int, int]:
+        """(block, bits) of the reduced part's rounding, which the proof's probes sample by
+        and bound the error with (proof.quantization_bound): int8's blocks, top-k's chunks
+        at the result's bits."""
+        if codec == "topk":
+            return self.topk_chunk, TOPK_RESULT_BITS
+        return self.int8_block_size, self.int8_bits
 
 
 @dataclass

@@ -116,8 +116,7 @@ class Exchange:
                     nursery.start_soon(self.prepare, j)
                     nursery.start_soon(self.send_part, j, 0, j)
                     nursery.start_soon(self.obtain, j)
-            s, e = rnd.bounds[rnd.me]
-            nursery.start_soon(self.reduce, rnd.me, 0, self.to_send[s:e])
+            nursery.start_soon(self.reduce_own)
         # Every send has returned: the codes can serve the next round of this key.
         self.link.sent_codes.update(((self.key, j), codes) for j, codes in self.sent_codes.items())
 
@@ -209,6 +208,30 @@ class Exchange:
         return True
 
     # -- reducing ----------------------------------------------------------------------------
+
+    def sent_values(self, j: int) -> torch.Tensor:
+        """Part j as a reducer decodes this peer's bytes (encoding them first for its own
+        part, which records the residual there too). A sparse codec's contribution must be
+        this, at the part's own reducer and at a fallback reducer alike: the dense values
+        would make that part of the result dense, and count twice what error feedback
+        still carries."""
+        s, e = self.rnd.bounds[j]
+        if j not in self.encoded_parts:
+            self.encoded_parts[j] = self.encode_part(j)
+        blob = b"".join(self.encoded_parts[j])
+        limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
+        try:
+            return decode(blob, limits)
+        except CompressionError:
+            return self.to_send[s:e]  # a test's deliberately broken encoder: reduce honestly
+
+    async def reduce_own(self) -> None:
+        rnd = self.rnd
+        s, e = rnd.bounds[rnd.me]
+        own = self.to_send[s:e]
+        if rnd.sparse:
+            own = await trio.to_thread.run_sync(self.sent_values, rnd.me)
+        await self.reduce(rnd.me, 0, own)
 
     async def reduce(self, j: int, attempt: int, own: torch.Tensor) -> None:
         rnd = self.rnd
@@ -320,8 +343,12 @@ class Exchange:
         for attempt in range(1, len(rnd.group.members)):
             target = rnd.reducer_of(j, attempt)
             if target == rnd.me:
-                # The part's own value at the fallback reducer is its uncompressed local one.
-                await self.reduce(j, attempt, self.to_send[s:e])
+                # The part's own value at the fallback reducer is its uncompressed local one
+                # (a sparse codec's: what it sent, see `sent_values`).
+                own = self.to_send[s:e]
+                if rnd.sparse:
+                    own = await trio.to_thread.run_sync(self.sent_values, j)
+                await self.reduce(j, attempt, own)
                 decoded = rnd.reduction(j, attempt).decoded
                 if decoded is not None:
                     if decoded.data_ptr() != self.result[s:e].data_ptr():

@@ -134,6 +134,8 @@ def quantization_bound(decoded: torch.Tensor, codec: str, block: int, bits: int)
         return 0.0
     if codec == "fp16":  # round to nearest: half an ulp (2^-11 relative), subnormals 2^-25
         return 2.0**-10 * l2_norm(decoded) + 2.0**-24 * math.sqrt(decoded.numel())
+    if codec == "topk":
+        return _topk_bound(decoded, block, bits)
     if codec != "int8":
         raise ValueError(f"unknown codec {codec!r}")
     # Each element is within scale/2 of its input and the block's largest decodes to
@@ -150,6 +152,17 @@ def quantization_bound(decoded: torch.Tensor, codec: str, block: int, bits: int)
         half = amax.double() * (0.5 * (1 + 1e-6) / qmax) + SCALE_MIN
         total += count * float((half * half).sum())
     return math.sqrt(total)
+
+
+def _topk_bound(decoded: torch.Tensor, chunk: int, bits: int) -> float:
+    """A reduced top-k part (codecs.result_codec) is exact where it is zero and within one
+    scale elsewhere, its chunk's largest |value| / (2^bits - 1) (or the smallest normal):
+    the largest value is sent as the top level (compression/topk.py)."""
+    levels = (1 << bits) - 1
+    pad = -decoded.numel() % chunk
+    rows = torch.cat([decoded, decoded.new_zeros(pad)]).view(-1, chunk).double()
+    scale = rows.abs().amax(dim=1) * ((1 + 1e-6) / levels) + SCALE_MIN
+    return math.sqrt(float(((rows != 0).sum(dim=1) * scale * scale).sum()))
 
 
 @dataclass(frozen=True)
@@ -176,6 +189,8 @@ class Claim:
     result: torch.Tensor
     blob: bytes | bytearray
     codec: str
+    #: The result's rounding unit and bits: int8's blocks, or top-k's chunks at the result's
+    #: bits (AllReduceConfig.proof_block).
     int8_block_size: int
     int8_bits: int
     density: float

@@ -14,7 +14,13 @@ import torch
 import trio
 
 from swarmd.compression import DecodeLimits, Int8Codec, decode_into, encode_segments
-from swarmd.node.averaging.codecs import CodecName, Encoded, make_codec, zstd_framed
+from swarmd.node.averaging.codecs import (
+    CodecName,
+    Encoded,
+    make_codec,
+    result_codec,
+    zstd_framed,
+)
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.group import Group, part_bounds
 from swarmd.node.averaging.reduction import (
@@ -105,7 +111,11 @@ class Round:
         self, group: Group, me: int, numel: int, config: AllReduceConfig, codec: CodecName
     ) -> None:
         self.codec_name = codec
-        self.codec = make_codec(codec, config.int8_block_size, config.int8_bits)
+        self.codec = make_codec(codec, config.int8_block_size, config.int8_bits, config.topk)
+        self.result_codec = result_codec(codec, self.codec)
+        #: A sparse codec's contributions are what a member sent, even at the reducer itself:
+        #: its own values, dense, would make its part of the result dense (exchange.py).
+        self.sparse = codec == "topk"
         self.zstd_level = None if codec == "fp32" else config.zstd_level
         self.group = group
         self.me = me
@@ -182,7 +192,7 @@ async def finish_reduction(
             encoded = await trio.to_thread.run_sync(encode)
             red.decoded = reduced
         else:
-            encoded = await trio.to_thread.run_sync(encode_segments, rnd.codec, reduced)
+            encoded = await trio.to_thread.run_sync(encode_segments, rnd.result_codec, reduced)
             if rnd.codec_name == "fp32":
                 red.decoded = reduced  # lossless: what members decode is exactly this
             else:

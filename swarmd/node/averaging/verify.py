@@ -55,7 +55,7 @@ async def prove(ex: Exchange, j: int, attempt: int) -> None:
     seed = probe_seed(rnd.group.round_id, j, attempt, nonces)
     weights = {i: red.weights[i] for i in red.used}
     cfg = ex.link.config
-    served, block, density = red.encoded, cfg.int8_block_size, cfg.probe_density
+    served, (block, _), density = red.encoded, cfg.proof_block(rnd.codec_name), cfg.probe_density
     make = functools.partial(
         make_proof, red.used, weights, nonces, seed, probes, served, block, density
     )
@@ -116,8 +116,8 @@ async def check(
             result=ex.result[s:e],
             blob=blob,
             codec=rnd.codec_name,
-            int8_block_size=cfg.int8_block_size,
-            int8_bits=cfg.int8_bits,
+            int8_block_size=cfg.proof_block(rnd.codec_name)[0],
+            int8_bits=cfg.proof_block(rnd.codec_name)[1],
             density=cfg.probe_density,
         )
         why = check_proof(proof, claim, cfg.probes, cfg.reduction)

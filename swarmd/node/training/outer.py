@@ -170,6 +170,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             averager.config,
             int8_block_size=config.int8_block_size,
             int8_bits=config.int8_bits,
+            topk_density=float(config.topk_density),
+            topk_bits=config.topk_bits,
             zstd_level=ZSTD_LEVEL if config.zstd else None,
         )
 
@@ -177,12 +179,15 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         """Says what it trains, publishes the starting state (its hash keys the first round)
         and validates it; returns the loop's start time."""
         config, opt = self.peer.config, self.opt
-        int8_detail = f" (block {config.int8_block_size}, {config.int8_bits} bits)"
+        detail = {
+            "int8": f" (block {config.int8_block_size}, {config.int8_bits} bits)",
+            "topk": f" (density {config.topk_density:.4g}, {config.topk_bits} bits)",
+        }.get(config.codec, "")
         self.peer.out.event(
             "training",
             f"training {opt.numel / 1e6:.2f}M parameters with {config.algo}, "
             f"H={config.inner_steps}{self.describe()}, codec {config.codec}"
-            f"{int8_detail if config.codec == 'int8' else ''}"
+            f"{detail}"
             f"{' + zstd' if config.zstd else ''}, data shard "
             f"{self.shard}/{config.data_shards} ({self.origin} start)",
             params=opt.numel,
