@@ -69,3 +69,59 @@ def test_same_state_or_nothing_advertised_keeps_ours() -> None:
     assert state_to_take(same, my_round=3, my_hash=h(GROUP), shared_round=3) is None
     older = [ad(2, "old", 1)]
     assert state_to_take(older, my_round=3, my_hash=h(GROUP), shared_round=3) is None
+
+
+def creator(round_no: int, name: str, *, shared: bool = True) -> StateAdvert:
+    return StateAdvert(round_no, h(name), "10.77.0.9:7000", 1000, owner="creator", shared=shared)
+
+
+def test_groups_that_never_met_converge_on_the_creators_state() -> None:
+    # The run's first round formed two pairs: {creator, p1} hold "a", {p2, p3} hold "b". Each
+    # pair follows only peers it met, so each sees its own side plus the creator.
+    p1 = state_to_take(
+        [creator(5, "a")], my_round=5, my_hash=h("a"), shared_round=5, anchor=creator(5, "a")
+    )
+    p2 = [creator(5, "a"), ad(5, "b", 4)]  # p2 sees p3 and the creator
+    take_p2 = state_to_take(p2, my_round=5, my_hash=h("b"), shared_round=5, anchor=p2[0])
+    assert p1 is None and take_p2 == h("a")
+    # Without the anchor the pair holding "b" counts two holders against one and stays apart.
+    assert state_to_take(p2, my_round=5, my_hash=h("b"), shared_round=5) is None
+
+
+def test_the_creators_side_keeps_its_state_however_many_hold_another() -> None:
+    # Four peers that all met split 2 / 3: counting alone would move the creator's pair to the
+    # three's state while the three move to the creator's (the sides would swap).
+    seen = [creator(5, "a"), ad(5, "b", 2), ad(5, "b", 3), ad(5, "b", 4)]
+    assert state_to_take(seen, my_round=5, my_hash=h("a"), shared_round=5, anchor=seen[0]) is None
+
+
+def test_the_creators_line_is_followed_whatever_its_round() -> None:
+    # The creator's pair is a round ahead of this pair, or two behind (seen: two pairs running
+    # two rounds apart at the same pace).
+    for theirs in (6, 3):
+        seen = [creator(theirs, "a"), ad(5, "b", 4)]
+        assert state_to_take(seen, 5, h("b"), 5, anchor=seen[0], past=[h("b4")]) == h("a")
+
+
+def test_a_creator_late_on_this_peers_own_line_is_not_followed() -> None:
+    # The creator has not published this round yet: its advert is a state this peer held.
+    seen = [creator(4, "g4"), ad(5, GROUP, 2)]
+    past = [h("g3"), h("g4"), h(GROUP)]
+    assert state_to_take(seen, 5, h(GROUP), 5, anchor=seen[0], past=past) is None
+
+
+def test_a_lone_creator_anchors_nothing() -> None:
+    # The creator's last round was its own: the others must not follow a state only it holds.
+    seen = [creator(5, "lone", shared=False), ad(5, GROUP, 2), ad(5, GROUP, 3)]
+    assert state_to_take(seen, 5, h(GROUP), 5, anchor=seen[0]) is None
+
+
+def test_a_peer_that_made_lone_rounds_counts_the_creator_as_one_vote() -> None:
+    seen = [creator(7, "c"), ad(7, GROUP, 2), ad(7, GROUP, 3)]
+    assert state_to_take(seen, 8, h("lone"), 4, anchor=seen[0]) == h(GROUP)
+
+
+def test_shared_flag_travels_in_the_advert() -> None:
+    for shared in (False, True):
+        advert = StateAdvert(5, h("a"), "10.77.0.9:7000", 1000, shared=shared)
+        assert StateAdvert.from_bytes(advert.to_bytes()).shared is shared

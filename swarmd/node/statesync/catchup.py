@@ -24,20 +24,49 @@ averaged in a group, or a state downloaded from donors), and:
 - a peer whose state is shared keeps the rule that a newer round wins (a late peer follows the
   group), except a newer state that only one peer holds while others still hold this peer's
   state: that is a lone peer ahead of the group, not the group.
+
+Two groups that never met cannot settle which state is the group's by counting: a running peer
+follows only peers it has averaged with or downloaded from (`SharedState.met`: strangers'
+adverts once took over every honest peer), so each side sees only itself. Seen on four
+network-namespace hosts: the first round formed two pairs (live heartbeats still counted 2 at
+the run's start), their states differed from then on, the matchmaking key carries the state
+hash, and the pairs averaged apart for the rest of the run. The run's creator is the one peer
+everyone trusts already (its config names the model), so its advert is the *anchor*: a peer
+whose state is shared takes the creator's state when the creator says that state is shared too
+(averaged in a group since the creator started, not made alone) and it is not one this peer
+held before, whatever its round; a peer holding the creator's state keeps it whatever others
+hold, so the two sides never swap. Rounds cannot decide it: in a test the two pairs ran two
+rounds apart at the same pace, so "follow the creator when it is as new or newer" never fired.
+A creator state this peer held before is the creator running late on this peer's own line (it
+has not published this round yet), not another line: the other rules decide then. A lone
+creator anchors nothing (the others would follow a state only it has); a peer that made lone
+rounds counts the creator as one vote like any other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from swarmd.node.statesync.donor import StateAdvert
 
 
 def state_to_take(
-    others: Sequence[StateAdvert], my_round: int, my_hash: bytes, shared_round: int
+    others: Sequence[StateAdvert],
+    my_round: int,
+    my_hash: bytes,
+    shared_round: int,
+    anchor: StateAdvert | None = None,
+    past: Collection[bytes] = (),
 ) -> bytes | None:
     """The hash of the state to download from ``others`` (other peers' adverts), or None to
-    keep this peer's state (``my_round``, ``my_hash``; shared with others at ``shared_round``)."""
+    keep this peer's state (``my_round``, ``my_hash``; shared with others at ``shared_round``).
+    ``anchor``: the run creator's advert, if this peer is not the creator and sees one;
+    ``past``: hashes of states this peer held before."""
+    if anchor is not None and anchor.shared and my_round <= shared_round:
+        if anchor.state_hash == my_hash:
+            return None
+        if anchor.state_hash not in past:
+            return anchor.state_hash
     if my_round > shared_round:
         fresh = [a for a in others if a.round > shared_round]
         votes: dict[bytes, tuple[int, int]] = {my_hash: (1, my_round)}

@@ -222,6 +222,10 @@ class StateAdvert:
     #: Who signed the advert (its DHT sub-key, which only that key can write); not on the
     #: wire, filled in by the reader. Empty when unknown.
     owner: str = ""
+    #: The advertiser says the state is also others' (its last round averaged in a group, or
+    #: downloaded), not one it made alone; only the run creator's word is acted on
+    #: (`statesync/catchup.py`).
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.round < 1 << 63:
@@ -236,8 +240,10 @@ class StateAdvert:
             raise AdvertError(f"advert address: {exc}") from None
 
     @classmethod
-    def of(cls, snapshot: StateSnapshot, address: str) -> StateAdvert:
-        return cls(snapshot.round, snapshot.state_hash, address, snapshot.total_bytes)
+    def of(cls, snapshot: StateSnapshot, address: str, *, shared: bool = False) -> StateAdvert:
+        return cls(
+            snapshot.round, snapshot.state_hash, address, snapshot.total_bytes, shared=shared
+        )
 
     def to_bytes(self) -> bytes:
         msg = pb.StateAdvert(
@@ -245,6 +251,7 @@ class StateAdvert:
             state_hash=self.state_hash,
             address=self.address,
             total_bytes=self.total_bytes,
+            shared=self.shared,
         )
         return msg.SerializeToString()
 
@@ -258,7 +265,7 @@ class StateAdvert:
             msg.ParseFromString(raw)
         except DecodeError as exc:
             raise AdvertError(f"state advert is not a StateAdvert message: {exc}") from None
-        return cls(msg.round, msg.state_hash, msg.address, msg.total_bytes)
+        return cls(msg.round, msg.state_hash, msg.address, msg.total_bytes, shared=msg.shared)
 
 
 def choose_donors(adverts: Iterable[StateAdvert]) -> tuple[bytes, list[str]]:

@@ -23,7 +23,7 @@ from swarmd.node.training.options import JoinOptions
 from swarmd.node.training.progress import Progress, TrainStats
 from swarmd.node.training.runconfig import RunConfig
 from swarmd.protocol import rpc
-from swarmd.protocol.identity import Identity
+from swarmd.protocol.identity import Identity, PeerId
 
 
 @dataclass
@@ -61,6 +61,9 @@ class PeerContext:
     live: LivePeers
     #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary (or stops waiting).
     stopping: trio.Event
+    #: Who signed the run's config (this peer, if it created the run): the one peer every
+    #: member trusts already, whose state settles which of two groups' states is the run's.
+    creator: PeerId | None = None
     stats: TrainStats = field(default_factory=TrainStats)
     clock: WaitClock = field(default_factory=WaitClock)
 

@@ -38,7 +38,7 @@ from swarmd.node.training.runconfig import RunConfig, RunConfigError
 from swarmd.node.training.runrecord import choose, claims, publish_config
 from swarmd.node.training.strategies import strategy_for
 from swarmd.protocol import rpc
-from swarmd.protocol.identity import Identity
+from swarmd.protocol.identity import Identity, PeerId
 from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed, resolve_device
 
 
@@ -109,8 +109,8 @@ class Peer:
                 )
                 nursery.start_soon(self._stop_on_signal)
                 await nursery.start(self.dht.run, server.address.port, list(opts.peers))
-                config = await self._run_config()
-                await self._train(config, nursery)
+                config, creator = await self._run_config()
+                await self._train(config, creator, nursery)
                 nursery.cancel_scope.cancel()
         finally:
             if metrics_server:
@@ -124,7 +124,8 @@ class Peer:
                 self.stopping.set()
                 return
 
-    async def _run_config(self) -> RunConfig:
+    async def _run_config(self) -> tuple[RunConfig, PeerId]:
+        """The run's config and who signed it."""
         opts = self.opts
         if opts.create_run is not None:
             config = opts.create_run
@@ -138,7 +139,7 @@ class Peer:
                 config_hash=config.hash,
                 creator=str(self.identity.peer_id),
             )
-            return config
+            return config, self.identity.peer_id
         with trio.move_on_after(opts.join_timeout_s):
             while True:
                 claim = choose(await claims(self.dht, opts.run), opts.run, opts.creator)
@@ -153,7 +154,7 @@ class Peer:
                         config_hash=config.hash,
                         creator=str(claim.creator),
                     )
-                    return config
+                    return config, claim.creator
                 await trio.sleep(1.0)
         by = f" signed by {opts.creator}" if opts.creator else ""
         raise JoinError(
@@ -186,7 +187,7 @@ class Peer:
         except WorkloadNotAllowed as exc:
             raise JoinError(str(exc)) from None
 
-    async def _train(self, config: RunConfig, nursery: trio.Nursery) -> None:
+    async def _train(self, config: RunConfig, creator: PeerId, nursery: trio.Nursery) -> None:
         peer = PeerContext(
             opts=self.opts,
             config=config,
@@ -201,6 +202,7 @@ class Peer:
             out=self.out,
             live=LivePeers(self.dht, config),
             stopping=self.stopping,
+            creator=creator,
         )
         self.averager.limit_weights(config.max_weight)
         strategy = strategy_for(config.algo)(peer)

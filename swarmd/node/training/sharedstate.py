@@ -10,6 +10,7 @@ strategy's optimiser (`SyncedState`); this module never looks inside it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -47,6 +48,8 @@ LONE_WAIT_S = 10.0
 #: States a joiner refuses (unloadable) before it settles for its own; each costs a download.
 MAX_REFUSED_TRIES = 3
 LONE_POLL_S = 0.2
+#: How many of its own past state hashes a peer remembers (32 B each).
+PAST_STATES = 1024
 
 
 class SyncedState(Protocol):
@@ -109,6 +112,18 @@ class SharedState:
         #: States found unusable (see `_sync_from_group`): never fetched again.
         self.refused: set[bytes] = set()
         self.ignored: set[tuple[str, bytes]] = set()
+        #: The run creator's peer id (None for the creator itself): its advert anchors which
+        #: state is the group's when groups that never met hold different ones (catchup.py).
+        #: Whether this process has shared a state with others yet (averaged in a group or
+        #: downloaded): only then does its advert say "shared". A state resumed from disk was
+        #: the group's once, maybe long ago; a creator advertising it as shared would pull
+        #: every peer back to it (catchup.py's anchor).
+        self.proven = False
+        #: Hashes of the states this peer published, newest last (bounded): a creator's state
+        #: among them is the creator running late on this peer's own line, not another line.
+        self.past: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        creator = peer.creator
+        self.creator = str(creator) if creator and creator != peer.identity.peer_id else None
 
     def snapshot(self) -> StateSnapshot:
         return StateSnapshot.build(
@@ -120,6 +135,7 @@ class SharedState:
         else."""
         if status == "averaged" and group_size - dropped > 1:
             self.shared_round = self.opt.age
+            self.proven = True
 
     def meet(self, peers: Iterable[PeerId]) -> None:
         """Peers this one just averaged with (the all-reduce's survivors)."""
@@ -130,10 +146,14 @@ class SharedState:
         peer = self.peer
         snap = await trio.to_thread.run_sync(self.snapshot)
         self.last_hash = snap.state_hash
+        self.past[snap.state_hash] = None
+        while len(self.past) > PAST_STATES:
+            self.past.popitem(last=False)
         peer.donor.publish(snap)
+        shared = self.proven and self.opt.age <= self.shared_round
         await peer.dht.store(
             advert_key(peer.config.name),
-            StateAdvert.of(snap, peer.address).to_bytes(),
+            StateAdvert.of(snap, peer.address, shared=shared).to_bytes(),
             peer.dht.now() + ADVERT_TTL_S,
             subkey=str(peer.identity.peer_id),
         )
@@ -159,8 +179,8 @@ class SharedState:
 
     async def adverts(self, *, known_only: bool = False) -> list[StateAdvert]:
         """The other peers' state adverts (malformed ones are skipped); ``known_only``: just
-        those of peers this one has met, when it has met any (a peer that never averaged
-        nor downloaded is where a joiner is, and reads them all)."""
+        those of peers this one has met and the run's creator, when it has met any (a peer
+        that never averaged nor downloaded is where a joiner is, and reads them all)."""
         adverts: list[StateAdvert] = []
         me = str(self.peer.identity.peer_id)
         entries = await self.peer.dht.get_map(advert_key(self.peer.config.name))
@@ -171,7 +191,7 @@ class SharedState:
                 advert = StateAdvert.from_bytes(value.value)
             except ValueError:
                 continue
-            if known_only and self.met and peer not in self.met:
+            if known_only and self.met and peer not in self.met and peer != self.creator:
                 self._ignore_stranger(peer, advert)
                 continue
             if advert.state_hash in self.refused:
@@ -210,6 +230,7 @@ class SharedState:
             return False
         await trio.to_thread.run_sync(self.opt.load_state_dict, state)
         self.shared_round = self.opt.age
+        self.proven = True
         self.met.update(a.owner for a in adverts if a.state_hash == want and a.owner)
         self.peer.out.event(
             "state_synced",
@@ -296,9 +317,12 @@ class SharedState:
         adverts = await self.adverts(known_only=True)
         if self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
+        anchor = next((a for a in adverts if a.owner == self.creator), None)
         if not self.met:
             adverts = held_by_several(adverts)
-        want = state_to_take(adverts, self.opt.age, self.last_hash, self.shared_round)
+        want = state_to_take(
+            adverts, self.opt.age, self.last_hash, self.shared_round, anchor, self.past.keys()
+        )
         if want is None:
             return False
         return await self._sync_from_group([a for a in adverts if a.state_hash == want])
