@@ -171,6 +171,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--demo-topk", type=int, default=32, help="demo: coefficients per block")
     p.add_argument("--demo-chunk", type=int, default=64, help="demo: block side")
     p.add_argument(
+        "--demo-value-bits", type=int, default=16, choices=[16, 8, 4],
+        help="demo: bits a sent value takes (16 bf16; 8/4 integer codes, a scale per block)",
+    )  # fmt: skip
+    p.add_argument(
         "--demo-inner-steps", type=int, default=50,
         help="demo: steps between group re-formations (state published, joiners let in)",
     )  # fmt: skip
@@ -356,6 +360,7 @@ mix_alpha = {mix_alpha}
 fragment_layout = "{fragment_layout}"
 demo_topk = {demo_topk}
 demo_chunk = {demo_chunk}
+demo_value_bits = {demo_value_bits}
 """
 
 

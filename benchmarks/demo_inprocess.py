@@ -43,6 +43,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decay", type=float, default=0.999, help="momentum decay β")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument(
+        "--value-bits", type=int, default=16, choices=[16, 8, 4],
+        help="bits a sent value takes: 16 bf16, 8/4 integer codes with a scale per block",
+    )  # fmt: skip
+    p.add_argument(
         "--grad-clip", type=float, default=1.0,
         help="gradient norm bound before δ (0: none; the daemon clips at 1.0)",
     )  # fmt: skip
@@ -68,7 +72,7 @@ def parse_args() -> argparse.Namespace:
 def demo_config(a: argparse.Namespace) -> DeMoConfig:
     return DeMoConfig(
         lr=a.lr, compression_decay=a.decay, compression_topk=a.topk,
-        compression_chunk=a.chunk, weight_decay=a.weight_decay,
+        compression_chunk=a.chunk, weight_decay=a.weight_decay, value_bits=a.value_bits,
     )  # fmt: skip
 
 
@@ -92,7 +96,7 @@ def main() -> None:
         for i, run in enumerate(runs):
             run.step = step
             run.gradients(batches(i, step))
-            wire = encode_sparse(run.prepare())
+            wire = encode_sparse(run.prepare(), run.opt.config.value_dtype)
             payload = len(wire)
             gathered.append(decode_sparse(wire, layout, len(wire)))
         runs[0].apply(gathered)
@@ -104,7 +108,8 @@ def main() -> None:
     ratio = ddp_per_step / ((k - 1) * payload) if k > 1 else float("nan")
     print(f"demo seed {a.seed} lr {a.lr}: {time.monotonic() - started:.0f} s", flush=True)
     print(
-        f"algo=demo seed={a.seed} lr={a.lr} topk={a.topk} clip={a.grad_clip} val_loss={loss:.4f} "
+        f"algo=demo seed={a.seed} lr={a.lr} topk={a.topk} value_bits={a.value_bits} "
+        f"clip={a.grad_clip} val_loss={loss:.4f} "
         f"payload_bytes={payload} bytes_ratio={ratio:.1f}"
     )
 

@@ -51,11 +51,18 @@ from typing import Any
 import torch
 
 from swarmd.compression.dct import as_matrix, largest_divisor_at_most
-from swarmd.compression.sparse_wire import SparseLayout, SparseUpdate
+from swarmd.compression.sparse_wire import (
+    SparseLayout,
+    SparseUpdate,
+    dequantize_values,
+    quantize_values,
+)
 
 __all__ = ["DeMo", "DeMoConfig", "SparseLayout", "SparseUpdate", "dct_basis"]
 
 DELTA_PREFIX = "delta."
+#: DeMoConfig.value_bits -> sparse_wire's value dtype.
+VALUE_DTYPES = {16: "bf16", 8: "int8", 4: "int4"}
 
 
 def _number(name: str, value: object) -> float:
@@ -80,6 +87,10 @@ class DeMoConfig:
     compression_topk: int = 32
     compression_chunk: int = 64
     weight_decay: float = 0.0
+    #: Bits a sent value takes on the wire: 16 (bf16, the reference's), 8 or 4 (integer codes
+    #: with a scale per block, `sparse_wire.quantize_values`). Below 16 what is removed from δ
+    #: is what the codes decode to, so the rounding stays in δ and is sent later.
+    value_bits: int = 16
 
     def __post_init__(self) -> None:
         if _number("lr", self.lr) <= 0:
@@ -92,6 +103,16 @@ class DeMoConfig:
         _positive_int("compression_chunk", self.compression_chunk)
         if _number("weight_decay", self.weight_decay) < 0:
             raise ValueError(f"DeMoConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.value_bits not in VALUE_DTYPES:
+            raise ValueError(
+                f"DeMoConfig.value_bits must be one of {sorted(VALUE_DTYPES)}, "
+                f"got {self.value_bits!r}"
+            )
+
+    @property
+    def value_dtype(self) -> str:
+        """The wire's name for the values' encoding (`sparse_wire.encode_sparse`)."""
+        return VALUE_DTYPES[self.value_bits]
 
 
 def dct_basis(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -224,6 +245,9 @@ class DeMo:
             coeffs = self._forward(delta, pl)
             indices = coeffs.abs().topk(pl.k, dim=1, sorted=False).indices
             values = coeffs.gather(1, indices)
+            if self.config.value_bits < 16:
+                codes, scales = quantize_values(values, self.config.value_bits)
+                values = dequantize_values(codes, scales).to(values.dtype)
             sent = torch.zeros_like(coeffs).scatter_(1, indices, values)
             delta.sub_(self._inverse(sent, pl))
             shape = (*pl.grid, pl.k)

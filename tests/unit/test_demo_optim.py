@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from swarmd.compression.sparse_wire import decode_sparse, encode_sparse
 from swarmd.optim.demo import DeMo, DeMoConfig, SparseUpdate
 from swarmd.optim.demo_state import DeMoRun
 from swarmd.optim.schedule import LrSchedule
@@ -266,10 +267,14 @@ def test_duplicate_indices_are_averaged_over_their_senders_only() -> None:
 # -- (c) error feedback ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_what_is_sent_is_removed_from_the_momentum(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "bits"), [(torch.float32, 16), (torch.float64, 16), (torch.float32, 4)]
+)
+def test_what_is_sent_is_removed_from_the_momentum(dtype: torch.dtype, bits: int) -> None:
+    """With integer codes what is removed is what the codes decode to: the rounding stays in
+    δ (error feedback), and the wire carries exactly those values."""
     shapes = [(37,), (48, 80), (128, 192), (4, 6, 10)]
-    cfg = DeMoConfig(lr=0.1, compression_decay=0.9)
+    cfg = DeMoConfig(lr=0.1, compression_decay=0.9, value_bits=bits)
     params = make_params(shapes, 4, dtype)
     demo = DeMo(params, cfg)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
@@ -283,6 +288,12 @@ def test_what_is_sent_is_removed_from_the_momentum(dtype: torch.dtype) -> None:
             got = after[f"delta.{i}"].double().numpy() + decode_dense(u, s, 64)
             np.testing.assert_allclose(got, want, rtol=0, atol=tol)
             assert float(np.abs(decode_dense(u, s, 64)).max()) > 1e-3  # something was sent
+        if bits < 16:
+            wire = decode_sparse(encode_sparse(sent, cfg.value_dtype), demo.layout(), 1 << 24)
+            for u, w in zip(sent, wire, strict=True):
+                torch.testing.assert_close(w.values, u.values, rtol=1e-6, atol=0)
+                per_block = u.values.reshape(-1, u.values.shape[-1])
+                assert len(per_block[0].unique()) <= 15  # 4-bit codes: at most 15 levels
         demo.apply([sent])
 
 
@@ -363,6 +374,7 @@ def test_load_state_dict_validates_before_changing_anything() -> None:
         ({"compression_chunk": 0}, "compression_chunk must be an int >= 1"),
         ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
         ({"weight_decay": math.nan}, "weight_decay must be a finite number"),
+        ({"value_bits": 2}, r"value_bits must be one of \[4, 8, 16\]"),
     ],
 )
 def test_config_validation(kwargs: dict[str, object], message: str) -> None:

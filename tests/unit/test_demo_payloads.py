@@ -31,7 +31,7 @@ def _ids(n: int) -> list[PeerId]:
     return sorted((Identity.generate().peer_id for _ in range(n)), key=str)
 
 
-SHAPES = [(16, 24), (8,)]
+SHAPES = [(12, 24), (8,)]  # blocks of 6 x 8 = 48 coefficients: 6-bit indices reach 63
 
 
 def test_good_payloads_come_back_in_peer_id_order() -> None:
@@ -52,17 +52,17 @@ def test_good_payloads_come_back_in_peer_id_order() -> None:
 
 def _corrupt(payload: bytes, how: str) -> bytes:
     if how == "wrong shapes":
-        return _peer_payload([(24, 16), (8,)], 9)[1]
+        return _peer_payload([(24, 12), (8,)], 9)[1]
     if how == "truncated":
         return payload[:-3]
     if how == "longer than declared":
         return payload + b"\0" * 64
     if how == "index out of range":
-        # The first tensor's first index (uint8 here: blocks of 64 coefficients) set to 200.
+        # The first tensor's first index (the low 6 bits of its first byte) set to 50.
         header = struct.calcsize("<4sBBI")
         table = 1 + 1 + 4 + 4 + 2 * 4 + 1 + 1 + 4 + 4 + 1 * 4
         at = header + table
-        return payload[:at] + bytes([200]) + payload[at + 1 :]
+        return payload[:at] + bytes([(payload[at] & 0xC0) | 50]) + payload[at + 1 :]
     if how == "NaN values":
         bad = bytearray(payload)
         bad[-2:] = struct.pack("<H", 0x7FC0)  # a bf16 NaN as the last value

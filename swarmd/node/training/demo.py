@@ -149,7 +149,8 @@ class DeMoStrategy(Strategy):
         self.peer.out.event(
             "training",
             f"training {run.numel / 1e6:.2f}M parameters with demo (top {config.demo_topk} "
-            f"of each {config.demo_chunk}-wide DCT block, decay {config.demo_decay}), group "
+            f"of each {config.demo_chunk}-wide DCT block as {run.opt.config.value_dtype}, decay "
+            f"{config.demo_decay}), group "
             f"re-formed every {config.inner_steps} steps, data shard {self.shard}/"
             f"{config.data_shards} ({self.origin} start)",
             params=run.numel,
@@ -322,7 +323,7 @@ class DeMoStrategy(Strategy):
         the bytes that travelled (this peer's own too: the others see its rounding), and
         whether the step was shared with others."""
         run = self.run
-        payload = await trio.to_thread.run_sync(encode_sparse, mine)
+        payload = await trio.to_thread.run_sync(encode_sparse, mine, run.opt.config.value_dtype)
         check = run.step % HASH_EVERY == 0
         state_hash = await trio.to_thread.run_sync(run.param_hash) if check else b""
         t0 = time.monotonic()

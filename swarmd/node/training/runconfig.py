@@ -114,10 +114,12 @@ class RunConfig:
     #: DCT coefficients per `demo_chunk`-sized block of its momentum (decay `demo_decay`) to
     #: its group and applies the sign of everyone's, at inner_lr, with decoupled
     #: `weight_decay`. Every `inner_steps` steps the group publishes its state (joiners take
-    #: it) and re-forms, so newcomers get in and drifted peers re-sync.
+    #: it) and re-forms, so newcomers get in and drifted peers re-sync. `demo_value_bits`:
+    #: 16 sends values as bf16, 8 or 4 as integer codes with a scale per block.
     demo_topk: int = 32
     demo_chunk: int = 64
     demo_decay: float = 0.999
+    demo_value_bits: int = 16
     weight_decay: float = 0.0
     version: str = field(default=swarmd.__version__)
 
@@ -226,7 +228,7 @@ class RunConfig:
 
     def demo_config(self) -> DeMoConfig:
         """DeMo's settings (raises ValueError with the reason if invalid)."""
-        for name in ("demo_topk", "demo_chunk"):
+        for name in ("demo_topk", "demo_chunk", "demo_value_bits"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -236,6 +238,7 @@ class RunConfig:
             compression_topk=self.demo_topk,
             compression_chunk=self.demo_chunk,
             weight_decay=self.weight_decay,
+            value_bits=self.demo_value_bits,
         )
 
     # -- serialisation ---------------------------------------------------------------------
