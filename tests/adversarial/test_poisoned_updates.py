@@ -77,8 +77,16 @@ def test_a_lying_member_cannot_move_the_honest_ones(
     finals = [_final(e) for e in logs]
     losses = [f["val_loss"] for f in finals]
     assert all(math.isfinite(v) for v in losses), losses
-    if len(finals) > 1:
-        assert len({f["state_hash"] for f in finals}) == 1  # the honest members agree
+    if len(finals) > 1:  # the honest members agree
+        assert len({f["state_hash"] for f in finals}) == 1, "\n".join(
+            " ".join(
+                f"{e['event']}(r{e.get('round')},{e.get('status', '')},g{e.get('group_size', '')},"
+                f"{str(e.get('state_hash', ''))[:6]})"
+                for e in events
+                if e["event"] in ("outer_step", "state_synced")
+            )
+            for events in logs
+        )
     base = max(_final(e)["val_loss"] for e in baseline)
     # Within 5% of the same run without the liar (+0.05 for this tiny run's own noise).
     assert max(losses) <= base * 1.05 + 0.05, (losses, base)

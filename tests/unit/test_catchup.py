@@ -125,3 +125,16 @@ def test_shared_flag_travels_in_the_advert() -> None:
     for shared in (False, True):
         advert = StateAdvert(5, h("a"), "10.77.0.9:7000", 1000, shared=shared)
         assert StateAdvert.from_bytes(advert.to_bytes()).shared is shared
+
+
+def test_the_creator_keeps_its_shared_state_against_another_of_its_round() -> None:
+    # Two honest members ended a round with different states (one fell back alone on a part):
+    # the other takes the creator's; the creator must not take the other's on the tie-break.
+    other = [ad(5, "zzz", 2)]  # a hash that wins the tie-break
+    assert state_to_take(other, 5, h("a"), 5) == h("zzz")
+    assert state_to_take(other, 5, h("a"), 5, i_anchor=True) is None
+    # A newer state the group holds is still followed, and a lone creator follows the group.
+    newer = [ad(6, "g", 2), ad(6, "g", 3)]
+    assert state_to_take(newer, 5, h("a"), 5, i_anchor=True) == h("g")
+    group = [ad(5, "g", 2), ad(5, "g", 3)]
+    assert state_to_take(group, 6, h("lone"), 4, i_anchor=True) == h("g")

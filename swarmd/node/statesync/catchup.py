@@ -35,7 +35,8 @@ everyone trusts already (its config names the model), so its advert is the *anch
 whose state is shared takes the creator's state when the creator says that state is shared too
 (averaged in a group since the creator started, not made alone) and it is not one this peer
 held before, whatever its round; a peer holding the creator's state keeps it whatever others
-hold, so the two sides never swap. Rounds cannot decide it: in a test the two pairs ran two
+hold, and the creator keeps its own shared state against any other of its round, so the two
+sides never swap. Rounds cannot decide it: in a test the two pairs ran two
 rounds apart at the same pace, so "follow the creator when it is as new or newer" never fired.
 A creator state this peer held before is the creator running late on this peer's own line (it
 has not published this round yet), not another line: the other rules decide then. A lone
@@ -57,16 +58,23 @@ def state_to_take(
     shared_round: int,
     anchor: StateAdvert | None = None,
     past: Collection[bytes] = (),
+    *,
+    i_anchor: bool = False,
 ) -> bytes | None:
     """The hash of the state to download from ``others`` (other peers' adverts), or None to
     keep this peer's state (``my_round``, ``my_hash``; shared with others at ``shared_round``).
     ``anchor``: the run creator's advert, if this peer is not the creator and sees one;
-    ``past``: hashes of states this peer held before."""
+    ``past``: hashes of states this peer held before; ``i_anchor``: this peer is the creator
+    and its state is shared (its advert says so)."""
     if anchor is not None and anchor.shared and my_round <= shared_round:
         if anchor.state_hash == my_hash:
             return None
         if anchor.state_hash not in past:
             return anchor.state_hash
+    if i_anchor and my_round <= shared_round and all(a.round <= my_round for a in others):
+        # The others of its round take the creator's state: were it to take theirs on the
+        # tie-break below, the two would swap and still differ.
+        return None
     if my_round > shared_round:
         fresh = [a for a in others if a.round > shared_round]
         votes: dict[bytes, tuple[int, int]] = {my_hash: (1, my_round)}

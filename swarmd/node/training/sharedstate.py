@@ -123,7 +123,8 @@ class SharedState:
         #: among them is the creator running late on this peer's own line, not another line.
         self.past: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         creator = peer.creator
-        self.creator = str(creator) if creator and creator != peer.identity.peer_id else None
+        self.is_creator = creator == peer.identity.peer_id
+        self.creator = str(creator) if creator and not self.is_creator else None
 
     def snapshot(self) -> StateSnapshot:
         return StateSnapshot.build(
@@ -321,7 +322,13 @@ class SharedState:
         if not self.met:
             adverts = held_by_several(adverts)
         want = state_to_take(
-            adverts, self.opt.age, self.last_hash, self.shared_round, anchor, self.past.keys()
+            adverts,
+            self.opt.age,
+            self.last_hash,
+            self.shared_round,
+            anchor,
+            self.past.keys(),
+            i_anchor=self.is_creator and self.proven,
         )
         if want is None:
             return False
