@@ -36,7 +36,8 @@ def record(name: str, loss: str = "2.5") -> bytes:
     return (
         '{"step": 7, "round": 1, "loss": ' + loss + ', "val_loss": 3.0, "tokens_per_s": 10.0, '
         '"device": "<b>cpu</b>", "name": ' + json.dumps(name) + ', "sent_bytes": 1, '
-        '"received_bytes": 2, "group_size": 3, "last_outer": "averaged", "algo": "diloco"}'
+        '"received_bytes": 2, "group_size": 3, "last_outer": "averaged", "algo": "diloco", '
+        '"params": 1000}'
     ).encode()
 
 

@@ -102,6 +102,16 @@ def test_live_run_in_a_browser(
         "return c.plot.data.slice(1).flat().filter(v => v !== null && v !== undefined).length;"
     )
     until(lambda: browser.execute_script(loss_points) >= 6, 90, "loss points of 2 rounds")
+    # Bytes a step against data-parallel: both series drawn, the swarm's far below (DiLoCo
+    # with int8 parts syncs every 5 steps here), the ratio shown in the run's facts.
+    bytes_series = (
+        "const c = window.swarmdDashboard.charts.bytes; if (!c) return [];"
+        "return c.plot.data.slice(1);"
+    )
+    until(lambda: len(browser.execute_script(bytes_series)[0]) >= 2, 60, "bytes points")
+    swarm, ddp = browser.execute_script(bytes_series)
+    assert 0 < swarm[-1] < ddp[-1], (swarm, ddp)
+    until(lambda: "fewer" in browser.find_element(By.ID, "bytes-ratio").text, 10, "bytes ratio")
     assert "peer 1" in browser.find_element(By.CSS_SELECTOR, "#peers tbody").text
 
     browser.execute_script("window.__notReloaded = true;")

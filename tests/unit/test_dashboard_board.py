@@ -31,6 +31,7 @@ RECORD = ProgressRecord(
     group_size=2,
     last_outer="averaged",
     algo="diloco",
+    params=1000,
 )
 
 
@@ -113,3 +114,27 @@ def test_parse_advert() -> None:
     assert parse_advert(good.SerializeToString()) == Advert(4, "01" * 8)
     assert parse_advert(b"\xff\xff\xff") is None
     assert parse_advert(statesync_pb2.StateAdvert(round=4).SerializeToString()) is None
+
+
+def test_bytes_a_step_against_data_parallel() -> None:
+    board = Board("r")
+    first = reading({"a" * 52: (1, 3.5, "averaged"), "b" * 52: (1, 3.4, "averaged")})
+    board.update(first, 1.0)
+    assert not board.bytes and run_view(board)["bytes_ratio"] is None  # no rate yet
+    later = reading({"a" * 52: (2, 3.0, "averaged"), "b" * 52: (2, 3.1, "averaged")})
+    # a sent 1000 B a step over 10 steps, b 3000 B; a step with nothing new is not a sample.
+    for peer, sent in (("a", 10_005), ("b", 30_005)):
+        later.progress[peer * 52] = dataclasses.replace(
+            later.progress[peer * 52], step=20, sent_bytes=sent
+        )
+    board.update(later, 2.0)
+    # Data-parallel over 2 peers: 2 (n - 1) / n x 4 B x 1000 parameters = 4000 B a step.
+    assert list(board.bytes) == [(2.0, 2000.0, 4000.0)]
+    assert run_view(board)["bytes_ratio"] == 2.0
+    assert history_view(board)["bytes"] == {"times": [2.0], "swarm": [2000.0], "ddp": [4000.0]}
+    assert {p["bytes_per_step"] for p in peers_view(board)["peers"]} == {1000.0, 3000.0}
+    # A record whose counters went backwards (a restarted peer) gives no rate from it.
+    restarted = dataclasses.replace(later.progress["a" * 52], step=25, sent_bytes=7)
+    later.progress["a" * 52] = restarted
+    board.update(later, 3.0)
+    assert board.peers["a" * 52].bytes_per_step == 1000.0

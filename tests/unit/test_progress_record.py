@@ -30,6 +30,7 @@ GOOD = ProgressRecord(
     group_size=3,
     last_outer="averaged",
     algo="diloco",
+    params=1000,
 )
 
 

@@ -37,6 +37,15 @@ class PeerView:
     record: ProgressRecord | None = None
     advert_round: int | None = None
     state_hash: str | None = None
+    #: Bytes this peer sent per inner step between its last two records (None: not yet).
+    bytes_per_step: float | None = None
+
+
+def ddp_bytes_per_step(params: int, peers: int) -> float:
+    """What each of `peers` data-parallel workers sends a step: a ring all-reduce of fp32
+    gradients, 2 (n - 1) / n x 4 bytes a parameter (the benchmarks' DDP baseline)."""
+    n = max(peers, 2)
+    return 2 * (n - 1) / n * 4 * params
 
 
 class Board:
@@ -55,6 +64,9 @@ class Board:
         self.groups: dict[int, int] = {}
         #: (unix time, the live peers' tokens/s summed).
         self.tokens: deque[tuple[float, float]] = deque(maxlen=MAX_TIME_POINTS)
+        #: (unix time, the live peers' mean bytes sent a step, what data-parallel training of
+        #: the same model by as many peers would send a step).
+        self.bytes: deque[tuple[float, float, float]] = deque(maxlen=MAX_TIME_POINTS)
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
 
     def event(self, kind: str, text: str, peer: str | None = None, at: float | None = None) -> None:
@@ -85,6 +97,15 @@ class Board:
         live = [v.record for v in self.peers.values() if v.live and v.record is not None]
         if live:
             self.tokens.append((round(now, 3), round(sum(r.tokens_per_s for r in live), 1)))
+        self._sample_bytes(now)
+
+    def _sample_bytes(self, now: float) -> None:
+        live = [v for v in self.peers.values() if v.live and v.record is not None]
+        rates = [v.bytes_per_step for v in live if v.bytes_per_step is not None]
+        params = max((v.record.params for v in live if v.record is not None), default=0)
+        if rates and params:
+            ddp = ddp_bytes_per_step(params, len(live))
+            self.bytes.append((round(now, 3), round(sum(rates) / len(rates), 1), round(ddp, 1)))
 
     def _see(self, peer_id: str, reading: Reading, now: float) -> None:
         view = self.peers.get(peer_id)
@@ -108,6 +129,8 @@ class Board:
 
     def _record(self, view: PeerView, record: ProgressRecord, now: float) -> None:
         old, view.record = view.record, record
+        if old is not None and record.step > old.step and record.sent_bytes >= old.sent_bytes:
+            view.bytes_per_step = (record.sent_bytes - old.sent_bytes) / (record.step - old.step)
         if record.val_loss is not None:
             self.losses.setdefault(record.round, {})[view.peer_id] = record.val_loss
             while len(self.losses) > MAX_ROUNDS:

@@ -35,6 +35,10 @@ def run_view(board: Board) -> dict[str, Any]:
         "live_peers": sum(v.live for v in board.peers.values()),
         "gone_peers": sum(not v.live for v in board.peers.values()),
         "tokens_per_s": round(sum(r.tokens_per_s for r in records), 1),
+        # Data-parallel's bytes a step over the swarm's, at the latest sample (None: none yet).
+        "bytes_ratio": round(board.bytes[-1][2] / board.bytes[-1][1], 1)
+        if board.bytes and board.bytes[-1][1] > 0
+        else None,
         "refused_values": reading.refused,
         "polls": board.polls,
         "updated_s_ago": None if board.updated_at is None else round(now - board.updated_at, 1),
@@ -60,6 +64,7 @@ def _peer_row(view: PeerView, agreed: str | None, now: float) -> dict[str, Any]:
         "last_outer": record.last_outer if record else None,
         "algo": record.algo if record else None,
         "sent_bytes": record.sent_bytes if record else None,
+        "bytes_per_step": None if view.bytes_per_step is None else round(view.bytes_per_step, 1),
         "received_bytes": record.received_bytes if record else None,
         "state_hash": view.state_hash,
         # A gone peer's last advert is stale: not compared.
@@ -103,4 +108,9 @@ def history_view(board: Board) -> dict[str, Any]:
             "values": [v for _, v in board.tokens],
         },
         "groups": {"rounds": group_rounds, "sizes": [board.groups[r] for r in group_rounds]},
+        "bytes": {
+            "times": [t for t, _, _ in board.bytes],
+            "swarm": [b for _, b, _ in board.bytes],
+            "ddp": [d for _, _, d in board.bytes],
+        },
     }

@@ -158,7 +158,7 @@ class DeMoStrategy(Strategy):
             algo=config.algo,
         )
         first_val = await trio.to_thread.run_sync(self.validate)
-        self.peer.stats.val_loss = first_val
+        self.peer.stats.val_loss, self.peer.stats.params = first_val, run.numel
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=self.round, val_loss=first_val
         )

@@ -197,7 +197,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         await self.state.publish(self.first_step)
         start = time.monotonic()
         first_val = await trio.to_thread.run_sync(self.validate)
-        self.peer.stats.val_loss = first_val
+        self.peer.stats.val_loss, self.peer.stats.params = first_val, opt.numel
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=opt.round, val_loss=first_val
         )

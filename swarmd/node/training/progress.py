@@ -47,6 +47,9 @@ class TrainStats:
     last_outer: str = "-"
     #: Outer rounds finished, by status (the metrics' swarmd_training_outer_rounds_total).
     outcomes: dict[str, int] = field(default_factory=dict)
+    #: The model's parameter count (0 until the strategy has built it): what data-parallel
+    #: training would all-reduce every step, for the dashboard's bytes comparison.
+    params: int = 0
 
     def outer_done(self, round_no: int, group_size: int, status: str, val: float | None) -> None:
         """A finished outer round (or fragment round): its number, group, status and the

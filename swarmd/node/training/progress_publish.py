@@ -58,6 +58,7 @@ def make_record(
         group_size=stats.peers,
         last_outer=stats.last_outer[:64],
         algo=facts.algo,
+        params=stats.params,
     )
 
 

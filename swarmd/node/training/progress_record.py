@@ -81,9 +81,11 @@ class ProgressRecord:
     group_size: int
     last_outer: str
     algo: str
+    #: The model's parameter count (0 before the model is built).
+    params: int
 
     def __post_init__(self) -> None:
-        for name in ("step", "round", "sent_bytes", "received_bytes"):
+        for name in ("step", "round", "sent_bytes", "received_bytes", "params"):
             _check_int(name, getattr(self, name))
         _check_int("group_size", self.group_size, 1 << 16)
         for name in ("loss", "val_loss"):

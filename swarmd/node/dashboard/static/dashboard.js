@@ -59,6 +59,7 @@ function renderRun(run) {
   text("step", run.step);
   text("peer-count", run.live_peers + " live, " + run.gone_peers + " gone");
   text("tokens", fmtNumber(run.tokens_per_s, 0));
+  text("bytes-ratio", typeof run.bytes_ratio === "number" ? fmtNumber(run.bytes_ratio, 1) + "× fewer" : null);
 }
 
 function sortValue(peer, key) {
@@ -122,7 +123,7 @@ function renderEvents(events) {
   }));
 }
 
-function chart(name, element, series, data, xTime) {
+function chart(name, element, series, data, xTime, yLog) {
   const old = state.charts[name];
   const labels = series.map((s) => s.label).join("\u0000");
   if (old && old.labels === labels) {
@@ -133,7 +134,10 @@ function chart(name, element, series, data, xTime) {
   const palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2"];
   const opts = {
     width: 460, height: 240,
-    scales: { x: { time: xTime } },
+    // A log y axis where the series differ by orders of magnitude (bytes against DDP).
+    scales: yLog ? { x: { time: xTime }, y: { distr: 3 } } : { x: { time: xTime } },
+    // Byte counts as KiB/MiB on a log axis: raw numbers there are too wide for the gutter.
+    axes: yLog ? [{}, { size: 80, values: (u, ticks) => ticks.map(fmtBytes) }] : undefined,
     series: [{ label: xTime ? "time" : "round" }].concat(series.map((s, i) => ({
       label: s.label, stroke: palette[i % palette.length], spanGaps: true,
       points: { show: true, size: 5 },
@@ -151,6 +155,10 @@ function renderHistory(history) {
     [history.tokens.times, history.tokens.values], true);
   chart("groups", document.getElementById("groups-chart"), [{ label: "group size" }],
     [history.groups.rounds, history.groups.sizes], false);
+  const bytes = history.bytes;
+  chart("bytes", document.getElementById("bytes-chart"),
+    [{ label: "swarm (B/step)" }, { label: "data-parallel (B/step)" }],
+    [bytes.times, bytes.swarm, bytes.ddp], true, true);
 }
 
 async function refresh() {
