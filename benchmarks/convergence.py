@@ -171,7 +171,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--demo-topk", type=int, default=32, help="demo: coefficients per block")
     p.add_argument("--demo-chunk", type=int, default=64, help="demo: block side")
     p.add_argument(
-        "--demo-value-bits", type=int, default=16, choices=[16, 8, 4],
+        "--demo-value-bits", type=int, default=4, choices=[16, 8, 4],
         help="demo: bits a sent value takes (16 bf16; 8/4 integer codes, a scale per block)",
     )  # fmt: skip
     p.add_argument(

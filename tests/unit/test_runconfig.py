@@ -53,6 +53,7 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ('algo = "demo"\ndemo_topk = 0', "demo options: .*topk"),
         ('algo = "demo"\ndemo_decay = 1.0', "demo options: .*decay"),
         ('algo = "demo"\ndemo_chunk = 2.5', "demo options: demo_chunk must be an integer"),
+        ('algo = "demo"\ndemo_value_bits = 2', "demo options: .*value_bits must be one of"),
         (
             'algo = "streaming-diloco"\ninner_steps = 5\nfragments = 2',
             "H=5 must be divisible by fragments P=2",
