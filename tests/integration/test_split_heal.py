@@ -119,8 +119,11 @@ def test_groups_that_formed_apart_merge_on_the_creators_state(
         collect(procs, events, time.monotonic() + 1)
     last = max(common)
     assert len({r[last] for r in rounds}) == 1, rounds
-    # The other side took the creator's line to get there.
-    assert all(
-        any(e["event"] == "state_synced" or e.get("status") == "synced" for e in events[i])
-        for i in (2, 3)
-    )
+    # One line was given up for the other by a download (which one depends on whether the
+    # creator's own rounds were shared when the calls came back: a creator that only ever
+    # trained alone anchors nothing, and then follows the other side's state).
+    assert any(
+        e["event"] == "state_synced" or e.get("status") == "synced"
+        for got, n in zip(events, healed_at, strict=True)
+        for e in got[n:]
+    ), timeline(events)
