@@ -112,8 +112,6 @@ class SharedState:
         #: States found unusable (see `_sync_from_group`): never fetched again.
         self.refused: set[bytes] = set()
         self.ignored: set[tuple[str, bytes]] = set()
-        #: The run creator's peer id (None for the creator itself): its advert anchors which
-        #: state is the group's when groups that never met hold different ones (catchup.py).
         #: Whether this process has shared a state with others yet (averaged in a group or
         #: downloaded): only then does its advert say "shared". A state resumed from disk was
         #: the group's once, maybe long ago; a creator advertising it as shared would pull
@@ -122,6 +120,8 @@ class SharedState:
         #: Hashes of the states this peer published, newest last (bounded): a creator's state
         #: among them is the creator running late on this peer's own line, not another line.
         self.past: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        #: The run creator's peer id (None for the creator itself): its advert anchors which
+        #: state is the group's when groups that never met hold different ones (catchup.py).
         creator = peer.creator
         self.is_creator = creator == peer.identity.peer_id
         self.creator = str(creator) if creator and not self.is_creator else None
@@ -319,6 +319,9 @@ class SharedState:
         if self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
         anchor = next((a for a in adverts if a.owner == self.creator), None)
+        # Donors come from every advert read: the anchor may be the only holder of its state,
+        # which the filter below leaves out of the decision's other rules, not out of the sync.
+        donors = adverts
         if not self.met:
             adverts = held_by_several(adverts)
         want = state_to_take(
@@ -332,7 +335,7 @@ class SharedState:
         )
         if want is None:
             return False
-        return await self._sync_from_group([a for a in adverts if a.state_hash == want])
+        return await self._sync_from_group([a for a in donors if a.state_hash == want])
 
     async def _await_adverts_of(self, age: int, adverts: list[StateAdvert]) -> list[StateAdvert]:
         """Waits (at most LONE_WAIT_S) until every other live peer advertises a state of `age`

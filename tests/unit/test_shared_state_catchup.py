@@ -1,0 +1,88 @@
+"""SharedState.catch_up with a DHT of canned adverts: which adverts it reads, and which it hands
+to the download (swarmd.node.training.sharedstate; the rule itself is test_catchup's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import trio
+
+from swarmd.node.dht.values import Value
+from swarmd.node.statesync.donor import StateAdvert
+from swarmd.node.statesync.snapshot import HASH_BYTES
+from swarmd.node.training.context import PeerContext
+from swarmd.node.training.sharedstate import SharedState, SyncedState
+from swarmd.protocol.identity import Identity, PeerId
+
+
+def h(name: str) -> bytes:
+    return name.encode().ljust(HASH_BYTES, b"\0")
+
+
+class FakeDHT:
+    def __init__(self, adverts: dict[PeerId, StateAdvert]) -> None:
+        self.adverts = adverts
+
+    async def get_map(self, key: str) -> dict[str, Value]:
+        return {str(p): Value(a.to_bytes(), 1e12, p) for p, a in self.adverts.items()}
+
+
+def shared_state(
+    tmp_path: Path, adverts: dict[PeerId, StateAdvert], creator: PeerId
+) -> tuple[SharedState, list[list[StateAdvert]]]:
+    peer = SimpleNamespace(
+        opts=SimpleNamespace(state_dir=tmp_path),
+        identity=Identity.generate(),
+        creator=creator,
+        config=SimpleNamespace(name="r", hash="h"),
+        dht=FakeDHT(adverts),
+    )
+    opt = SimpleNamespace(age=5)
+    state = SharedState(cast(PeerContext, peer), cast(SyncedState, opt))
+    state.last_hash, state.shared_round, state.proven = h("mine"), 5, True
+    synced: list[list[StateAdvert]] = []
+
+    async def sync(donors: list[StateAdvert]) -> bool:
+        synced.append(donors)
+        return True
+
+    cast(Any, state)._sync_from_group = sync
+    return state, synced
+
+
+def test_a_peer_that_met_nobody_downloads_the_creators_state_from_the_creator(
+    tmp_path: Path,
+) -> None:
+    # A peer whose state is shared only in the sense that it started from the seeded init
+    # (it met nobody yet) sees the creator's shared state, which only the creator holds, and
+    # two strangers' other state: the creator's is taken, and from the creator (the filter
+    # for peers that met nobody keeps only states several keys hold: it must not empty the
+    # donor list).
+    creator = Identity.generate().peer_id
+    strangers = [Identity.generate().peer_id for _ in range(2)]
+    adverts = {creator: StateAdvert(5, h("c"), "127.0.0.1:1", 10, shared=True)}
+    adverts |= {
+        p: StateAdvert(5, h("x"), f"127.0.0.{i + 2}:1", 10) for i, p in enumerate(strangers)
+    }
+    state, synced = shared_state(tmp_path, adverts, creator)
+    assert trio.run(state.catch_up)
+    assert [[(a.owner, a.state_hash) for a in donors] for donors in synced] == [
+        [(str(creator), h("c"))]
+    ]
+
+
+def test_strangers_are_ignored_but_the_creator_is_read(tmp_path: Path) -> None:
+    creator, friend, stranger = (Identity.generate().peer_id for _ in range(3))
+    adverts = {
+        creator: StateAdvert(5, h("mine"), "127.0.0.1:1", 10, shared=True),
+        friend: StateAdvert(5, h("mine"), "127.0.0.2:1", 10, shared=True),
+        stranger: StateAdvert(6, h("s"), "127.0.0.3:1", 10, shared=True),
+    }
+    state, synced = shared_state(tmp_path, adverts, creator)
+    state.met = {str(friend)}
+    assert not trio.run(state.catch_up)  # the creator holds this peer's state: nothing to take
+    assert synced == []
+    owners = {a.owner for a in trio.run(lambda: state.adverts(known_only=True))}
+    assert owners == {str(creator), str(friend)}
