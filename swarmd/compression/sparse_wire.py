@@ -146,7 +146,7 @@ def quantize_values(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
 def dequantize_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 (blocks, k) values of `quantize_values`' codes."""
     blocks, k = codes.shape
-    per = max(1, -(-SCALE_GROUP // k))
+    per, _ = scale_groups(blocks, k)
     grouped = _grouped(codes.to(torch.float32), per) * scales[:, None]
     return grouped.reshape(-1, k)[:blocks]
 
