@@ -251,8 +251,10 @@ def _encode_one(update: SparseUpdate, block: int, code: int, i: int) -> list[byt
         codes, scales = quantize_values(flat_val, _CODE_BITS[code])
         raw = codes.reshape(-1).numpy()
         if code == 4:
-            nibbles = (raw.astype(np.uint8) & 0x0F).tolist() + ([0] if raw.size % 2 else [])
-            pairs = np.array(nibbles, dtype=np.uint8).reshape(-1, 2)
+            nibbles = raw.astype(np.uint8) & 0x0F
+            if raw.size % 2:
+                nibbles = np.concatenate([nibbles, np.zeros(1, dtype=np.uint8)])
+            pairs = nibbles.reshape(-1, 2)
             raw = (pairs[:, 0] | (pairs[:, 1] << 4)).astype(np.uint8)
         val_bytes = scales.numpy().astype("<f4").tobytes() + raw.tobytes()
     else:
