@@ -22,6 +22,7 @@ from torch import nn
 from swarmd.compression.sparse_wire import SparseUpdate
 from swarmd.optim.demo import DeMo, DeMoConfig
 from swarmd.optim.diloco import GLOBAL_PREFIX, ROUND_KEY, trainable
+from swarmd.optim.forward import InnerForward
 from swarmd.optim.schedule import LrSchedule
 
 
@@ -43,6 +44,9 @@ class DeMoRun:
         self.names, self._params = trainable(model)
         self._shapes = [p.shape for p in self._params]
         self.opt = DeMo(self._params, config)
+        #: What the gradients are computed through (local ranks average theirs in the
+        #: backward, mixed precision): optim/forward.py.
+        self.forward = InnerForward(model)
         #: Steps the run has taken (this state's age).
         self.step = 0
 
@@ -63,10 +67,12 @@ class DeMoRun:
         self.model.train()
         for p in self._params:
             p.grad = None
-        _, loss = self.model(x.to(device), y.to(device))
+        self.forward.begin(self.config.lr, optimizer_step=False)
+        _, loss = self.forward.module(x.to(device), y.to(device))
         if not isinstance(loss, torch.Tensor):
             raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
         torch.autograd.backward(loss)
+        self.forward.end()
         if self.grad_clip is not None:
             nn.utils.clip_grad_norm_(self._params, self.grad_clip)
         return float(loss.detach())

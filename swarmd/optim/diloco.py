@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from swarmd.optim.flat import flatten, unflatten_into, views
+from swarmd.optim.forward import InnerForward
 from swarmd.optim.outer import Averaged, AverageFn, FlatOuter, OuterStatus, read_average
 from swarmd.optim.schedule import LrSchedule
 
@@ -199,6 +200,21 @@ def train_step(
     return float(loss.detach()), int(x.shape[0])
 
 
+def forward_step(
+    forward: InnerForward,
+    params: Sequence[nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    grad_clip: float | None,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[float, int]:
+    """`train_step` through `forward` (every local rank takes it); returns (this rank's batch
+    loss, the samples of every rank's batch)."""
+    forward.begin(float(optimizer.param_groups[0]["lr"]), optimizer_step=True)
+    loss, samples = train_step(forward.module, params, optimizer, grad_clip, batch)
+    forward.end()
+    return loss, samples * forward.world
+
+
 def check_global_state(
     state: Mapping[str, torch.Tensor],
     names: Sequence[str],
@@ -334,6 +350,8 @@ class DiLoCo:
         )
         self._global = self.outer.values
         self.inner_optimizer = build_inner_optimizer(self._params, config)
+        #: What inner steps run through (local ranks, mixed precision): optim/forward.py.
+        self.forward = InnerForward(model)
         self.round = 0
         #: Inner steps and samples since the global parameters were last updated.
         self.steps_since_sync = 0
@@ -358,8 +376,8 @@ class DiLoCo:
     def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One AdamW step on the local parameters; returns the batch loss."""
         self.config.lr_schedule.apply(self.inner_optimizer, self.config.inner_lr, self.progress)
-        loss, samples = train_step(
-            self.model, self._params, self.inner_optimizer, self.config.grad_clip, batch
+        loss, samples = forward_step(
+            self.forward, self._params, self.inner_optimizer, self.config.grad_clip, batch
         )
         self.steps_since_sync += 1
         self.samples_since_sync += samples

@@ -65,13 +65,14 @@ from swarmd.optim.diloco import (
     build_inner_optimizer,
     check_global_state,
     flat_from_state,
+    forward_step,
     global_tensors,
     inner_state_dict,
     load_inner_state,
-    train_step,
     trainable,
 )
 from swarmd.optim.flat import flatten, views
+from swarmd.optim.forward import InnerForward
 from swarmd.optim.fragment_round import FragmentReport, FragmentRound, FragmentStatus, StandIn
 from swarmd.optim.fragments import LAYOUTS, Fragment, FragmentLayout, layer_units, split_fragments
 from swarmd.optim.outer import Averaged, read_average
@@ -185,6 +186,8 @@ class StreamingDiLoCo:
             Fragment(f, m, self.names, self._params, config.diloco) for f, m in enumerate(members)
         ]
         self.inner_optimizer = build_inner_optimizer(self._params, config.diloco)
+        #: What inner steps run through (local ranks, mixed precision): optim/forward.py.
+        self.forward = InnerForward(model)
         #: Turns completed: fragment `turn % P` is the one due.
         self.turn = 0
         self.steps_in_turn = 0
@@ -238,8 +241,8 @@ class StreamingDiLoCo:
         """One inner step on the local parameters (all fragments); returns the batch loss."""
         dcfg = self.config.diloco
         dcfg.lr_schedule.apply(self.inner_optimizer, dcfg.inner_lr, self.progress)
-        loss, samples = train_step(
-            self.model, self._params, self.inner_optimizer, self.config.diloco.grad_clip, batch
+        loss, samples = forward_step(
+            self.forward, self._params, self.inner_optimizer, dcfg.grad_clip, batch
         )
         self.steps += 1
         self.steps_in_turn += 1

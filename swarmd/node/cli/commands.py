@@ -105,11 +105,16 @@ def cmd_dht(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from swarmd.node.local.config import LocalConfigError, count_workers
     from swarmd.node.training.lifecycle import run_join
     from swarmd.node.training.options import JoinOptions
     from swarmd.node.training.runconfig import RunConfig, RunConfigError
     from swarmd.workloads import AllowedWorkloads
 
+    try:
+        local_workers = count_workers(args.local_workers, args.device)
+    except (LocalConfigError, ValueError) as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     create = None
     if args.create_run is not None:
         try:
@@ -143,6 +148,9 @@ def cmd_join(args: argparse.Namespace) -> int:
             creator=args.creator,
             allowed=AllowedWorkloads(tuple(args.model), tuple(args.data)),
             public_name=args.public_name,
+            local_workers=local_workers,
+            precision=args.precision,
+            compile=args.compile,
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None

@@ -230,6 +230,28 @@ def _add_join_run(p: argparse.ArgumentParser) -> None:
         "CPU), cpu, cuda, cuda:N or mps (default: auto). A peer's own choice: peers on GPUs "
         "and CPUs train the same run, and what they exchange is the same fp32 CPU vector",
     )
+    p.add_argument(
+        "--local-workers",
+        default="1",
+        metavar="N|auto",
+        help="train on N local ranks as one peer (torch.distributed inside this machine: NCCL "
+        "between GPUs, gloo between CPU processes): each rank reads its own batches, "
+        "gradients are averaged every step, and the swarm sees one peer with N times the "
+        "samples. auto: one rank per visible GPU (default: 1, this process alone)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16"],
+        default="auto",
+        help="inner-step arithmetic: bf16 autocast (weights, optimizer and what is sent stay "
+        "fp32) or fp32; auto is bf16 on a GPU that has it, else fp32 (default: auto)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the training forward (faster steps on a GPU after a compile of "
+        "a minute or more at start)",
+    )
 
 
 def _add_join_limits(p: argparse.ArgumentParser) -> None:

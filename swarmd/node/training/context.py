@@ -16,6 +16,7 @@ import trio
 from swarmd.node.averaging.allreduce import Averager
 from swarmd.node.averaging.gather import Gatherer
 from swarmd.node.dht import DHTNode
+from swarmd.node.local.ranks import LocalRanks
 from swarmd.node.metrics import Metrics
 from swarmd.node.statesync.donor import StateDonor
 from swarmd.node.training.membership import LivePeers
@@ -66,6 +67,14 @@ class PeerContext:
     creator: PeerId | None = None
     stats: TrainStats = field(default_factory=TrainStats)
     clock: WaitClock = field(default_factory=WaitClock)
+    #: This peer's other local ranks (--local-workers N > 1), once started.
+    ranks: LocalRanks | None = None
+
+    def batch_index(self, step: int) -> int:
+        """The index of the shard's batch this process trains on at inner step `step`: the
+        step itself, or with N local ranks rank 0's of the N batches the ranks take together
+        (the ranks are told the step with it)."""
+        return step if self.ranks is None else self.ranks.data_index(step)
 
     def should_stop(self, step: int, start: float) -> bool:
         """Signalled, or at the user's --max-steps / --duration."""

@@ -48,8 +48,9 @@ from swarmd.node.training.outer import (
     validation_loss,
 )
 from swarmd.node.training.sharedstate import SharedState
-from swarmd.node.training.strategy import Strategy
+from swarmd.node.training.strategy import LocalTarget, Strategy
 from swarmd.optim.demo_state import DeMoRun
+from swarmd.optim.diloco import trainable
 from swarmd.protocol.identity import PeerId
 from swarmd.workloads import TokenSource, load_source
 
@@ -135,6 +136,13 @@ class DeMoStrategy(Strategy):
         model = build_model(config, self.peer.opts.device)
         run = DeMoRun(model, config.demo_config(), config.lr_schedule_config())
         return run, load_source(config.data)
+
+    def local_target(self) -> LocalTarget:
+        # The ranks average their gradients inside the backward; the DeMo step (momentum,
+        # DCT, top-k, the exchange with the swarm) is rank 0's alone, and its result reaches
+        # the ranks as parameters before the next step.
+        _, params = trainable(self.run.model)
+        return LocalTarget(self.run.model, params, self.run, self.shard, None)
 
     async def join(self) -> None:
         self.shard = choose_shard(self.peer)
@@ -302,7 +310,7 @@ class DeMoStrategy(Strategy):
             config.batch_size,
             config.block_size,
             config.seed,
-            run.step,
+            self.peer.batch_index(run.step),
         )
         loss = await trio.to_thread.run_sync(run.gradients, batch)
         mine = await trio.to_thread.run_sync(run.prepare)

@@ -23,6 +23,8 @@ import trio
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
 from swarmd.node.averaging.gather import Gatherer
 from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.local.attach import attach_local
+from swarmd.node.local.ranks import LocalRankError
 from swarmd.node.metrics import Metrics, MetricsServer
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.runtime.heap import settle_heap
@@ -37,6 +39,7 @@ from swarmd.node.training.progress_publish import PeerFacts, publish_progress
 from swarmd.node.training.runconfig import RunConfig, RunConfigError
 from swarmd.node.training.runrecord import choose, claims, publish_config
 from swarmd.node.training.strategies import strategy_for
+from swarmd.node.training.strategy import Strategy
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed, resolve_device
@@ -207,6 +210,47 @@ class Peer:
         self.averager.limit_weights(config.max_weight)
         strategy = strategy_for(config.algo)(peer)
         await strategy.join()
+        try:
+            await self._start_local(peer, strategy)
+            await self._trained(peer, strategy, nursery)
+        finally:
+            if peer.ranks is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(peer.ranks.close)
+
+    async def _start_local(self, peer: PeerContext, strategy: Strategy) -> None:
+        """The strategy's inner steps on this machine's ranks, precision and compiler."""
+        local = self.opts.local_config()
+        if local.workers > peer.config.max_local_workers:
+            raise JoinError(
+                f"--local-workers {local.workers}: run {peer.config.name!r} allows at most "
+                f"{peer.config.max_local_workers} local ranks per peer (max_local_workers)"
+            )
+        target = strategy.local_target()
+        if target is None:
+            if local.workers > 1:
+                raise JoinError(f"--local-workers: {peer.config.algo} trains in one process only")
+            return
+        peer.ranks = await trio.to_thread.run_sync(
+            attach_local, target, local, peer.config, self.opts.state_dir
+        )
+        if local.workers > 1 or local.precision != "fp32" or local.compile:
+            ranks = (
+                f"{local.workers} local ranks ({local.backend}) from " if local.workers > 1 else ""
+            )
+            self.out.event(
+                "local_ranks",
+                f"inner steps on {ranks}{local.device}, {local.precision}"
+                f"{', compiled' if local.compile else ''}",
+                workers=local.workers,
+                pids=peer.ranks.pids if peer.ranks is not None else [],
+                device=local.device,
+                precision=local.precision,
+                compile=local.compile,
+            )
+
+    async def _trained(self, peer: PeerContext, strategy: Strategy, nursery: trio.Nursery) -> None:
+        config = peer.config
         self.metrics.watch_training(lambda: peer.stats.figures(peer.clock.wait_s))
         nursery.start_soon(heartbeat, self.dht, config, self.address)
         nursery.start_soon(
@@ -245,19 +289,41 @@ class Peer:
         )
 
 
+#: Times `swarmd join` starts a peer again after one of its local ranks died.
+LOCAL_RESTARTS = 3
+#: Exit code when local ranks kept dying.
+EXIT_LOCAL_RANK = 4
+
+
 def run_join(options: JoinOptions) -> int:
-    """`swarmd join`'s exit code: 0, 2 for what the user must fix, 3 if no peer answered."""
+    """`swarmd join`'s exit code: 0, 2 for what the user must fix, 3 if no peer answered, 4 if
+    a local rank died and kept dying after LOCAL_RESTARTS restarts of the peer."""
     torch.set_num_threads(1)
     settle_heap()
-    try:
-        trio.run(Peer(options).run)
-    except BaseExceptionGroup as group:
-        leaf = innermost(group)
-        if isinstance(leaf, JoinError):
-            print(f"swarmd: error: {leaf}", file=sys.stderr)
-            return 2
-        if isinstance(leaf, BootstrapError):
-            print(f"swarmd: error: {leaf}", file=sys.stderr)
-            return 3
-        raise
-    return 0
+    for attempt in range(LOCAL_RESTARTS + 1):
+        try:
+            trio.run(Peer(options).run)
+        except BaseExceptionGroup as group:
+            leaf = innermost(group)
+            if isinstance(leaf, JoinError):
+                print(f"swarmd: error: {leaf}", file=sys.stderr)
+                return 2
+            if isinstance(leaf, BootstrapError):
+                print(f"swarmd: error: {leaf}", file=sys.stderr)
+                return 3
+            if not isinstance(leaf, LocalRankError):
+                raise
+            if attempt == LOCAL_RESTARTS:
+                print(f"swarmd: error: {leaf}; gave up after {attempt} restarts", file=sys.stderr)
+                return EXIT_LOCAL_RANK
+            # The peer's state on disk is its last outer step's (ranks write nothing), so
+            # the restarted peer resumes from there with fresh ranks.
+            Progress(options.log_format).event(
+                "restarting",
+                f"{leaf}: the peer stopped; starting it again ({attempt + 1}/{LOCAL_RESTARTS})",
+                reason=str(leaf),
+                attempt=attempt + 1,
+            )
+            continue
+        return 0
+    return EXIT_LOCAL_RANK

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarmd.node.local.config import LocalConfig, choose_precision
 from swarmd.node.training.progress_record import check_text
 from swarmd.node.training.runconfig import RunConfig
 from swarmd.protocol import rpc
@@ -59,6 +60,12 @@ class JoinOptions:
     allowed: AllowedWorkloads = field(default_factory=AllowedWorkloads)
     #: A name this peer shows on the run's dashboard (--public-name; "" for none).
     public_name: str = ""
+    #: Ranks on this machine that train as this one peer (--local-workers; 1: this process).
+    local_workers: int = 1
+    #: auto (bf16 autocast on a GPU that has it, else fp32), fp32 or bf16 (--precision).
+    precision: str = "auto"
+    #: torch.compile the training forward (--compile).
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -73,3 +80,14 @@ class JoinOptions:
             raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
         resolve_device(self.device)  # a missing GPU is a usage error, said before joining
         check_text("public_name", self.public_name)  # published: printable, at most 64 chars
+        self.local_config()  # more ranks than GPUs, an unknown precision: said before joining
+
+    def local_config(self) -> LocalConfig:
+        """How this peer trains on its machine (ranks, precision, compilation)."""
+        device = resolve_device(self.device)
+        return LocalConfig(
+            workers=self.local_workers,
+            device=str(device),
+            precision=choose_precision(self.precision, device),
+            compile=self.compile,
+        )

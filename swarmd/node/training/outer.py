@@ -27,7 +27,7 @@ from swarmd.node.training.model import build_model
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.runconfig import RunConfig
 from swarmd.node.training.sharedstate import SharedState
-from swarmd.node.training.strategy import Strategy
+from swarmd.node.training.strategy import LocalTarget, Strategy
 from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo, trainable
 from swarmd.optim.streaming import StreamingDiLoCo
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
@@ -206,7 +206,12 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
     async def inner_step(self, step: int) -> None:
         config = self.peer.config
         batch = self.source.train_batch(
-            self.shard, config.data_shards, config.batch_size, config.block_size, config.seed, step
+            self.shard,
+            config.data_shards,
+            config.batch_size,
+            config.block_size,
+            config.seed,
+            self.peer.batch_index(step),
         )
         loss = await trio.to_thread.run_sync(self.opt.inner_step, batch)
         stats = self.peer.stats
@@ -215,6 +220,11 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
 
     def validate(self) -> float:
         return validation_loss(self.opt.model, self.source, self.peer.config)
+
+    def local_target(self) -> LocalTarget:
+        opt = self.opt
+        _, params = trainable(opt.model)
+        return LocalTarget(opt.model, params, opt, self.shard, opt.local_state_dict())
 
     def judge(self, state: Mapping[str, torch.Tensor]) -> tuple[float, float]:
         names, _ = trainable(self.opt.model)

@@ -123,6 +123,10 @@ class RunConfig:
     demo_decay: float = 0.999
     demo_value_bits: int = 4
     weight_decay: float = 0.0
+    #: The most local ranks (`swarmd join --local-workers`) one peer may train on: a peer's
+    #: outer weight is its samples, N times one process's, and the all-reduce drops a member
+    #: declaring more than `max_weight`, so this bounds how much one peer may count.
+    max_local_workers: int = 8
     version: str = field(default=swarmd.__version__)
 
     def __post_init__(self) -> None:
@@ -137,6 +141,11 @@ class RunConfig:
                 raise RunConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise RunConfigError("n_embd must be divisible by n_head")
+        ranks = self.max_local_workers
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1024:
+            raise RunConfigError(
+                f"max_local_workers must be an integer in [1, 1024], got {ranks!r}"
+            )
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
             raise RunConfigError(
                 "model must be 'builtin', an installed workload's name or 'module:function', "
@@ -294,9 +303,9 @@ class RunConfig:
     @property
     def max_weight(self) -> float:
         """The most samples an honest peer can declare for one outer step: its H inner steps of
-        one batch each, four times over (a streaming fragment whose round was deferred carries
-        its samples into the next, plus the overlap steps)."""
-        return 4.0 * self.inner_steps * self.batch_size
+        one batch on each of its local ranks, four times over (a streaming fragment whose round
+        was deferred carries its samples into the next, plus the overlap steps)."""
+        return 4.0 * self.inner_steps * self.batch_size * self.max_local_workers
 
     @property
     def hash(self) -> str:

@@ -24,11 +24,34 @@ from the run config by `RunConfig.diloco_config()` / `streaming_config()`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
+import torch
 import trio
+from torch import nn
 
 from swarmd.node.training.context import PeerContext
+from swarmd.optim.forward import InnerForward
+
+
+class HasForward(Protocol):
+    #: What the optimiser's inner steps run through (swarmd/optim/forward.py).
+    forward: InnerForward
+
+
+@dataclass
+class LocalTarget:
+    """What a peer's local ranks (swarmd/node/local) need of a strategy to share its inner
+    steps: the model, its trained parameters, the optimiser whose steps they join, and how."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    owner: HasForward
+    shard: int
+    #: The inner optimiser's state the ranks start from (None: they take no optimizer steps
+    #: and only help compute gradients, as for DeMo, whose step rank 0 takes alone).
+    inner_state: dict[str, torch.Tensor] | None
 
 
 class Strategy(ABC):
@@ -49,6 +72,11 @@ class Strategy(ABC):
     @abstractmethod
     async def train(self, nursery: trio.Nursery) -> int:
         """Trains until `self.peer.should_stop(...)`; returns the inner steps done."""
+
+    def local_target(self) -> LocalTarget | None:
+        """After `join()`: what local ranks share (None: this algorithm trains in one
+        process only)."""
+        return None
 
     @property
     @abstractmethod

@@ -1,0 +1,1 @@
+"""All of a volunteer's GPUs (or CPU sockets) behind one peer: `swarmd join --local-workers N`."""
