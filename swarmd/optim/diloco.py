@@ -169,12 +169,15 @@ def build_inner_optimizer(
 ) -> torch.optim.Optimizer:
     if config.inner_optimizer == "sgd":
         return torch.optim.SGD(params, lr=config.inner_lr, weight_decay=config.inner_weight_decay)
+    # On a GPU the fused kernel updates every parameter in a few launches instead of a
+    # handful per tensor (torch's foreach default), which matters once steps take milliseconds.
     return torch.optim.AdamW(
         params,
         lr=config.inner_lr,
         betas=config.inner_betas,
         eps=config.inner_eps,
         weight_decay=config.inner_weight_decay,
+        fused=True if all(p.is_cuda for p in params) else None,
     )
 
 

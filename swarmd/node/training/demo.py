@@ -324,7 +324,7 @@ class DeMoStrategy(Strategy):
         self.last_size = len(gathered) if shared else 1
         stats = self.peer.stats
         stats.step, stats.loss = run.step, loss
-        stats.tokens += config.batch_size * config.block_size
+        stats.tokens += config.batch_size * config.block_size * run.forward.world
 
     async def _exchange(self, mine: list[SparseUpdate]) -> tuple[list[list[SparseUpdate]], bool]:
         """This step's updates of every member heard, in peer-id order, each decoded from

@@ -216,7 +216,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         loss = await trio.to_thread.run_sync(self.opt.inner_step, batch)
         stats = self.peer.stats
         stats.step, stats.loss = step + 1, loss
-        stats.tokens += config.batch_size * config.block_size
+        stats.tokens += config.batch_size * config.block_size * self.opt.forward.world
 
     def validate(self) -> float:
         return validation_loss(self.opt.model, self.source, self.peer.config)
