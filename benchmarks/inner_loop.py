@@ -6,7 +6,7 @@ torch.compile, and with --local-workers N the same local ranks: this process is 
 starts ranks 1..N-1 as the daemon does). Then, for the sizes given to --daemon, one `swarmd
 join` peer (1 peer, no group: its outer steps are a group of one) trains the same model with
 the same options, and its steady tokens/s is read from its progress events (the first
-window, with start-up and compilation, is left out). daemon_overhead = daemon tokens/s ÷
+round, with start-up and compilation, is left out). daemon_overhead = daemon tokens/s ÷
 bare tokens/s: what the daemon's thread hops, per-step bookkeeping, outer steps (pseudo-
 gradient, state publish and save, validation) cost the trainer.
 
@@ -195,9 +195,14 @@ def daemon(size: str, args: argparse.Namespace, local: LocalConfig, work: Path) 
     finally:
         boot.terminate()
         boot.wait(timeout=10)
-    # Steady state: from the end of the first window that trained at all (start-up and
-    # compilation end inside it) to the last window.
-    progress = [e for e in events if e["event"] == "progress" and e["step"] > 0]
+    # Steady state: from the first progress line after the first outer step (start-up, the
+    # first publish and validation, compilation and allocator warm-up are behind it; every
+    # cost after it recurs each round) to the last line.
+    kinds = [e["event"] for e in events]
+    if "outer_step" not in kinds:
+        raise SystemExit("no outer step in the daemon's run; raise --daemon-seconds")
+    after = kinds.index("outer_step")
+    progress = [e for e in events[after:] if e["event"] == "progress"]
     if len(progress) < 3:
         raise SystemExit(f"too few progress events ({len(progress)}); raise --daemon-seconds")
     first, last = progress[0], progress[-1]
@@ -248,6 +253,13 @@ def main() -> None:
             )
             if size in daemon_sizes:
                 res.daemon_tokens_s = daemon(size, args, local, Path(tmp))
+                # The bare loop again after the daemon, averaged with the first: on a shared
+                # machine the rate drifts by a few percent over minutes, as much as the
+                # overhead being measured.
+                again = bare(size, args, local, Path(tmp))
+                print(f"{size:>8}: bare again {again.tokens_s:10.0f} tokens/s", flush=True)
+                res.tokens_s = (res.tokens_s + again.tokens_s) / 2
+                res.mfu = (res.mfu + again.mfu) / 2
                 print(
                     f"{size:>8}: swarmd join {res.daemon_tokens_s:10.0f} tokens/s  "
                     f"overhead ratio {res.overhead:.3f}",

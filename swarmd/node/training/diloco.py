@@ -26,10 +26,11 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             await self.inner_step(step)
             step += 1
             if self.opt.should_sync():
-                await self._outer_step(step)
+                await self._outer_step(step, nursery)
+        await self.reports_drained()
         return step
 
-    async def _outer_step(self, step: int) -> None:
+    async def _outer_step(self, step: int, nursery: trio.Nursery) -> None:
         t0 = time.monotonic()
         # A peer whose state is not the group's (it missed a round, or the group moved on
         # while it trained) takes the group's state first; its inner steps of this round are
@@ -51,37 +52,49 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         self.peer.clock.wait_s += waited
         report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, avg.result)
         self.state.averaged(report.status, avg.group_size, avg.dropped)
-        await self._report(step, t0, report.round, report.status, avg, live, waited, sync_by_method)
+        snap = await self.state.publish(step)
+        # The new global parameters are validated beside the next inner steps, not before
+        # them; the round's `outer_step` line follows when that is done.
+        params = await trio.to_thread.run_sync(self.params_now)
+        held = self.peer.clock.held(t0)
+        self.report_later()
+        nursery.start_soon(
+            self._report, params, held, report.round, report.status, avg, live, waited,
+            sync_by_method, snap.state_hash.hex(),
+        )  # fmt: skip
 
     async def _report(
         self,
-        step: int,
-        t0: float,
+        params: dict[str, torch.Tensor],
+        held: float,
         round_no: int,
         status: str,
         avg: Averaging,
         live: int,
         waited: float,
         sync_by_method: dict[str, int],
+        state_hash: str,
     ) -> None:
-        snap = await self.state.publish(step)
-        val = await trio.to_thread.run_sync(self.validate)
-        self.peer.stats.outer_done(self.opt.round, avg.group_size, status, val)
+        try:
+            val = await self.validate_params(params)
+        finally:
+            self.report_done()
+        self.peer.stats.outer_done(round_no, avg.group_size, status, val)
         size, dropped = avg.group_size, avg.dropped
         self.peer.out.event(
             "outer_step",
             f"round {round_no}: {status} with {size} peer(s)"
             f"{f', {dropped} dropped' if dropped else ''}, validation loss {val:.4f}, "
-            f"state {snap.state_hash.hex()[:12]}, {time.monotonic() - t0:.1f}s",
+            f"state {state_hash[:12]}, {held:.1f}s",
             round=round_no,
             status=status,
             group_size=size,
             live_peers=live,
             dropped=dropped,
             val_loss=val,
-            state_hash=snap.state_hash.hex(),
+            state_hash=state_hash,
             wait_s=round(waited, 3),
             sync_bytes=sum(sync_by_method.values()),
             sync_by_method=sync_by_method,
-            seconds=round(self.peer.clock.held(t0), 3),
+            seconds=round(held, 3),
         )
