@@ -229,6 +229,9 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=50, help="H of the daemon's run")
     parser.add_argument("--daemon-seconds", type=float, default=60.0)
     parser.add_argument("--progress-interval", type=float, default=5.0)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="bare/daemon pairs per --daemon size (medians)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # as `swarmd join` does
     device = resolve_device(args.device)
@@ -245,26 +248,24 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
-            res = bare(size, args, local, Path(tmp))
-            print(
-                f"{size:>8}: {res.params / 1e6:7.2f}M params  bare {res.tokens_s:10.0f} tokens/s"
-                f"  mfu {res.mfu:.3f}",
-                flush=True,
-            )
-            if size in daemon_sizes:
-                res.daemon_tokens_s = daemon(size, args, local, Path(tmp))
-                # The bare loop again after the daemon, averaged with the first: on a shared
-                # machine the rate drifts by a few percent over minutes, as much as the
-                # overhead being measured.
-                again = bare(size, args, local, Path(tmp))
-                print(f"{size:>8}: bare again {again.tokens_s:10.0f} tokens/s", flush=True)
-                res.tokens_s = (res.tokens_s + again.tokens_s) / 2
-                res.mfu = (res.mfu + again.mfu) / 2
+            # Bare and daemon runs alternate --repeats times and each side's median is kept:
+            # on a shared machine the rate drifts by several percent over minutes (seen here:
+            # 6858 then 6388 tokens/s for the same bare loop), as much as the overhead.
+            bares, daemons = [], []
+            for _ in range(args.repeats if size in daemon_sizes else 1):
+                bares.append(bare(size, args, local, Path(tmp)))
                 print(
-                    f"{size:>8}: swarmd join {res.daemon_tokens_s:10.0f} tokens/s  "
-                    f"overhead ratio {res.overhead:.3f}",
+                    f"{size:>8}: {bares[-1].params / 1e6:7.2f}M params  bare "
+                    f"{bares[-1].tokens_s:10.0f} tokens/s  mfu {bares[-1].mfu:.3f}",
                     flush=True,
                 )
+                if size in daemon_sizes:
+                    daemons.append(daemon(size, args, local, Path(tmp)))
+                    print(f"{size:>8}: swarmd join {daemons[-1]:10.0f} tokens/s", flush=True)
+            res = sorted(bares, key=lambda r: r.tokens_s)[len(bares) // 2]
+            if daemons:
+                res.daemon_tokens_s = statistics.median(daemons)
+                print(f"{size:>8}: median overhead ratio {res.overhead:.3f}", flush=True)
             results.append(res)
     last = results[-1]
     overhead = last.overhead

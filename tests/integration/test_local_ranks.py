@@ -64,15 +64,18 @@ def start(target: LocalTarget, tmp: Path, started: list[LocalRanks]) -> LocalRan
     return ranks
 
 
-def test_diloco_on_two_ranks_equals_one_process_on_the_combined_batch(
-    tmp_path: Path, source: TokenSource, ranks_of: list[LocalRanks]
-) -> None:
+def diloco_on_two_ranks(tmp: Path, started: list[LocalRanks]) -> tuple[DiLoCo, LocalRanks]:
     model = build_model(CONFIG, "cpu")
     opt = DiLoCo(model, CONFIG.diloco_config())
     _, params = trainable(model)
-    ranks = start(
-        LocalTarget(model, params, opt, SHARD, opt.local_state_dict()), tmp_path, ranks_of
-    )
+    target = LocalTarget(model, params, opt, SHARD, opt.local_state_dict())
+    return opt, start(target, tmp, started)
+
+
+def test_diloco_on_two_ranks_equals_one_process_on_the_combined_batch(
+    tmp_path: Path, source: TokenSource, ranks_of: list[LocalRanks]
+) -> None:
+    opt, ranks = diloco_on_two_ranks(tmp_path, ranks_of)
     ref = DiLoCo(build_model(CONFIG, "cpu"), CONFIG.diloco_config())
     for step in range(2 * CONFIG.inner_steps + 1):
         opt.inner_step(batch(source, ranks.data_index(step)))
@@ -132,12 +135,7 @@ def test_demo_ranks_average_gradients_and_take_rank_0s_step(
 def test_a_dead_rank_is_reported_by_rank_and_cause(
     tmp_path: Path, source: TokenSource, ranks_of: list[LocalRanks]
 ) -> None:
-    model = build_model(CONFIG, "cpu")
-    opt = DiLoCo(model, CONFIG.diloco_config())
-    _, params = trainable(model)
-    ranks = start(
-        LocalTarget(model, params, opt, SHARD, opt.local_state_dict()), tmp_path, ranks_of
-    )
+    opt, ranks = diloco_on_two_ranks(tmp_path, ranks_of)
     opt.inner_step(batch(source, ranks.data_index(0)))
     before = opt.flat_params()
     os.kill(ranks.pids[0], signal.SIGKILL)

@@ -52,9 +52,9 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         self.peer.clock.wait_s += waited
         report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, avg.result)
         self.state.averaged(report.status, avg.group_size, avg.dropped)
-        snap = await self.state.publish(step)
-        # The new global parameters are validated beside the next inner steps, not before
-        # them; the round's `outer_step` line follows when that is done.
+        snap = await self.state.publish(step, background=nursery)
+        # The new global parameters are validated (and the state saved) beside the next inner
+        # steps, not before them; the round's `outer_step` line follows when both are done.
         params = await trio.to_thread.run_sync(self.params_now)
         held = self.peer.clock.held(t0)
         self.report_later()
@@ -77,6 +77,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
     ) -> None:
         try:
             val = await self.validate_params(params)
+            await self.state.saved()  # an `outer_step` line means the round is on disk
         finally:
             self.report_done()
         self.peer.stats.outer_done(round_no, avg.group_size, status, val)

@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import trio
@@ -96,6 +96,9 @@ class SharedState:
         self.judge = judge
         #: Whether the last save failed (said once, not every round, until one succeeds).
         self.save_failing = False
+        #: Set while no save runs in the background (`publish(..., background=)`).
+        self._saved = trio.Event()
+        self._saved.set()
         remove_stale_temps(peer.opts.state_dir / STATE_FILE)
         #: Hash of the global state this peer last published (None before its first): the
         #: matchmaking key carries it, so only peers holding the very same state average.
@@ -142,8 +145,12 @@ class SharedState:
         """Peers this one just averaged with (the all-reduce's survivors)."""
         self.met.update(str(p) for p in peers if p != self.peer.identity.peer_id)
 
-    async def publish(self, step: int) -> StateSnapshot:
-        """Serves the new global state to joiners, advertises it, and saves it to disk."""
+    async def publish(self, step: int, *, background: trio.Nursery | None = None) -> StateSnapshot:
+        """Serves the new global state to joiners, advertises it, and saves it to disk; with
+        `background`, the save (of copies taken now) runs there while the caller trains on,
+        and `saved()` says when it is done. One save runs at a time: a publish waits for the
+        previous save first. A 126M-parameter state is ~2.5 GB with the AdamW moments: its
+        write and fsync held a GPU trainer longer than its round's compute."""
         peer = self.peer
         snap = await trio.to_thread.run_sync(self.snapshot)
         self.last_hash = snap.state_hash
@@ -158,12 +165,32 @@ class SharedState:
             peer.dht.now() + ADVERT_TTL_S,
             subkey=str(peer.identity.peer_id),
         )
+        await self.saved()
         state = {
             "config_hash": peer.config.hash,
-            "global": self.opt.state_dict(),
-            "local": self.opt.local_state_dict(),
+            "global": await trio.to_thread.run_sync(self.opt.state_dict),
+            "local": await trio.to_thread.run_sync(self.opt.local_state_dict),
             "step": step,
         }
+        if background is None:
+            await self._save(state)
+        else:
+            self._saved = trio.Event()
+            background.start_soon(self._save_in_background, state)
+        return snap
+
+    async def saved(self) -> None:
+        """Returns once no save is running (at once when none was started)."""
+        await self._saved.wait()
+
+    async def _save_in_background(self, state: dict[str, Any]) -> None:
+        try:
+            await self._save(state)
+        finally:
+            self._saved.set()
+
+    async def _save(self, state: dict[str, Any]) -> None:
+        peer = self.peer
         try:
             await trio.to_thread.run_sync(save_state, peer.opts.state_dir / STATE_FILE, state)
         except SaveError as exc:
@@ -176,7 +203,6 @@ class SharedState:
             if self.save_failing:
                 log.info("saved the state to %s again", peer.opts.state_dir / STATE_FILE)
             self.save_failing = False
-        return snap
 
     async def adverts(self, *, known_only: bool = False) -> list[StateAdvert]:
         """The other peers' state adverts (malformed ones are skipped); ``known_only``: just
