@@ -68,10 +68,15 @@ class DeMoRun:
         for p in self._params:
             p.grad = None
         self.forward.begin(self.config.lr, optimizer_step=False)
-        _, loss = self.forward.module(x.to(device), y.to(device))
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
-        torch.autograd.backward(loss)
+
+        def step() -> torch.Tensor:
+            _, loss = self.forward.module(x.to(device), y.to(device))
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError("model(idx, targets) must return (logits, loss) with a tensor loss")
+            torch.autograd.backward(loss)
+            return loss
+
+        loss = self.forward.run(step)
         self.forward.end()
         if self.grad_clip is not None:
             nn.utils.clip_grad_norm_(self._params, self.grad_clip)

@@ -213,7 +213,9 @@ def forward_step(
     """`train_step` through `forward` (every local rank takes it); returns (this rank's batch
     loss, the samples of every rank's batch)."""
     forward.begin(float(optimizer.param_groups[0]["lr"]), optimizer_step=True)
-    loss, samples = train_step(forward.module, params, optimizer, grad_clip, batch)
+    loss, samples = forward.run(
+        lambda: train_step(forward.module, params, optimizer, grad_clip, batch)
+    )
     forward.end()
     return loss, samples * forward.world
 

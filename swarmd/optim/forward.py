@@ -10,7 +10,12 @@ other ranks start the same step) and after it, and count its `world` samples per
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from torch import nn
+
+T = TypeVar("T")
 
 
 class InnerForward:
@@ -25,6 +30,11 @@ class InnerForward:
     def begin(self, lr: float, *, optimizer_step: bool) -> None:
         """Before the forward: `lr` is the inner learning rate of this step; without an
         optimizer step the other ranks only help compute the gradients (DeMo)."""
+
+    def run(self, step: Callable[[], T]) -> T:
+        """Runs the step (its forward and backward, where other ranks' collectives happen), so
+        that a failure of those can be told apart from one of the step itself."""
+        return step()
 
     def end(self) -> None:
         """After the step has changed the parameters (or left them for the caller)."""

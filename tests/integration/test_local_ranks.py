@@ -138,8 +138,23 @@ def test_a_dead_rank_is_reported_by_rank_and_cause(
     opt, ranks = diloco_on_two_ranks(tmp_path, ranks_of)
     opt.inner_step(batch(source, ranks.data_index(0)))
     before = opt.flat_params()
+
+    def model_error() -> None:
+        raise ValueError("the model's own error")
+
+    def lost_peer() -> None:  # what gloo raises inside DDP's backward when a rank is gone
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset")
+
+    # An error of the step itself stays what it is (no restart would fix it); the group
+    # still works after it.
+    with pytest.raises(ValueError, match="own error"):
+        ranks.run(model_error)
+    assert len(set(ranks.digests())) == 1
     os.kill(ranks.pids[0], signal.SIGKILL)
     ranks.procs[0].wait(timeout=10)
+    # Mid-step (the collective inside the backward fails): blamed on the dead rank.
+    with pytest.raises(LocalRankError, match="local rank 1 was killed by SIGKILL"):
+        ranks.run(lost_peer)
     with pytest.raises(LocalRankError, match="local rank 1 was killed by SIGKILL"):
         opt.inner_step(batch(source, ranks.data_index(1)))
     # Refused before anything was computed: rank 0's parameters are the last step's.

@@ -98,7 +98,7 @@ def test_a_killed_rank_stops_the_peer_which_restarts_and_resumes(
     os.kill(rank1, signal.SIGKILL)
     events: list[dict[str, Any]] = events_until_exit(peer, timeout=240)
     kinds = [e["event"] for e in events]
-    assert peer.process.returncode == 0, peer.stderr_tail
+    assert peer.process.returncode == 0, "".join(peer.stderr_tail)
     restart = next(e for e in events if e["event"] == "restarting")
     assert "local rank 1 was killed by SIGKILL" in restart["reason"], restart
     assert restart["attempt"] == 1

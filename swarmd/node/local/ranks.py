@@ -58,6 +58,13 @@ class LocalRankError(Exception):
     """A local rank died or stopped answering; the message says which and how."""
 
 
+def _collective_error(exc: BaseException) -> bool:
+    """Whether `exc` came from torch.distributed (gloo reports a lost peer as a plain
+    RuntimeError naming itself)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(k in text for k in ("gloo", "NCCL", "c10d"))
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -182,6 +189,11 @@ class LocalRanks(InnerForward):
         op = Op.INNER if optimizer_step else Op.GRADS
         self._guard(lambda: send_command(self._device, op, self._step, lr))
 
+    def run(self, step: Callable[[], T]) -> T:
+        # DDP's backward all-reduces with the other ranks: a dead one fails it (gloo: the
+        # socket closes; seen when a rank was killed mid-step).
+        return self._guard(step)
+
     def end(self) -> None:
         self._versions = self._current_versions()
 
@@ -210,14 +222,18 @@ class LocalRanks(InnerForward):
                 raise LocalRankError(f"local rank {rank} {describe_exit(code)}")
 
     def _guard(self, fn: Callable[[], T]) -> T:
-        """Runs a collective; a failure becomes LocalRankError naming the dead rank if one is
-        (a closed socket is how gloo reports a dead peer), else the collective's error."""
+        """Runs `fn` (collectives, or a step with them inside); a failure becomes
+        LocalRankError naming the dead rank if one is (a closed socket is how gloo reports a
+        dead peer), or the collective's error; any other error (the model's own) stays what
+        it is."""
         try:
             return fn()
         except Exception as exc:
-            self._broken = True
             time.sleep(0.2)  # a dying rank's exit code lands a moment after its sockets close
             self._check_alive()
+            if not _collective_error(exc):
+                raise
+            self._broken = True
             raise LocalRankError(f"a collective between local ranks failed: {exc}") from exc
 
     def close(self) -> None:
