@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers import ProcessGroup
 from tests.integration.test_join import (
     TINY_RUN,
@@ -64,6 +66,45 @@ def test_a_two_rank_peer_trains_with_two_others_and_all_agree(
                 full.setdefault(e["round"], set()).add(e["state_hash"])
     # The two-rank peer's states are the group's: it averaged the same vectors.
     assert full and all(len(hashes) == 1 for hashes in full.values()), full
+
+
+ALGOS = {
+    "streaming-diloco": 'algo = "streaming-diloco"\nfragments = 2\ninner_steps = 4\n',
+    "demo": 'algo = "demo"\ndemo_topk = 8\ndemo_chunk = 16\n',
+}
+
+
+@pytest.mark.parametrize("algo", sorted(ALGOS))
+def test_a_two_rank_peer_trains_streaming_and_demo_with_another(
+    processes: ProcessGroup, tmp_path: Path, algo: str
+) -> None:
+    base = TINY_RUN.replace("inner_steps = 5\n", "") if algo != "demo" else TINY_RUN
+    (tmp_path / "run.toml").write_text(base + ALGOS[algo])
+    boot = start_bootstrap(processes, tmp_path)
+    peers = processes.start_many(
+        [
+            join_cmd(
+                tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"),
+                "--local-workers", "2", steps=24,
+            ),
+            join_cmd(tmp_path, "p1", boot, steps=24),
+        ],
+        timeout=120,
+    )  # fmt: skip
+    runs = [events_until_exit(p, timeout=180) for p in peers]
+    assert all(p.process.returncode == 0 for p in peers), [p.stderr_tail for p in peers]
+    assert any(e["event"] == "local_ranks" and e["workers"] == 2 for e in runs[0])
+    hashes: dict[int, set[str]] = {}
+    for events in runs:
+        rounds = [e for e in events if e["event"] == "outer_step" and e.get("state_hash")]
+        assert any(e["group_size"] == 2 for e in rounds), rounds
+        for e in rounds:
+            if e["group_size"] == 2 and not e.get("dropped"):
+                hashes.setdefault(e["round"], set()).add(e["state_hash"])
+        start = next(e["val_loss"] for e in events if e["event"] == "validation")
+        assert [e["val_loss"] for e in rounds if e.get("val_loss")][-1] < start
+    # Where both averaged (or exchanged) alike, the two-rank peer holds the other's state.
+    assert hashes and all(len(h) == 1 for h in hashes.values()), hashes
 
 
 def test_more_ranks_than_the_run_allows_is_refused(processes: ProcessGroup, tmp_path: Path) -> None:
