@@ -73,7 +73,11 @@ def parse_args() -> argparse.Namespace:
         "in-process at seed 1, H=50, 20 and 5 leave 14.6%%, 8.5%% and 4.4%% "
         "(benchmarks/convergence.md)",
     )  # fmt: skip
-    p.add_argument("--codec", default="int8", choices=["int8", "fp16", "fp32", "topk"])
+    p.add_argument("--codec", default="int8", choices=["int8", "fp16", "fp32", "topk", "lowrank"])
+    p.add_argument(
+        "--lowrank-rank", type=int, default=4,
+        help="DiLoCo lowrank: rank of each 2-D tensor's PowerSGD factors (lowrank_rank)",
+    )  # fmt: skip
     p.add_argument(
         "--topk-density", type=float, default=1 / 32,
         help="DiLoCo topk: share of each chunk of 4096 values sent (the run option topk_density)",
@@ -349,6 +353,7 @@ int8_bits = {int8_bits}
 zstd = {zstd_toml}
 topk_density = {topk_density}
 topk_bits = {topk_bits}
+lowrank_rank = {lowrank_rank}
 target_group_size = {peers}
 min_group_size = 2
 seed = {seed}
@@ -372,6 +377,9 @@ def run_diloco(a: argparse.Namespace, root: Path, timeout: float, algo: str) -> 
         options["inner_steps"] = a.streaming_inner_steps
     if algo == "demo":
         options |= {"inner_steps": a.demo_inner_steps, "lr": a.demo_lr}
+    if algo != "diloco" and a.codec == "lowrank":  # lowrank averages whole models only
+        print(f"# {algo}: codec int8 (lowrank is DiLoCo's only)", flush=True)
+        options["codec"] = "int8"
     (root / "run.toml").write_text(RUN_TOML.format(**options))
     env = {}
     if a.bandwidth_mbit > 0:
@@ -538,6 +546,7 @@ def main() -> None:
         f"DiLoCo H={a.inner_steps}, {a.codec}"
         f"{f' block {a.int8_block_size} {a.int8_bits} bits' if a.codec == 'int8' else ''}"
         f"{f' density {a.topk_density:.4g} {a.topk_bits} bits' if a.codec == 'topk' else ''}"
+        f"{f' rank {a.lowrank_rank}' if a.codec == 'lowrank' else ''}"
         f"{' + zstd' if a.zstd else ''}, outer lr "
         f"{a.outer_lr} momentum {a.outer_momentum}; streaming H={a.streaming_inner_steps} "
         f"P={a.fragments} τ={a.overlap_steps} α={a.mix_alpha} {a.fragment_layout}; "

@@ -1,7 +1,9 @@
 """A real peer process for all-reduce tests, honest or misbehaving on purpose.
 
 argv[1] is JSON: {"index", "numel", "codec", "weight", "behavior", "linger_s", "out_dir"}, and
-for codec "topk" optionally "topk_density", "topk_bits", "topk_chunk".
+for codec "topk" optionally "topk_density", "topk_bits", "topk_chunk"; codec "lowrank" takes
+"shapes" (the vector's tensors, named t0, t1, ...) and "rank": PowerSGD in two all-reduces,
+its Q and error feedback kept from round to round.
 Prints {"address", "peer_id", "pid"} once serving. Then, for every line on stdin
 ({"round": name, "members": [[peer_id, address], ...]}), runs one all-reduce and prints
 {"ok", "dropped", "failed_parts", "recovered_parts", "seconds", "file"}; the result tensor is
@@ -26,7 +28,9 @@ import trio
 
 import swarmd.node.averaging.round as round_module
 from swarmd.compression.codec import Codec
+from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
+from swarmd.node.averaging.lowrank import allreduce_lowrank
 from swarmd.node.server.peer import Scratch, peer_service
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
@@ -70,8 +74,12 @@ def lie_as_reducer(factor: float) -> None:
 async def main(cfg: dict[str, Any]) -> None:
     identity = Identity.generate()
     client = rpc.RpcClient(identity)
+    lowrank = cfg.get("codec") == "lowrank"
+    psgd = PowerSGD(PowerSGDConfig(rank=cfg.get("rank", 4))) if lowrank else None
+    shapes = [torch.Size(s) for s in cfg.get("shapes", [])]
+    names = [f"t{i}" for i in range(len(shapes))]
     config = AllReduceConfig(
-        codec=cfg.get("codec", "fp32"),
+        codec="fp32" if lowrank else cfg.get("codec", "fp32"),
         linger_s=cfg.get("linger_s", 60.0),
         min_deadline_s=3.0,
         topk_density=cfg.get("topk_density", 1 / 32),
@@ -120,9 +128,14 @@ async def main(cfg: dict[str, Any]) -> None:
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
             members = tuple(Member(PeerId.from_string(p), a) for p, a in cmd["members"])
-            result = await averager.allreduce(
-                Group(round_id(cmd["round"]), members), local, float(cfg.get("weight", 1.0))
-            )
+            group = Group(round_id(cmd["round"]), members)
+            weight = float(cfg.get("weight", 1.0))
+            if psgd is not None:
+                result = await allreduce_lowrank(
+                    averager, group, local, weight, psgd, names, shapes
+                )
+            else:
+                result = await averager.allreduce(group, local, weight)
             path = Path(cfg["out_dir"]) / f"{cfg['index']}-{cmd['round']}.pt"
             torch.save(result.tensor, path)
             print(

@@ -68,7 +68,7 @@ def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
     return boot.address
 
 
-@pytest.mark.parametrize("codec", ["int8", "topk"])
+@pytest.mark.parametrize("codec", ["int8", "topk", "lowrank"])
 def test_three_peers_train_and_end_identical(
     processes: ProcessGroup, tmp_path: Path, codec: str
 ) -> None:

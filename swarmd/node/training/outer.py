@@ -21,7 +21,9 @@ from typing import Generic, TypeVar
 import torch
 import trio
 
+from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceResult, Member
+from swarmd.node.averaging.lowrank import allreduce_lowrank
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
@@ -123,6 +125,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
         config = peer.config
         self.mm = matchmaking_config(config)
+        #: codec lowrank's state: warm-started Q and error feedback per tensor.
+        self.powersgd = PowerSGD(PowerSGDConfig(rank=config.lowrank_rank, seed=config.seed))
         #: A copy of the model that validations run on (in their own thread, while the
         #: trainer goes on), one at a time; made at the first.
         self._twin: torch.nn.Module | None = None
@@ -189,6 +193,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         detail = {
             "int8": f" (block {config.int8_block_size}, {config.int8_bits} bits)",
             "topk": f" (density {config.topk_density:.4g}, {config.topk_bits} bits)",
+            "lowrank": f" (rank {config.lowrank_rank})",
         }.get(config.codec, "")
         self.peer.out.event(
             "training",
@@ -300,13 +305,20 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         out = Averaging(formed=group is not None)
         if group is not None and len(group.members) > 1:
             out.group_size = len(group.members)
-            out.result = await self.peer.averager.allreduce(
-                group,
-                vector,
-                weight,
-                key=ef_key,
-                codec=self.peer.config.codec,  # type: ignore[arg-type]
-            )
+            if self.peer.config.codec == "lowrank":
+                names, params = trainable(self.opt.model)
+                out.result = await allreduce_lowrank(
+                    self.peer.averager, group, vector, weight, self.powersgd,
+                    names, [p.shape for p in params],
+                )  # fmt: skip
+            else:
+                out.result = await self.peer.averager.allreduce(
+                    group,
+                    vector,
+                    weight,
+                    key=ef_key,
+                    codec=self.peer.config.codec,  # type: ignore[arg-type]
+                )
             out.dropped = len(out.result.dropped)
             self.state.meet(m.peer_id for m in group.members if m.peer_id not in out.result.dropped)
         return out

@@ -32,6 +32,8 @@ from swarmd.optim.streaming import LAYOUTS, StreamingConfig
 #: (swarmd/workloads/allowed.py).
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
 _DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
+#: How a run's pseudo-gradients may travel (see `RunConfig.codec`).
+CODECS = ("int8", "fp16", "fp32", "topk", "lowrank")
 #: The training algorithms a run may use.
 ALGORITHMS = ("diloco", "streaming-diloco", "demo")
 
@@ -73,9 +75,11 @@ class RunConfig:
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 0
     lr_final_ratio: float = 0.1
-    #: How pseudo-gradients travel: int8 (with error feedback), fp16, fp32, or topk (sparse:
+    #: How pseudo-gradients travel: int8 (with error feedback), fp16, fp32, topk (sparse:
     #: per chunk of 4096 values the `topk_density` largest, in `topk_bits` bits, with error
-    #: feedback carrying the rest; SparseLoCo's compressor).
+    #: feedback carrying the rest; SparseLoCo's compressor), or lowrank (PowerSGD: each 2-D
+    #: tensor as rank-`lowrank_rank` factors, averaged in two all-reduces, warm-started Q and
+    #: error feedback; 1-D and small tensors whole, in fp32; DiLoCo only).
     codec: str = "int8"
     #: int8: values per fp32 scale; `zstd`: a lossless zstd frame around each int8/fp16 part.
     #: 4096 with zstd sends 4.35x fewer bytes than fp32 where 256 alone sends 3.94x (a DiLoCo
@@ -93,6 +97,8 @@ class RunConfig:
     #: topk: bits of each sent value, 1, 2, 4 or 8 (the 2**bits levels are ±scale, ±3·scale,
     #: …: top-k values are far from zero, so no level is spent on it).
     topk_bits: int = 2
+    #: lowrank: the rank r of each 2-D tensor's factors ((n + m) · r values instead of n · m).
+    lowrank_rank: int = 4
     target_group_size: int = 16
     min_group_size: int = 2
     #: Seed of the initial weights (identical on every peer) and of the data order.
@@ -153,8 +159,15 @@ class RunConfig:
             )
         if not isinstance(self.data, str) or not _DATA_NAME.fullmatch(self.data):
             raise RunConfigError(f"data must be 'builtin' or a path, got {self.data!r}")
-        if self.codec not in ("int8", "fp16", "fp32", "topk"):
-            raise RunConfigError(f"codec must be int8, fp16, fp32 or topk, got {self.codec!r}")
+        if self.codec not in CODECS:
+            raise RunConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        rank = self.lowrank_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 256:
+            raise RunConfigError(f"lowrank_rank must be an integer in [1, 256], got {rank!r}")
+        if self.codec == "lowrank" and self.algo != "diloco":
+            raise RunConfigError(
+                f"codec lowrank averages whole models (algo diloco), not {self.algo}'s updates"
+            )
         density = self.topk_density
         if isinstance(density, bool) or not isinstance(density, (int, float)):
             raise RunConfigError(f"topk_density must be a number in (0, 1], got {density!r}")
