@@ -13,7 +13,6 @@ up where the group is.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from swarmd.compression.sparse_wire import SparseUpdate
 from swarmd.optim.demo import DeMo, DeMoConfig
 from swarmd.optim.diloco import GLOBAL_PREFIX, ROUND_KEY, trainable
+from swarmd.optim.flat import params_digest
 from swarmd.optim.forward import InnerForward
 from swarmd.optim.schedule import LrSchedule
 
@@ -95,11 +95,7 @@ class DeMoRun:
 
     def param_hash(self) -> bytes:
         """Blake2b of the parameters' bytes: equal on members that took the same steps."""
-        h = hashlib.blake2b(digest_size=16)
-        with torch.no_grad():
-            for p in self._params:
-                h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        return h.digest()
+        return params_digest(self._params)
 
     # -- SyncedState -------------------------------------------------------------------------
 

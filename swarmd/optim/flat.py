@@ -7,6 +7,7 @@ row-major), so the layout cannot differ between the peer that sends and the one 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -68,3 +69,13 @@ def unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         dst.copy_(src, non_blocking=fast and dst.is_cuda)
     if fast:
         _sync_cuda(tensors)
+
+
+@torch.no_grad()
+def params_digest(tensors: Sequence[torch.Tensor]) -> bytes:
+    """Blake2b (16 bytes) of the tensors' exact bytes in order: equal digests are bit-identical
+    values (members that took the same steps; replicas of one peer's local ranks)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import trio
 
-from swarmd.compression.lowrank import PowerSGD, PowerSGDRound
+from swarmd.compression.lowrank import PowerSGD, PowerSGDRound, matrix_shape
 from swarmd.node.averaging.allreduce import Averager
 from swarmd.node.averaging.config import AllReduceResult
 from swarmd.node.averaging.group import Group, sub_group
@@ -63,8 +63,7 @@ def _finish(rounds: list[PowerSGDRound], q_mean: torch.Tensor) -> torch.Tensor:
         for i, r in enumerate(rounds):
             if r.passthrough == compressed:
                 continue
-            numel = math.prod(r.shape)
-            shape = (numel // r.shape[0], r.rank) if compressed else r.shape
+            shape = (matrix_shape(r.shape)[1], r.rank) if compressed else r.shape
             size = math.prod(shape)
             pieces[i] = r.finish(q_mean[offset : offset + size].view(shape)).reshape(-1)
             offset += size

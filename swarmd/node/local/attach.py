@@ -43,11 +43,7 @@ def attach_local(
     spec = WorkerSpec(
         run_config=config.to_json().decode(),
         shard=target.shard,
-        workers=local.workers,
-        device=local.device,
-        precision=local.precision,
-        compile=local.compile,
-        timeout_s=local.timeout_s,
+        local=local,
         inner_state=inner,
         optimizer=target.inner_state is not None,
     )

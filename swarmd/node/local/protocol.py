@@ -10,7 +10,6 @@ stream in the same order, so the collectives inside DDP's backward always pair u
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -18,6 +17,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from swarmd.node.local.config import LocalConfig
+from swarmd.optim.flat import params_digest, unflatten_into
 
 
 class Op(enum.IntEnum):
@@ -48,21 +50,14 @@ def broadcast_params(params: Sequence[torch.Tensor]) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     dist.broadcast(flat, src=0)
     if dist.get_rank() != 0:
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        unflatten_into(flat, params)
 
 
 @torch.no_grad()
 def gather_digests(params: Sequence[torch.Tensor], device: torch.device) -> list[bytes]:
     """Every rank's digest of its parameters' exact bytes, in rank order: equal digests are
     bit-identical replicas (what DDP's averaged gradients promise after every step)."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in params:
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    mine = torch.frombuffer(bytearray(h.digest()), dtype=torch.int64).to(device)
+    mine = torch.frombuffer(bytearray(params_digest(params)), dtype=torch.int64).to(device)
     out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
     return [t.cpu().numpy().tobytes() for t in out]
@@ -83,11 +78,8 @@ class WorkerSpec:
     #: The run config, exactly as signed (RunConfig.to_json).
     run_config: str
     shard: int
-    workers: int
-    device: str
-    precision: str
-    compile: bool
-    timeout_s: float
+    #: The peer's ranks, device, precision, compilation and collective timeout.
+    local: LocalConfig
     #: Rank 0's inner optimizer state at the start (DiLoCo family; "" for none): the ranks
     #: must start from the same moments, or their identical gradients lead to different steps.
     inner_state: str
@@ -99,4 +91,5 @@ class WorkerSpec:
 
     @classmethod
     def read(cls, path: Path) -> WorkerSpec:
-        return cls(**json.loads(path.read_text()))
+        values = json.loads(path.read_text())
+        return cls(**{**values, "local": LocalConfig(**values["local"])})

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from swarmd.node.local.config import LocalConfig
 from swarmd.node.local.module import training_module
 from swarmd.node.local.protocol import (
     Op,
@@ -58,13 +57,9 @@ def inner_config(config: RunConfig) -> DiLoCoConfig:
 def run_worker(spec: WorkerSpec, rank: int, world: int, addr: str, port: int) -> int:
     torch.set_num_threads(1)
     config = RunConfig.from_json(spec.run_config.encode())
-    local = LocalConfig(
-        workers=world,
-        device=spec.device,
-        precision=spec.precision,  # type: ignore[arg-type]
-        compile=spec.compile,
-        timeout_s=spec.timeout_s,
-    )
+    local = spec.local
+    if local.workers != world:
+        raise ValueError(f"WORLD_SIZE {world} but the spec has {local.workers} ranks")
     device = local.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -76,7 +71,7 @@ def run_worker(spec: WorkerSpec, rank: int, world: int, addr: str, port: int) ->
         state = torch.load(spec.inner_state, weights_only=True)
         load_inner_state(names, params, optimizer, state)
     source = load_source(config.data)
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    timeout = datetime.timedelta(seconds=local.timeout_s)
     store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group(
