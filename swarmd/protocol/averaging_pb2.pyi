@@ -93,14 +93,26 @@ class ProofNonce(_message.Message):
     def __init__(self, member: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class PartProof(_message.Message):
-    __slots__ = ("entries", "nonces", "digest")
+    __slots__ = ("entries", "nonces", "digest", "own_commitment", "own_reveal", "own_paths")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NONCES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OWN_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    OWN_REVEAL_FIELD_NUMBER: _ClassVar[int]
+    OWN_PATHS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ProofEntry]
     nonces: _containers.RepeatedCompositeFieldContainer[ProofNonce]
     digest: bytes
-    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    own_commitment: bytes
+    own_reveal: bytes
+    own_paths: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ..., digest: _Optional[bytes] = ..., own_commitment: _Optional[bytes] = ..., own_reveal: _Optional[bytes] = ..., own_paths: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PartServed(_message.Message):
+    __slots__ = ("own_commitment",)
+    OWN_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
+    own_commitment: bytes
+    def __init__(self, own_commitment: _Optional[bytes] = ...) -> None: ...
 
 class GatherInfo(_message.Message):
     __slots__ = ("group_id", "step", "state_hash")

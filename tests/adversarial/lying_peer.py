@@ -4,6 +4,7 @@ DiLoCo optimiser misreports what it contributes to each round.
     SWARMD_LIE=weight   python -m tests.adversarial.lying_peer join ...   # 1e9 samples, update x -1
     SWARMD_LIE=scale100 python -m tests.adversarial.lying_peer join ...   # update x 100
     SWARMD_LIE=reducer  python -m tests.adversarial.lying_peer join ...   # serves its part x -1
+    SWARMD_LIE=forger   python -m tests.adversarial.lying_peer join ...   # ... and forges its proof
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
 swarmd code.
@@ -19,6 +20,7 @@ import torch
 from swarmd.node.averaging import round as round_module
 from swarmd.node.cli.app import entry
 from swarmd.optim.diloco import DiLoCo
+from tests.adversarial import forger
 
 LIE = os.environ.get("SWARMD_LIE", "")
 honest_pseudo_gradient = DiLoCo.pseudo_gradient
@@ -36,10 +38,12 @@ def lying_aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
     return result.neg_()
 
 
-if LIE not in ("weight", "scale100", "reducer"):
-    raise SystemExit(f"SWARMD_LIE must be weight, scale100 or reducer, not {LIE!r}")
+if LIE not in ("weight", "scale100", "reducer", "forger"):
+    raise SystemExit(f"SWARMD_LIE must be weight, scale100, reducer or forger, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
-if LIE == "reducer":
+if LIE == "forger":
+    forger.install()
+elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:
     DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]

@@ -3,7 +3,8 @@
 Before: declaring 1e9 samples with a sign-flipped update took the two honest members of a group
 of three to loss 23.1 (3.2 without it); in a pair, a x100 update took the honest member from
 3.25 to 13.1 and has driven states to NaN; a member that served the part it reduced negated
-(the honest mean's norm, so no norm bound noticed) went unnoticed every round.
+(the honest mean's norm, so no norm bound noticed) went unnoticed every round, and once
+proofs caught that, a reducer that filled in its own entry of the proof went unnoticed again.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def _final(events: list[dict[str, Any]]) -> dict[str, Any]:
     [
         (3, "weight", "weight 1e+09 > bound"),
         (2, "scale100", "x the reducer's own"),
-        (3, "reducer", "is not the mean of the contributions it names"),
+        # Negates its part and fills in its own proof entry to fit: the naive liar (negates
+        # only) is test_allreduce's, against four all-reduce processes.
+        (3, "forger", "misstates its own contribution"),
     ],
 )
 def test_a_lying_member_cannot_move_the_honest_ones(

@@ -133,12 +133,13 @@ def test_bad_sender_is_dropped(processes: ProcessGroup, tmp_path: Path, behavior
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
-@pytest.mark.parametrize("behavior", ["flip", "x-20"])
+@pytest.mark.parametrize("behavior", ["flip", "x-20", "forge"])
 def test_lying_reducer_is_refused_and_its_part_re_reduced(
     processes: ProcessGroup, tmp_path: Path, behavior: str, codec: str
 ) -> None:
-    """Peer 1 serves its part negated (or x -20): the honest members refuse it and re-reduce
-    it among themselves, so they end with the same values, the honest mean there."""
+    """Peer 1 serves its part negated (or x -20, or negated with its own proof entry forged to
+    fit): the honest members refuse it and re-reduce it among themselves, so they end with the
+    same values, the honest mean there."""
     peers = start_peers(processes, tmp_path, behaviors={1: behavior}, codec=codec)
     outs = run_round(peers, peers, "liar1")
     order = [m[0] for m in members(peers)]
@@ -159,6 +160,8 @@ def test_lying_reducer_is_refused_and_its_part_re_reduced(
     time.sleep(0.2)  # the stderr pumps
     evidence = "".join(line for p in (peers[0], peers[2], peers[3]) for line in p.stderr_tail)
     assert "refused part" in evidence, evidence
+    if behavior == "forge":  # its forged entry does not open from what it committed to
+        assert "misstates its own contribution" in evidence, evidence
 
 
 def test_stale_round_message_refused(processes: ProcessGroup, tmp_path: Path) -> None:

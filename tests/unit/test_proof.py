@@ -13,6 +13,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from swarmd.compression import DecodeLimits, TopKCodec, TopKConfig, decode, encode_segments
 from swarmd.node.averaging.codecs import TOPK_RESULT_BITS, make_codec
+from swarmd.node.averaging.commit import Form, commit, form_for
 from swarmd.node.averaging.proof import (
     NONCE_BYTES,
     Claim,
@@ -24,12 +25,14 @@ from swarmd.node.averaging.proof import (
     project,
     quantization_bound,
     sample,
+    sample_block,
 )
 from swarmd.node.averaging.reduction import ReductionConfig, weighted_mean
 from swarmd.protocol import averaging_pb2 as apb
 
 ROUND = b"r" * 32
 REDUCER = 2
+EXACT = Form("fp32")
 
 
 def roundtrip(values: torch.Tensor, codec: str, bits: int = 8) -> torch.Tensor:
@@ -63,7 +66,10 @@ def prove(
     density: float = 1.0,
 ) -> apb.PartProof:
     seed = probe_seed(ROUND, 1, 0, nonces)
-    return make_proof(used, weights, nonces, seed, probes, [served(result)], 256, density)
+    # The reducer commits its own contribution exactly (fp32): the other forms are
+    # test_commit's, and test_a_reducer_committed_in_int8_passes below.
+    own = commit(used[REDUCER], EXACT, sample_block(256)) if REDUCER in used else None
+    return make_proof(used, weights, nonces, seed, probes, [served(result)], 256, density, own)
 
 
 def prove_and_claim(
@@ -97,6 +103,8 @@ def prove_and_claim(
         int8_block_size=256,
         int8_bits=bits,
         density=density,
+        commitment=bytes(proof.own_commitment),
+        form=EXACT,
     )
     return proof, claim
 
@@ -276,3 +284,68 @@ def test_quantization_bound_holds_for_a_sparse_topk_mean() -> None:
         assert err <= bound, (scale, err, bound)
         ceiling = 400**0.5 * float(decoded.abs().max()) / 255
         assert bound <= ceiling * 1.001 + 1e-35, (scale, bound, ceiling)
+
+
+def _forge_own_entry(proof: apb.PartProof, claim: Claim, probes: int) -> None:
+    """Fills in the reducer's own projections so the weighted mean of the entries equals the
+    projection of the part served (the attack a reducer that knows about proofs makes)."""
+    nonces = {n.member: bytes(n.nonce) for n in proof.nonces}
+    seed = probe_seed(ROUND, 1, 0, nonces)
+    ranges = sample(seed, claim.result.numel(), sample_block(256), claim.density)
+    (target,) = project([gather(claim.result, ranges)], seed, probes)
+    total = sum(e.weight for e in proof.entries)
+    own = next(e for e in proof.entries if e.member == REDUCER)
+    for k in range(probes):
+        others = sum(e.weight * e.projections[k] for e in proof.entries if e is not own)
+        own.projections[k] = (total * target[k] - others) / own.weight
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_a_reducer_cannot_fill_in_its_own_entry(codec: str) -> None:
+    """Its own entry must open from the commitment it served with the part, before the
+    probes: a forged entry, or a commitment made afterwards to values that fit, is refused.
+    Without the commitment the forged entry passed (proof.py's gap, issue 30 item 5)."""
+    used, weights, result = honest_part(codec)
+    lie = roundtrip(-result, codec)
+    proof, claim = prove_and_claim(used, weights, lie, codec, probes=4)
+    assert "not the mean" in (check_proof(proof, claim, 4, ReductionConfig()) or "")
+    _forge_own_entry(proof, claim, 4)
+    assert "misstates its own contribution" in (
+        check_proof(proof, claim, 4, ReductionConfig()) or ""
+    )
+    # A fresh commitment, opened honestly, to a contribution chosen after the probes.
+    nonces = {n.member: bytes(n.nonce) for n in proof.nonces}
+    seed = probe_seed(ROUND, 1, 0, nonces)
+    later = commit(used[REDUCER] * -5, EXACT, sample_block(256))
+    crafted = dict(used)
+    crafted[REDUCER] = later.values
+    reproof = make_proof(crafted, weights, nonces, seed, 4, [served(lie)], 256, 1.0, later)
+    assert "other than the one it served" in (
+        check_proof(reproof, claim, 4, ReductionConfig()) or ""
+    )
+    # Without any opening.
+    bare = apb.PartProof()
+    bare.CopyFrom(proof)
+    bare.own_commitment = b""
+    assert "without a commitment" in (check_proof(bare, claim, 4, ReductionConfig()) or "")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_reducer_committed_in_int8_passes_and_a_flip_is_still_caught(bits: int) -> None:
+    """The daemon's form for int8 rounds: the reducer's own values quantised like everyone's."""
+    form = form_for("int8", 256, bits)
+    used, weights, _ = honest_part("int8", bits=bits)
+    own = commit(used[REDUCER], form, sample_block(256))
+    used[REDUCER] = own.values
+    mean = weighted_mean([used[i] for i in sorted(used)], [weights[i] for i in sorted(used)])
+    for result, ok in (
+        (roundtrip(mean, "int8", bits), True),
+        (roundtrip(-mean, "int8", bits), False),
+    ):
+        nonces = {i: secrets.token_bytes(NONCE_BYTES) for i in used if i != REDUCER}
+        seed = probe_seed(ROUND, 1, 0, nonces)
+        proof = make_proof(used, weights, nonces, seed, 8, [served(result)], 256, 1 / 32, own)
+        _, claim = prove_and_claim(used, weights, result, "int8", bits=bits, density=1 / 32)
+        claim = dataclasses.replace(claim, nonce=nonces[0], commitment=own.root, form=form)
+        why = check_proof(proof, claim, 8, ReductionConfig())
+        assert (why is None) == ok, why

@@ -219,6 +219,7 @@ class Averager:
         if req.part >= n or req.attempt >= n:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "no such part")
         encoded: Encoded | None
+        info = b""
         if req.relay:
             outcome = rnd.direct[req.part]
             await outcome.ready.wait()
@@ -230,11 +231,12 @@ class Averager:
             red = rnd.reduction(req.part, req.attempt)
             await red.done.wait()
             encoded = red.encoded
+            info = apb.PartServed(own_commitment=red.commitment).SerializeToString()
         if encoded is None:
             raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "this peer has no copy of that part")
         nbytes = payload_nbytes(encoded)
         self._link.count_bytes("sent", rnd.codec_name, nbytes)
-        return TensorMeta("uint8", (nbytes,)), encoded
+        return TensorMeta("uint8", (nbytes,), info=info), encoded
 
     async def _get_proof(self, req: apb.ProofRequest, ctx: rpc.CallContext) -> apb.PartProof:
         rnd = await self._find_round(req.round_id)
@@ -337,8 +339,11 @@ class Averager:
         await exchange.run()
         if residual is not None:
             s, e = rnd.bounds[rnd.me]
-            if not rnd.sparse:  # a sparse codec's own part was encoded too (Exchange.sent_values)
-                await trio.to_thread.run_sync(residual[s:e].zero_)  # it never crossed the wire
+            # A sparse codec's own part was encoded too (Exchange.sent_values), and a proved
+            # round's was rounded to its committed form (Exchange.commit_own): both recorded
+            # what they lost. Otherwise it went in exact: nothing to carry.
+            if not rnd.sparse and not exchange.own_rounded:
+                await trio.to_thread.run_sync(residual[s:e].zero_)
             self._residuals.store(key, residual)
             if to_send is not local:
                 self._spare[key] = to_send  # nothing refers to it any more: next round's buffer

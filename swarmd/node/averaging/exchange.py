@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
+from google.protobuf.message import DecodeError
 
 from swarmd.compression import (
     CompressionError,
@@ -27,7 +28,9 @@ from swarmd.compression import (
 )
 from swarmd.node.averaging import verify
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
+from swarmd.node.averaging.commit import Committed, commit, form_for
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
+from swarmd.node.averaging.proof import sample_block
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.metrics import Metrics
@@ -101,6 +104,11 @@ class Exchange:
         self.fetch_timeout = 2 * self.phase_deadline + link.deadline(self.bytes_per_part)
         #: (part, attempt) whose reducer acknowledged this peer's contribution.
         self.acked: set[tuple[int, int]] = set()
+        #: (part, attempt) -> the reducer's commitment served with the part (PartServed).
+        self.commitments: dict[tuple[int, int], bytes] = {}
+        #: Whether this peer's own part went into its reduction rounded (and its error
+        #: feedback holds what that lost), not exact.
+        self.own_rounded = False
         # int8 hands back what the receivers will lose while it quantises, chunk by chunk.
         self.fused_ef = (
             residual is not None
@@ -233,10 +241,31 @@ class Exchange:
             own = await trio.to_thread.run_sync(self.sent_values, rnd.me)
         await self.reduce(rnd.me, 0, own)
 
+    def commit_own(self, j: int, attempt: int, own: torch.Tensor) -> Committed:
+        """This peer's contribution to a part it reduces, in the round's number format and
+        committed to before any member's nonce exists (commit.py). Its own part's rounding goes
+        to error feedback, as its other parts' does; a fallback part's send recorded the same
+        rounding already (the same quantiser on the same values)."""
+        rnd, cfg = self.rnd, self.link.config
+        block, _ = cfg.proof_block(rnd.codec_name)
+        form = form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits)
+        s, e = rnd.bounds[j]
+        residual = out = None
+        if j == rnd.me and attempt == 0 and self.residual is not None and form.kind != "fp32":
+            residual = self.residual[s:e]
+            self.own_rounded = True
+            # `to_send` is then this round's own buffer, and its own part is read nowhere
+            # else: the rounded values replace it there.
+            out = own if own.data_ptr() == self.to_send[s:e].data_ptr() else None
+        return commit(own, form, sample_block(block), residual, out)
+
     async def reduce(self, j: int, attempt: int, own: torch.Tensor) -> None:
         rnd = self.rnd
         red = rnd.reduction(j, attempt)
         s, e = rnd.bounds[j]
+        if self.link.config.probes:
+            committed = await trio.to_thread.run_sync(self.commit_own, j, attempt, own)
+            red.committed, red.commitment, own = committed, committed.root, committed.values
         red.add(rnd.me, own, self.weight)
         with trio.move_on_after(self.phase_deadline):
             await red.all_arrived.wait()
@@ -258,7 +287,7 @@ class Exchange:
         req = apb.GetPartRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, relay=relay)
         t0 = time.monotonic()
         try:
-            _, data = await self.link.client.get_tensor(
+            meta, data = await self.link.client.get_tensor(
                 rnd.group.members[target].address,
                 GET_PART,
                 req,
@@ -266,7 +295,10 @@ class Exchange:
                 max_bytes=8 * rnd.part_numel(j) + 4096,
                 expect=rnd.group.members[target].peer_id,
             )
-        except (rpc.RpcError, OSError, ValueError) as exc:
+            if not relay:
+                served = apb.PartServed.FromString(meta.info)
+                self.commitments[(j, attempt)] = bytes(served.own_commitment)
+        except (rpc.RpcError, OSError, ValueError, DecodeError) as exc:
             log.info(
                 "fetching part %d (attempt %d, relay=%s) from member %d failed: %s",
                 j,

@@ -19,18 +19,17 @@ section 3.2), cut down to what a plain mean needs:
   left out of the mean, takes only the bytes the digest names (the probes were known by then).
 
 What this catches: a reducer that scales, flips or replaces its result, or drops, reweights or
-misstates a member's contribution, unless it also lies about its *own* contribution's
-projections. That entry nobody can check (only the reducer holds its own values), so a reducer
-that knows about this proof can still serve any part within the members' norm bound (10 x
-their own) by inventing its own entry. Closing that needs a witness holding the reducer's
-contribution whose verdict every member hears (BTARD's accusations) and, since a contribution
-that knows the others' can flip a small group's mean within any norm bound, robust
-aggregation (issue 28). With robust aggregation and three or more contributions the result is
-not linear in them and only the entries are checked. The int8 tolerance is a worst case
-(scale / 2 per element): a flip escapes one probe ~3% of the time, but a change of ~10% of the
-part's norm passes two probes often (measured: a third of the time). What BTARD adds and this
-does not: recomputing gradients from public data (swarmd's peers train on their own data),
-MPRNG-agreed accusations and bans.
+misstates a member's contribution, or its own: its own entry is opened from a commitment it
+served with the part's bytes, before the probes existed (commit.py; before that, a reducer
+that knew about proofs filled in its own entry and served any part within the members' norm
+bound). What it does not: a reducer commits after it has seen the other contributions, so it
+can choose its own within the members' norm bound, as any member that guessed the others'
+could; bounding that is robust aggregation's (issue 28), whose result is not linear in the
+contributions: with it and three or more contributions only the entries are checked. The int8
+tolerance is a worst case (scale / 2 per element): a flip escapes one probe ~3% of the time,
+but a change of ~10% of the part's norm passes two probes often (measured: a third of the
+time). What BTARD adds and this does not: recomputing gradients from public data (swarmd's
+peers train on their own data), MPRNG-agreed accusations and bans.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from swarmd.compression.int8 import SCALE_MIN
+from swarmd.node.averaging.commit import HASH_BYTES, Committed, Form, open_blocks, opened_values
 from swarmd.node.averaging.reduction import ReductionConfig, l2_norm, weight_outliers
 from swarmd.protocol import averaging_pb2 as apb
 
@@ -58,6 +58,9 @@ FLOAT_SLACK = 1e-5
 _CHUNK = 1 << 16
 #: Parts with at most this many sample blocks are checked whole.
 _SMALL_BLOCKS = 16
+#: Values the probes read at most, whatever the density: a proof opens the reducer's own
+#: sampled values (commit.py), ~1 MiB at int8, within the 4 MiB unary message cap.
+MAX_SAMPLED = 1 << 20
 #: Ranges [start, end) of a part's elements.
 Ranges = list[tuple[int, int]]
 
@@ -79,10 +82,13 @@ def sample(seed: bytes, numel: int, block: int, density: float) -> Ranges:
     blocks = -(-numel // block)
     if density >= 1 or blocks <= _SMALL_BLOCKS:
         return [(0, numel)] if numel else []
-    key = hashlib.sha256(b"swarmd/probe-sample/v1" + seed).digest()
-    draws = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(blocks))
-    cut = max(1, round(256 * density))
-    chosen = [b for b, d in enumerate(draws) if d < cut] or [0]
+    key = hashlib.sha256(b"swarmd/probe-sample/v2" + seed).digest()
+    raw = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(2 * blocks))
+    draws = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int32) & 0xFFFF
+    # Capped so that a proof, which opens the reducer's sampled blocks (commit.py), stays
+    # within the unary message cap whatever the part's size.
+    cut = max(1, round(65536 * min(density, MAX_SAMPLED / numel)))
+    chosen = torch.nonzero(draws < cut).flatten().tolist() or [0]
     return [(b * block, min(numel, (b + 1) * block)) for b in chosen]
 
 
@@ -194,6 +200,10 @@ class Claim:
     int8_block_size: int
     int8_bits: int
     density: float
+    #: The reducer's commitment to its own contribution, served with the bytes (empty: none
+    #: came, or they came from a relay), and the form it is committed in (commit.py).
+    commitment: bytes
+    form: Form
 
 
 def check_proof(
@@ -213,15 +223,31 @@ def check_proof(
     if used_mine and mine is None:
         return "names a contribution this member never sent"
     own = mine if used_mine else None
-    vectors = [result] + ([own] if own is not None else [])
-    projected = project(vectors, seed, probes)
     entries = {e.member: e for e in proof.entries}
-    if own is not None:
-        stated, norm = entries[claim.me].projections, l2_norm(own)
+    # Each entry a member can check itself: its own, and the reducer's, opened from the
+    # commitment it served before the probes existed (commit.py).
+    checked: list[tuple[int, torch.Tensor]] = [(claim.me, own)] if own is not None else []
+    if claim.reducer in entries and claim.reducer != claim.me:
+        theirs = opened_values(
+            bytes(proof.own_commitment),
+            claim.form,
+            block,
+            claim.result.numel(),
+            ranges,
+            bytes(proof.own_reveal),
+            list(proof.own_paths),
+        )
+        if isinstance(theirs, str):
+            return theirs
+        checked.append((claim.reducer, theirs))
+    projected = project([result] + [v for _, v in checked], seed, probes)
+    for row, (member, values) in enumerate(checked, start=1):
+        stated, norm = entries[member].projections, l2_norm(values)
         for k in range(probes):
-            if abs(stated[k] - projected[1][k]) > SIGMAS * FLOAT_SLACK * norm + 1e-30:
-                got, want = stated[k], projected[1][k]
-                return f"misstates this member's contribution ({got:.6g}, not {want:.6g})"
+            if abs(stated[k] - projected[row][k]) > SIGMAS * FLOAT_SLACK * norm + 1e-30:
+                got, want = stated[k], projected[row][k]
+                whose = "this member's" if member == claim.me else "its own"
+                return f"misstates {whose} contribution ({got:.6g}, not {want:.6g})"
     if reduction.aggregation != "mean" and len(entries) >= 3:
         return None  # a robust aggregate is not linear in the contributions
     total = sum(e.weight for e in entries.values())
@@ -264,14 +290,19 @@ def _check_form(
     if not set(nonces) <= set(entries):
         # A nonce of a member it did not use would be its own to make up: grinding material.
         return "seeded its probes with nonces of members it did not use"
+    if claim.reducer in entries and len(proof.own_commitment) != HASH_BYTES:
+        return "uses its own contribution without a commitment to it"
     if claim.relayed or claim.me not in entries:
         # The probes were known before these bytes reached this member (a relay had its
         # proof; a member left out may ask after they were drawn): it takes only the bytes
         # the members whose nonces drew them checked.
-        if proof.digest != digest(claim.blob):
+        if proof.digest != digest([bytes(proof.own_commitment), memoryview(claim.blob)]):
             return "names other bytes than the ones this member got"
     elif nonces.get(claim.me) != claim.nonce:
         return "left this member's nonce out of its probes"
+    elif claim.reducer in entries and proof.own_commitment != claim.commitment:
+        # Made after the probes were known, it could open to anything.
+        return "opens a commitment other than the one it served with the part"
     if claim.me in entries and entries[claim.me].weight != claim.weight:
         return f"misstates this member's weight ({entries[claim.me].weight:.6g})"
     bad = weight_outliers({m: e.weight for m, e in entries.items()}, reduction)
@@ -303,15 +334,24 @@ def make_proof(
     served: Sequence[bytes | memoryview],
     int8_block_size: int,
     density: float,
+    own: Committed | None = None,
 ) -> apb.PartProof:
     """The reducer's side: the projections of every contribution it aggregated (on the
-    sampled blocks), and the digest of the bytes it serves."""
+    sampled blocks), its own opened there (``own``: its commitment, when it used its own),
+    and the digest of its commitment and the bytes it serves."""
     order = sorted(used)
     numel = used[order[0]].numel() if order else 0
     ranges = sample(seed, numel, sample_block(int8_block_size), density)
     projected = project([gather(used[i], ranges) for i in order], seed, probes)
+    root, reveal, paths = b"", b"", list[bytes]()
+    if own is not None:
+        root = own.root
+        reveal, paths = open_blocks(own, ranges)
     return apb.PartProof(
-        digest=digest(served),
+        digest=digest([root, *served]),
+        own_commitment=root,
+        own_reveal=reveal,
+        own_paths=paths,
         entries=[
             apb.ProofEntry(member=i, weight=weights[i], projections=p)
             for i, p in zip(order, projected, strict=True)

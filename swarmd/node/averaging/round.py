@@ -21,6 +21,7 @@ from swarmd.node.averaging.codecs import (
     result_codec,
     zstd_framed,
 )
+from swarmd.node.averaging.commit import Committed
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.group import Group, part_bounds
 from swarmd.node.averaging.reduction import (
@@ -60,6 +61,10 @@ class Reduction:
         self.nonces: dict[int, bytes] = {}
         self.nonces_in = trio.Event()
         self.sealed = False
+        #: This peer's own contribution as committed (commit.py), kept until the proof is made;
+        #: its root is served with the part's bytes.
+        self.committed: Committed | None = None
+        self.commitment = b""
         self.proof: apb.PartProof | None = None
         self.proof_ready = trio.Event()
 
@@ -82,6 +87,7 @@ class Reduction:
         contributions afresh, 0.14 CPU-s in `take` alone, more in page faults)."""
         self.values.clear()
         self.used.clear()
+        self.committed = None
         for buf in self.buffers:
             RECEIVE_BUFFERS.give(buf)
         self.buffers.clear()

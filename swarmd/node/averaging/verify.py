@@ -15,6 +15,7 @@ import torch
 import trio
 
 from swarmd.compression import CompressionError, DecodeLimits, decode
+from swarmd.node.averaging.commit import form_for
 from swarmd.node.averaging.proof import (
     NONCE_BYTES,
     Claim,
@@ -56,8 +57,9 @@ async def prove(ex: Exchange, j: int, attempt: int) -> None:
     weights = {i: red.weights[i] for i in red.used}
     cfg = ex.link.config
     served, (block, _), density = red.encoded, cfg.proof_block(rnd.codec_name), cfg.probe_density
+    own = red.committed if rnd.me in red.used else None
     make = functools.partial(
-        make_proof, red.used, weights, nonces, seed, probes, served, block, density
+        make_proof, red.used, weights, nonces, seed, probes, served, block, density, own
     )
     red.proof = await trio.to_thread.run_sync(make)
 
@@ -119,6 +121,8 @@ async def check(
             int8_block_size=cfg.proof_block(rnd.codec_name)[0],
             int8_bits=cfg.proof_block(rnd.codec_name)[1],
             density=cfg.probe_density,
+            commitment=b"" if relayed else ex.commitments.get((j, attempt), b""),
+            form=form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits),
         )
         why = check_proof(proof, claim, cfg.probes, cfg.reduction)
         if why is None and left_out(proof, claim):
