@@ -158,7 +158,23 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.bans = Counter(
+            "swarmd_peer_bans",
+            "Peers this one banned, by what they sent (bans.py: never for a network fault)",
+            ["offence"],
+            registry=self.registry,
+        )
+        self.banned_peers = Gauge(
+            "swarmd_banned_peers", "Peers this one refuses right now", registry=self.registry
+        )
+
         self._add_gather_metrics()
+
+    def on_ban(self, offence: str) -> None:
+        self.bans.labels(offence=offence).inc()
+
+    def watch_bans(self, active: Callable[[], int]) -> None:
+        self.banned_peers.set_function(active)
 
     def _add_gather_metrics(self) -> None:
         """DeMo's exchange (averaging/gather.py): steps by outcome, their time, drops."""

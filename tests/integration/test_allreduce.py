@@ -130,6 +130,19 @@ def test_bad_sender_is_dropped(processes: ProcessGroup, tmp_path: Path, behavior
     for j, (s, e) in enumerate(bounds):
         expected = all_four if order[j] == bad_id else without
         assert torch.equal(results[0][s:e], expected[s:e]), f"part {j}"
+    # NaN and a wrong shape prove a fault (both fail to decode within the part's bounds):
+    # every honest reducer bans the sender, with the evidence. One huge update is only a
+    # strike (an honest peer can be far off once).
+    time.sleep(0.2)  # the stderr pumps
+    evidence = {"nan": "NaN or infinity", "shape": "elements, over the limit"}.get(behavior)
+    for i, p in enumerate(peers):
+        log = "".join(p.stderr_tail)
+        if i == 1:
+            continue
+        if evidence is None:
+            assert "banned peer" not in log, log
+        else:
+            assert "(ban 1, undecodable)" in log and evidence in log, log
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])

@@ -15,6 +15,7 @@ from swarmd.compression import DecodeLimits, TopKCodec, TopKConfig, decode, enco
 from swarmd.node.averaging.codecs import TOPK_RESULT_BITS, make_codec
 from swarmd.node.averaging.commit import Form, commit, form_for
 from swarmd.node.averaging.proof import (
+    MAX_SAMPLED,
     NONCE_BYTES,
     Claim,
     check_proof,
@@ -349,3 +350,47 @@ def test_a_reducer_committed_in_int8_passes_and_a_flip_is_still_caught(bits: int
         claim = dataclasses.replace(claim, nonce=nonces[0], commitment=own.root, form=form)
         why = check_proof(proof, claim, 8, ReductionConfig())
         assert (why is None) == ok, why
+
+
+def test_a_non_finite_commitment_is_refused() -> None:
+    """NaN in the reducer's committed values would make every projection (and tolerance)
+    NaN, and a NaN comparison is False: refused instead (found on review)."""
+    used, weights, result = honest_part("fp32")
+    poisoned = used[REDUCER].clone()
+    poisoned[::4096] = float("nan")
+    own = commit(poisoned, EXACT, sample_block(256))
+    nonces = {i: secrets.token_bytes(NONCE_BYTES) for i in used if i != REDUCER}
+    seed = probe_seed(ROUND, 1, 0, nonces)
+    proof = make_proof(used, weights, nonces, seed, 4, [served(-result)], 256, 1.0, own)
+    _, claim = prove_and_claim(used, weights, -result, "fp32", probes=4)
+    claim = dataclasses.replace(claim, nonce=nonces[0], commitment=own.root)
+    _forge_own_entry(proof, claim, 4)
+    assert "non-finite" in (check_proof(proof, claim, 4, ReductionConfig()) or "")
+
+
+def test_a_left_out_member_still_holds_the_reducer_to_the_root_it_was_served() -> None:
+    """Left out, a member cannot pin the probes (its nonce is not needed), so a reducer could
+    commit afresh to whatever fits: the root served with the bytes must still be the one."""
+    used, weights, result = honest_part("fp32")
+    served_root = commit(used[REDUCER], EXACT, sample_block(256)).root
+    lie = -result
+    n1 = {1: secrets.token_bytes(NONCE_BYTES)}
+    total = weights[1] + weights[2]
+    fitted = commit((total * lie - weights[1] * used[1]) / weights[2], EXACT, sample_block(256))
+    two = {1: used[1], 2: fitted.values}
+    seed = probe_seed(ROUND, 1, 0, n1)
+    proof = make_proof(two, weights, n1, seed, 2, [served(lie)], 256, 1.0, fitted)
+    _, claim = prove_and_claim(used, weights, lie, "fp32")
+    claim = dataclasses.replace(claim, commitment=served_root)
+    assert left_out(proof, claim)
+    assert "other than the one it served" in (check_proof(proof, claim, 2, ReductionConfig()) or "")
+
+
+def test_the_sample_is_capped_whatever_the_density() -> None:
+    """A proof opens the sample (commit.py) and must fit a 4 MiB unary message."""
+    seed = probe_seed(ROUND, 0, 0, {1: b"n" * NONCE_BYTES})
+    for numel, density in ((50_000_000, 1.0), (50_000_000, 1 / 32), (3_000_000_000, 1 / 32)):
+        ranges = sample(seed, numel, 4096, density)
+        assert sum(b - a for a, b in ranges) <= MAX_SAMPLED, (numel, density)
+        assert ranges == sample(seed, numel, 4096, density)
+    assert sample(seed, 400_000, 4096, 1.0) == [(0, 400_000)]  # within the cap: read whole

@@ -50,6 +50,7 @@ from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
 from swarmd.node.averaging.proof import NONCE_BYTES
 from swarmd.node.averaging.reduction import check_contribution, l2_norm
 from swarmd.node.averaging.round import Reduction, Round
+from swarmd.node.bans import Bans, Rejection
 from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -88,14 +89,19 @@ class Averager:
         metrics: Metrics | None = None,
         *,
         outgoing_encoder: Callable[[torch.Tensor], bytes] | None = None,
+        bans: Bans | None = None,
     ) -> None:
         """``outgoing_encoder`` replaces the codec for this peer's own contributions; tests
         inject a lying peer with it (NaN, wrong shapes, huge values)."""
         self.config = config or AllReduceConfig()
         self._metrics = metrics
         self._me = me
+        #: Peers this one refuses (bans.py): shared with matchmaking and state sync.
+        self.bans = bans if bans is not None else Bans(observer=metrics)
         self.throughput = Throughput(self.config.initial_throughput)
-        self._link = Link(client, self.config, metrics, outgoing_encoder, self.throughput)
+        self._link = Link(
+            client, self.config, metrics, outgoing_encoder, self.throughput, self.bans
+        )
         self._residuals = ResidualStore()
         #: Per error-feedback key, last round's compensated vector: its memory is reused for
         #: the next one (fresh pages cost more than the arithmetic on them).
@@ -146,8 +152,11 @@ class Averager:
 
     def _sender_index(self, rnd: Round, ctx: rpc.CallContext) -> int:
         index = rnd.group.index_of(ctx.peer_id) if ctx.peer_id is not None else None
-        if index is None:
+        if index is None or ctx.peer_id is None:
             raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, "sender is not in this group")
+        if self.bans.banned(ctx.peer_id):
+            why = self.bans.reason(ctx.peer_id)
+            raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, f"sender is banned ({why})")
         return index
 
     async def _admit_part(self, meta: TensorMeta, ctx: rpc.CallContext) -> None:
@@ -156,7 +165,12 @@ class Averager:
         _, _, red, sender = await self._part_target(meta, ctx)
         limit = part_limit(red.numel)
         if meta.nbytes > limit:
-            red.add(sender, None, 0.0, f"declared {meta.nbytes} B, at most {limit} B")
+            red.add(
+                sender,
+                None,
+                0.0,
+                Rejection(f"declared {meta.nbytes} B, at most {limit} B", "bad_size"),
+            )
             raise rpc.RpcError(
                 rpc.StatusCode.INVALID_ARGUMENT, f"part of {meta.nbytes} B exceeds {limit} B"
             )
@@ -191,13 +205,13 @@ class Averager:
     ) -> apb.PartAck:
         info, rnd, red, sender = await self._part_target(meta, ctx)
         if not (math.isfinite(info.weight) and info.weight > 0):
-            red.add(sender, None, 0.0, f"bad weight {info.weight}")
+            red.add(sender, None, 0.0, Rejection(f"bad weight {info.weight}", "bad_weight"))
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "weight must be finite and > 0")
         limits = DecodeLimits(max_elements=red.numel, max_bytes=part_limit(red.numel))
         try:
             value, backing = await trio.to_thread.run_sync(decode_contribution, data, limits)
         except CompressionError as exc:
-            red.add(sender, None, 0.0, f"undecodable: {exc}")
+            red.add(sender, None, 0.0, Rejection(f"undecodable: {exc}", "undecodable"))
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {exc}") from None
         if red.done.is_set():  # the deadline passed while we decoded
             raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "part already reduced (late)")

@@ -192,7 +192,10 @@ def opened_values(
         offset += size
         if len(path) != depth * HASH_BYTES or _climb(_leaf(piece), leaf, path) != root:
             return f"opens block {leaf} of its own contribution off its commitment"
-        values.append(_decode(piece, form, z - a))
+        block_values = _decode(piece, form, z - a)
+        if not bool(torch.isfinite(block_values).all()):
+            return f"opens block {leaf} of its own contribution with non-finite values"
+        values.append(block_values)
     # proof.sample's ranges are whole sample blocks (or the part whole): the blocks in order
     # are the sampled values in order.
     return torch.cat(values) if values else torch.zeros(0)

@@ -33,6 +33,7 @@ from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throu
 from swarmd.node.averaging.proof import sample_block
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
+from swarmd.node.bans import Bans, Rejection
 from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -56,6 +57,8 @@ class Link:
     #: Replaces the codec for this peer's own contributions; tests inject a lying peer.
     outgoing_encoder: Callable[[torch.Tensor], bytes] | None
     throughput: Throughput
+    #: Whom this peer refuses, and where the evidence it finds goes (bans.py).
+    bans: Bans
     #: Per error-feedback key and part, the int8 codes of the part this peer sent last
     #: round: every send has finished when a round returns, so the next round reuses them
     #: (3 x 25 MB of fresh pages per round in the 4 x 100 M benchmark, ~8% of its CPU).
@@ -271,6 +274,9 @@ class Exchange:
             await red.all_arrived.wait()
         await finish_reduction(red, rnd, self.result[s:e], self.link.config.reduction)
         self.dropped.update(red.expected - red.contributors)
+        for index, why in red.rejected.items():
+            if isinstance(why, Rejection):  # what it sent; a member that never came is not
+                self.link.bans.offence(rnd.group.members[index].peer_id, why, self.context(j))
         try:
             await verify.prove(self, j, attempt)
         finally:
@@ -312,8 +318,8 @@ class Exchange:
         self.link.count_bytes("received", rnd.codec_name, len(data))
         return data
 
-    def decode_part(self, j: int, attempt: int, blob: bytes | bytearray) -> bool:
-        """Decodes part j straight into the result; False if it is unusable.
+    def decode_part(self, j: int, attempt: int, blob: bytes | bytearray) -> Rejection | None:
+        """Decodes part j straight into the result; why it is unusable, or None.
 
         Unusable includes implausible: a mean of contributions the reducer should have
         accepted (each within the outlier factor of the others) cannot be far larger than this
@@ -326,12 +332,12 @@ class Exchange:
         limits = DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096)
         try:
             decode_into(blob, limits, self.result[s:e])
-        except CompressionError:
-            return False
+        except CompressionError as exc:
+            return Rejection(f"undecodable part: {exc}", "undecodable")
         got, mine = l2_norm(self.result[s:e]), l2_norm(self.to_send[s:e])
         factor = self.link.config.reduction.norm_outlier_factor
         if math.isfinite(got) and got <= factor * mine + 1e-6:
-            return True
+            return None
         log.warning(
             "round %s: refused part %d from reducer %s: norm %.3g, this peer's own %.3g "
             "(bound %g x)",
@@ -342,7 +348,9 @@ class Exchange:
             mine,
             factor,
         )
-        return False
+        if not math.isfinite(got):
+            return Rejection("a part with non-finite values", "non_finite")
+        return Rejection(f"a part of norm {got:.3g}, {factor:g} x this peer's own", "outlier")
 
     async def obtain(self, j: int) -> None:
         rnd = self.rnd
@@ -402,13 +410,15 @@ class Exchange:
         early: tuple[apb.PartProof | str, bytes] | None = None,
     ) -> bool:
         """Decodes part j into the result and checks it; False leaves it to be replaced."""
-        decoded = await trio.to_thread.run_sync(self.decode_part, j, attempt, blob)
+        refused = await trio.to_thread.run_sync(self.decode_part, j, attempt, blob)
+        if refused is not None and not relayed:  # a relay's copy is the relay's doing
+            self.blame(j, attempt, refused)
         if self.link.config.probes == 0:
-            return decoded
+            return refused is None
         # Asked even for a part already refused: the reducer waits for every contributor's
         # nonce before it proves anything (measured: a refused part cost each round 15 s).
         why = await verify.check(self, j, attempt, blob, relayed, early)
-        if not decoded:
+        if refused is not None:
             return False
         if why is None:
             return True
@@ -421,7 +431,17 @@ class Exchange:
             self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id.short(),
             why,
         )
+        if isinstance(why, Rejection):  # the proof came from the reducer, relayed bytes or not
+            self.blame(j, attempt, why)
         return False
+
+    def context(self, j: int) -> str:
+        return f"round {self.rnd.group.round_id.hex()[:12]}, part {j}"
+
+    def blame(self, j: int, attempt: int, why: Rejection) -> None:
+        """Evidence against part j's reducer in ``attempt`` (bans.py)."""
+        reducer = self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id
+        self.link.bans.offence(reducer, why, self.context(j))
 
     async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""

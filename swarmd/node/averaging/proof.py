@@ -46,6 +46,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from swarmd.compression.int8 import SCALE_MIN
 from swarmd.node.averaging.commit import HASH_BYTES, Committed, Form, open_blocks, opened_values
 from swarmd.node.averaging.reduction import ReductionConfig, l2_norm, weight_outliers
+from swarmd.node.bans import Rejection
 from swarmd.protocol import averaging_pb2 as apb
 
 NONCE_BYTES = 16
@@ -59,8 +60,9 @@ _CHUNK = 1 << 16
 #: Parts with at most this many sample blocks are checked whole.
 _SMALL_BLOCKS = 16
 #: Values the probes read at most, whatever the density: a proof opens the reducer's own
-#: sampled values (commit.py), ~1 MiB at int8, within the 4 MiB unary message cap.
-MAX_SAMPLED = 1 << 20
+#: sampled values (commit.py), 2 MiB in its largest form (fp32) plus their Merkle paths,
+#: within the 4 MiB unary message cap.
+MAX_SAMPLED = 1 << 19
 #: Ranges [start, end) of a part's elements.
 Ranges = list[tuple[int, int]]
 
@@ -80,16 +82,20 @@ def sample(seed: bytes, numel: int, block: int, density: float) -> Ranges:
     same in any sample; a change confined to a few blocks is seen only when a probed block
     holds it."""
     blocks = -(-numel // block)
-    if density >= 1 or blocks <= _SMALL_BLOCKS:
+    most = max(_SMALL_BLOCKS, MAX_SAMPLED // block)
+    if blocks <= _SMALL_BLOCKS or (density >= 1 and blocks <= most):
         return [(0, numel)] if numel else []
     key = hashlib.sha256(b"swarmd/probe-sample/v2" + seed).digest()
     raw = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(2 * blocks))
     draws = torch.frombuffer(bytearray(raw), dtype=torch.int16).to(torch.int32) & 0xFFFF
-    # Capped so that a proof, which opens the reducer's sampled blocks (commit.py), stays
-    # within the unary message cap whatever the part's size.
-    cut = max(1, round(65536 * min(density, MAX_SAMPLED / numel)))
-    chosen = torch.nonzero(draws < cut).flatten().tolist() or [0]
-    return [(b * block, min(numel, (b + 1) * block)) for b in chosen]
+    cut = max(1, round(65536 * min(density, 1.0)))
+    chosen = torch.nonzero(draws < cut).flatten()
+    if chosen.numel() > most:
+        # A proof opens the reducer's sampled blocks (commit.py) and must fit a unary
+        # message: the `most` blocks with the smallest draws, whatever the density.
+        chosen = chosen[torch.argsort(draws[chosen], stable=True)[:most]].sort().values
+    picked = chosen.tolist() or [0]
+    return [(b * block, min(numel, (b + 1) * block)) for b in picked]
 
 
 def gather(values: torch.Tensor, ranges: Ranges) -> torch.Tensor:
@@ -206,10 +212,24 @@ class Claim:
     form: Form
 
 
+class _Excused(str):
+    """A refusal that proves nothing against the reducer: timing, or a relay's doing."""
+
+
 def check_proof(
     proof: apb.PartProof, claim: Claim, probes: int, reduction: ReductionConfig
 ) -> str | None:
-    """Why the proof does not hold for this member, or None when it does."""
+    """Why the proof does not hold for this member, or None when it does; a `Rejection`
+    (evidence for a ban) unless the refusal could be the network's or a relay's doing."""
+    why = _verdict(proof, claim, probes, reduction)
+    if why is None or isinstance(why, _Excused):
+        return why
+    return Rejection(why, "false_data")
+
+
+def _verdict(
+    proof: apb.PartProof, claim: Claim, probes: int, reduction: ReductionConfig
+) -> str | None:
     why = _check_form(proof, claim, probes, reduction)
     if why is not None:
         return why
@@ -244,7 +264,8 @@ def check_proof(
     for row, (member, values) in enumerate(checked, start=1):
         stated, norm = entries[member].projections, l2_norm(values)
         for k in range(probes):
-            if abs(stated[k] - projected[row][k]) > SIGMAS * FLOAT_SLACK * norm + 1e-30:
+            # Written so that a NaN anywhere refuses (a NaN comparison is False).
+            if not abs(stated[k] - projected[row][k]) <= SIGMAS * FLOAT_SLACK * norm + 1e-30:
                 got, want = stated[k], projected[row][k]
                 whose = "this member's" if member == claim.me else "its own"
                 return f"misstates {whose} contribution ({got:.6g}, not {want:.6g})"
@@ -297,11 +318,13 @@ def _check_form(
         # proof; a member left out may ask after they were drawn): it takes only the bytes
         # the members whose nonces drew them checked.
         if proof.digest != digest([bytes(proof.own_commitment), memoryview(claim.blob)]):
-            return "names other bytes than the ones this member got"
+            return _Excused("names other bytes than the ones this member got")  # the relay's?
     elif nonces.get(claim.me) != claim.nonce:
-        return "left this member's nonce out of its probes"
-    elif claim.reducer in entries and proof.own_commitment != claim.commitment:
-        # Made after the probes were known, it could open to anything.
+        return _Excused("left this member's nonce out of its probes")  # it came late?
+    if claim.reducer in entries and claim.commitment and proof.own_commitment != claim.commitment:
+        # Made after the probes were known, it could open to anything. (A member that got
+        # its copy from a relay was served no root: the digest binds the one direct members
+        # checked.)
         return "opens a commitment other than the one it served with the part"
     if claim.me in entries and entries[claim.me].weight != claim.weight:
         return f"misstates this member's weight ({entries[claim.me].weight:.6g})"

@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from swarmd.node.bans import Rejection
+
 Aggregation = Literal["mean", "trimmed_mean", "centered_clip"]
 
 
@@ -51,14 +53,14 @@ class ReductionConfig:
             raise ValueError("weight_outlier_factor must be > 1 and max_weight > 0")
 
 
-def check_contribution(value: torch.Tensor, numel: int) -> str | None:
+def check_contribution(value: torch.Tensor, numel: int) -> Rejection | None:
     """Why a contribution has the wrong form, or None. Cheap on purpose: non-finite values are
     refused by the codecs' decoders and, whatever produced the tensor, by `norm_outliers`,
     whose norm pass the reducer needs anyway (one pass over the data instead of two)."""
     if value.dtype != torch.float32:
-        return f"dtype {value.dtype}, expected float32"
+        return Rejection(f"dtype {value.dtype}, expected float32", "bad_size")
     if value.dim() != 1 or value.numel() != numel:
-        return f"shape {tuple(value.shape)}, expected ({numel},)"
+        return Rejection(f"shape {tuple(value.shape)}, expected ({numel},)", "bad_size")
     return None
 
 
@@ -146,7 +148,7 @@ def _median(xs: list[float]) -> float:
 
 def norm_outliers(
     values: dict[int, torch.Tensor], config: ReductionConfig, own: int | None = None
-) -> dict[int, str]:
+) -> dict[int, Rejection]:
     """Contributions with non-finite values, or a norm beyond the absolute bound or far beyond
     the group's. The norm is taken in float64: a finite float32 vector never overflows it, so a
     non-finite norm means a NaN or infinity inside.
@@ -156,9 +158,13 @@ def norm_outliers(
     pair cannot move the other by more than the outlier factor times its own update (a x100
     update once took the honest member of a pair from loss 3.25 to 13.1, and states to NaN)."""
     norms = {k: l2_norm(v) for k, v in values.items()}
-    bad = {k: "non-finite values" for k, n in norms.items() if not math.isfinite(n)}
+    bad = {
+        k: Rejection("non-finite values", "non_finite")
+        for k, n in norms.items()
+        if not math.isfinite(n)
+    }
     bad.update(
-        (k, f"norm {n:.3g} > bound {config.max_norm:.3g}")
+        (k, Rejection(f"norm {n:.3g} > bound {config.max_norm:.3g}", "outlier"))
         for k, n in norms.items()
         if k not in bad and n > config.max_norm
     )
@@ -168,19 +174,24 @@ def norm_outliers(
         median = _median(rest)
         for k, n in norms.items():
             if k not in bad and n > factor * max(median, 1e-30):
-                bad[k] = f"norm {n:.3g} > {factor:g} x group median {median:.3g}"
+                bad[k] = Rejection(
+                    f"norm {n:.3g} > {factor:g} x group median {median:.3g}", "outlier"
+                )
     elif own is not None and own in norms and own not in bad:
         mine = norms[own]
         for k, n in norms.items():
             if k not in bad and k != own and n > factor * max(mine, 1e-30):
-                bad[k] = f"norm {n:.3g} > {factor:g} x the reducer's own {mine:.3g}"
+                bad[k] = Rejection(
+                    f"norm {n:.3g} > {factor:g} x the reducer's own {mine:.3g}", "outlier"
+                )
     return bad
 
 
-def weight_outliers(weights: dict[int, float], config: ReductionConfig) -> dict[int, str]:
-    """Declared weights beyond the run's bound, or (three or more) far beyond the median."""
+def weight_outliers(weights: dict[int, float], config: ReductionConfig) -> dict[int, Rejection]:
+    """Declared weights beyond the run's bound (more samples than a round can hold: proof of a
+    lie), or (three or more) far beyond the median (a strike: a peer with more local ranks)."""
     bad = {
-        k: f"weight {w:.3g} > bound {config.max_weight:.3g}"
+        k: Rejection(f"weight {w:.3g} > bound {config.max_weight:.3g}", "bad_weight")
         for k, w in weights.items()
         if w > config.max_weight
     }
@@ -189,7 +200,9 @@ def weight_outliers(weights: dict[int, float], config: ReductionConfig) -> dict[
         median, factor = _median(rest), config.weight_outlier_factor
         for k, w in weights.items():
             if k not in bad and w > factor * median:
-                bad[k] = f"weight {w:.3g} > {factor:g} x group median {median:.3g}"
+                bad[k] = Rejection(
+                    f"weight {w:.3g} > {factor:g} x group median {median:.3g}", "outlier"
+                )
     return bad
 
 

@@ -162,11 +162,11 @@ async def finish_reduction(
     if red.done.is_set():
         return
     values = dict(red.values)
-    for index, why in norm_outliers(values, config, own=rnd.me).items():
-        red.rejected[index] = why
+    for index, outlier in norm_outliers(values, config, own=rnd.me).items():
+        red.rejected[index] = outlier
         del values[index]
-    for index, why in weight_outliers({i: red.weights[i] for i in values}, config).items():
-        red.rejected[index] = why
+    for index, outlier in weight_outliers({i: red.weights[i] for i in values}, config).items():
+        red.rejected[index] = outlier
         del values[index]
     for index, why in red.rejected.items():
         # The evidence a ban needs: who, which round and part, and what was wrong.

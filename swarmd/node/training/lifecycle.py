@@ -22,6 +22,7 @@ import trio
 
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
 from swarmd.node.averaging.gather import Gatherer
+from swarmd.node.bans import Bans, Rejection
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.local.attach import attach_local
 from swarmd.node.local.ranks import LocalRankError
@@ -61,14 +62,28 @@ class Peer:
         )
         self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
         self.dht = DHTNode(self.identity, self.client)
+        #: Whom this peer refuses for what they sent (bans.py): the averager, matchmaking and
+        #: state sync share it; each ban is a `peer_banned` event with its evidence.
+        self.bans = Bans(observer=self.metrics, on_ban=self._banned)
+        self.metrics.watch_bans(self.bans.active)
         self.averager = Averager(
-            self.client, self.identity.peer_id, AllReduceConfig(), self.metrics
+            self.client, self.identity.peer_id, AllReduceConfig(), self.metrics, bans=self.bans
         )
         self.gatherer = Gatherer(self.client, self.identity.peer_id, metrics=self.metrics)
         self.donor = StateDonor()
         self.address = ""
         #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
         self.stopping = trio.Event()
+
+    def _banned(self, peer: PeerId, seconds: float, why: Rejection) -> None:
+        self.out.event(
+            "peer_banned",
+            f"banned {peer.short()} for {seconds:.0f} s ({why.offence}): {why}",
+            peer_id=str(peer),
+            seconds=round(seconds, 1),
+            offence=why.offence,
+            evidence=str(why),
+        )
 
     def _services(self) -> list[rpc.Service]:
         """Every capability a peer serves, whatever the run's algorithm: it is not known until

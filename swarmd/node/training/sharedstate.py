@@ -228,10 +228,16 @@ class SharedState:
             if known_only and self.met and peer not in self.met and peer != self.creator:
                 self._ignore_stranger(peer, advert)
                 continue
-            if advert.state_hash in self.refused:
+            if advert.state_hash in self.refused or self._banned(peer):
                 continue
             adverts.append(dataclasses.replace(advert, owner=peer))
         return adverts
+
+    def _banned(self, peer: str) -> bool:
+        try:
+            return self.peer.averager.bans.banned(PeerId.from_string(peer))
+        except ValueError:
+            return True  # not a peer id at all
 
     async def _sync_from_group(self, adverts: list[StateAdvert]) -> bool:
         """Downloads the state most donors advertise and loads it; False if that failed.
@@ -247,6 +253,7 @@ class SharedState:
                 want_hash=want,
                 expect=layout_of(self.opt.state_dict()),
                 peer_ids=_advertisers(adverts, want),
+                bans=self.peer.averager.bans,
             )
         except StateRefused as exc:
             self._refuse(want, donors, str(exc))
