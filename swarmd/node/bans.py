@@ -8,8 +8,9 @@ honest peer on a bad link. Rejections that an honest peer can earn now and then 
 weight far from the group's: a peer that trained on odd data, or joined late) are strikes; a
 ban takes `strikes` of them within `strike_window_s`.
 
-A ban refuses the peer's averaging calls to this peer, keeps it out of the groups this peer
-leads, and keeps this peer from downloading its state. It is this peer's own verdict; bans are
+A ban refuses the peer's contributions to parts this peer reduces (without waiting for them)
+and keeps this peer from downloading its state. The peer stays in groups: bans are each peer's
+own verdict, and leaving it out of groups split honest peers that had not banned it. Bans are
 not gossiped, so a liar cannot get honest peers banned by accusing them (what a run-wide,
 creator-signed ban would add is issue 28's). Bans last `first_s`, then `growth` times longer
 on each repeat, up to `max_s`; they are kept in memory only (a restart forgives).
@@ -72,7 +73,8 @@ class _Record:
     bans: int = 0
     until: float = 0.0
     reason: str = ""
-    strikes: list[float] = field(default_factory=list)
+    #: (when, episode) of each strike still in the window.
+    strikes: list[tuple[float, str]] = field(default_factory=list)
 
 
 class Bans:
@@ -106,16 +108,20 @@ class Bans:
         with self._lock:
             return sum(1 for rec in self._records.values() if rec.until > now)
 
-    def offence(self, peer: PeerId, why: Rejection, context: str = "") -> float:
-        """Records what ``peer`` did; the ban's seconds if it is (now) banned, else 0."""
+    def offence(self, peer: PeerId, why: Rejection, context: str = "", episode: str = "") -> float:
+        """Records what ``peer`` did; the ban's seconds if it is (now) banned, else 0. Strikes
+        with the same ``episode`` (a round: its reducer and its members may all see one bad
+        update) count once."""
         cfg, now = self.config, self._clock()
         with self._lock:
             rec = self._records.setdefault(peer, _Record())
             if rec.until > now:
                 return rec.until - now  # already banned: one ban per episode
             if why.offence not in HARD:
-                rec.strikes = [t for t in rec.strikes if t > now - cfg.strike_window_s]
-                rec.strikes.append(now)
+                rec.strikes = [s for s in rec.strikes if s[0] > now - cfg.strike_window_s]
+                if episode and any(e == episode for _, e in rec.strikes):
+                    return 0.0
+                rec.strikes.append((now, episode))
                 if len(rec.strikes) < cfg.strikes:
                     return 0.0
             rec.strikes.clear()

@@ -110,6 +110,9 @@ class RpcClient:
         observer: RpcObserver | None = None,
     ) -> None:
         self._identity = identity
+        #: Who this client speaks as (None: an anonymous client), for signing in the layers
+        #: above (a reducer's proofs).
+        self.identity = identity
         self._cfg = config or TransportConfig()
         self._observer: RpcObserver = observer or NullObserver()
         self._limiter = trio.CapacityLimiter(self._cfg.max_inflight_calls)

@@ -93,20 +93,50 @@ class ProofNonce(_message.Message):
     def __init__(self, member: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class PartProof(_message.Message):
-    __slots__ = ("entries", "nonces", "digest", "own_commitment", "own_reveal", "own_paths")
+    __slots__ = ("entries", "nonces", "digest", "own_commitment", "own_reveal", "own_paths", "signer_key", "signature")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     NONCES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OWN_COMMITMENT_FIELD_NUMBER: _ClassVar[int]
     OWN_REVEAL_FIELD_NUMBER: _ClassVar[int]
     OWN_PATHS_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ProofEntry]
     nonces: _containers.RepeatedCompositeFieldContainer[ProofNonce]
     digest: bytes
     own_commitment: bytes
     own_reveal: bytes
     own_paths: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ..., digest: _Optional[bytes] = ..., own_commitment: _Optional[bytes] = ..., own_reveal: _Optional[bytes] = ..., own_paths: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    signer_key: bytes
+    signature: bytes
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProofEntry, _Mapping]]] = ..., nonces: _Optional[_Iterable[_Union[ProofNonce, _Mapping]]] = ..., digest: _Optional[bytes] = ..., own_commitment: _Optional[bytes] = ..., own_reveal: _Optional[bytes] = ..., own_paths: _Optional[_Iterable[bytes]] = ..., signer_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class AcceptedProofsRequest(_message.Message):
+    __slots__ = ("round_id",)
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: bytes
+    def __init__(self, round_id: _Optional[bytes] = ...) -> None: ...
+
+class AcceptedProof(_message.Message):
+    __slots__ = ("part", "attempt", "digest", "signer_key", "signature")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    attempt: int
+    digest: bytes
+    signer_key: bytes
+    signature: bytes
+    def __init__(self, part: _Optional[int] = ..., attempt: _Optional[int] = ..., digest: _Optional[bytes] = ..., signer_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class AcceptedProofs(_message.Message):
+    __slots__ = ("proofs",)
+    PROOFS_FIELD_NUMBER: _ClassVar[int]
+    proofs: _containers.RepeatedCompositeFieldContainer[AcceptedProof]
+    def __init__(self, proofs: _Optional[_Iterable[_Union[AcceptedProof, _Mapping]]] = ...) -> None: ...
 
 class PartServed(_message.Message):
     __slots__ = ("own_commitment",)

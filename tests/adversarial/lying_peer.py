@@ -5,6 +5,7 @@ DiLoCo optimiser misreports what it contributes to each round.
     SWARMD_LIE=scale100 python -m tests.adversarial.lying_peer join ...   # update x 100
     SWARMD_LIE=reducer  python -m tests.adversarial.lying_peer join ...   # serves its part x -1
     SWARMD_LIE=forger   python -m tests.adversarial.lying_peer join ...   # ... and forges its proof
+    SWARMD_LIE=equivocator ...                                # ... a different proof per member
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
 swarmd code.
@@ -38,11 +39,14 @@ def lying_aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
     return result.neg_()
 
 
-if LIE not in ("weight", "scale100", "reducer", "forger"):
-    raise SystemExit(f"SWARMD_LIE must be weight, scale100, reducer or forger, not {LIE!r}")
+LIES = ("weight", "scale100", "reducer", "forger", "equivocator")
+if LIE not in LIES:
+    raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
 if LIE == "forger":
     forger.install()
+elif LIE == "equivocator":
+    forger.install_equivocator()
 elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:

@@ -93,11 +93,11 @@ async def main(cfg: dict[str, Any]) -> None:
         else None
     )
     averager = Averager(client, identity.peer_id, config, outgoing_encoder=liar)
-    if behavior == "forge":
+    if behavior in ("forge", "equivocate"):
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
         from tests.adversarial import forger
 
-        forger.install()
+        forger.install() if behavior == "forge" else forger.install_equivocator()
     if behavior in ("flip", "x-20"):
         lie_as_reducer(-1.0 if behavior == "flip" else -20.0)
     if behavior == "slow":

@@ -177,6 +177,34 @@ def test_lying_reducer_is_refused_and_its_part_re_reduced(
         assert "misstates its own contribution" in evidence, evidence
 
 
+def test_an_equivocating_reducer_is_caught_by_comparing_proofs(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Peer 1 serves its part negated and gives each member its own signed proof, with an entry
+    that member cannot check filled in to fit: every proof passes alone. The members compare
+    the proofs they accepted, find the reducer's signature on two different ones, keep that
+    part local and ban it. Before the comparison every honest member applied the negated part.
+    """
+    peers = start_peers(processes, tmp_path, behaviors={1: "equivocate"})
+    outs = run_round(peers, peers, "equivocate")
+    order = [m[0] for m in members(peers)]
+    liar_part = order.index(str(peers[1].info["peer_id"]))
+    s, e = part_bounds(NUMEL, [1.0] * 4)[liar_part]
+    all_four = weighted_mean([0, 1, 2, 3])
+    for i, o in enumerate(outs):
+        if i == 1:
+            continue
+        assert o["failed_parts"] == [liar_part], o
+        mine = load(o)
+        assert torch.equal(mine[s:e], local_values(i, NUMEL)[s:e])  # its own, not the lie
+        rest = torch.cat([mine[:s], mine[e:]])
+        assert torch.equal(rest, torch.cat([all_four[:s], all_four[e:]]))
+    time.sleep(0.2)  # the stderr pumps
+    for i in (0, 2, 3):
+        log = "".join(peers[i].stderr_tail)
+        assert "signed two different proofs" in log and "(ban 1, false_data)" in log, log
+
+
 def test_stale_round_message_refused(processes: ProcessGroup, tmp_path: Path) -> None:
     peers = start_peers(processes, tmp_path, linger_s=0.0)
     run_round(peers, peers, "old")

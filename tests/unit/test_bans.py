@@ -82,3 +82,12 @@ def test_bad_config_is_refused() -> None:
     ):
         with pytest.raises(ValueError):
             BanConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_one_episode_is_one_strike() -> None:
+    """A reducer and a member may both see one bad update in one round: one strike."""
+    bans, _, _, peer = make()
+    for _ in range(5):
+        assert bans.offence(peer, OUTLIER, episode="round-a") == 0
+    assert bans.offence(peer, OUTLIER, episode="round-b") == 0
+    assert bans.offence(peer, OUTLIER, episode="round-c") == 60

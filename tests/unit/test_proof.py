@@ -27,13 +27,17 @@ from swarmd.node.averaging.proof import (
     quantization_bound,
     sample,
     sample_block,
+    sign_proof,
 )
 from swarmd.node.averaging.reduction import ReductionConfig, weighted_mean
+from swarmd.node.bans import Rejection
 from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol.identity import Identity
 
 ROUND = b"r" * 32
 REDUCER = 2
 EXACT = Form("fp32")
+KEY = Identity.generate()  # the reducer's
 
 
 def roundtrip(values: torch.Tensor, codec: str, bits: int = 8) -> torch.Tensor:
@@ -70,7 +74,18 @@ def prove(
     # The reducer commits its own contribution exactly (fp32): the other forms are
     # test_commit's, and test_a_reducer_committed_in_int8_passes below.
     own = commit(used[REDUCER], EXACT, sample_block(256)) if REDUCER in used else None
-    return make_proof(used, weights, nonces, seed, probes, [served(result)], 256, density, own)
+    proof = make_proof(used, weights, nonces, seed, probes, [served(result)], 256, density, own)
+    sign_proof(proof, KEY, ROUND, 1, 0)
+    return proof
+
+
+def check(proof: apb.PartProof, claim: Claim, probes: int, cfg: ReductionConfig) -> str | None:
+    """check_proof on the proof as the reducer signed it: every lie below is a signed one
+    (test_an_altered_or_unsigned_proof_proves_nothing has the unsigned)."""
+    signed = apb.PartProof()
+    signed.CopyFrom(proof)
+    sign_proof(signed, KEY, claim.round_id, claim.part, claim.attempt)
+    return check_proof(signed, claim, probes, cfg)
 
 
 def prove_and_claim(
@@ -106,6 +121,7 @@ def prove_and_claim(
         density=density,
         commitment=bytes(proof.own_commitment),
         form=EXACT,
+        signer=KEY.peer_id,
     )
     return proof, claim
 
@@ -115,7 +131,7 @@ def test_an_honest_reducer_passes(codec: str, bits: int) -> None:
     used, weights, result = honest_part(codec, bits=bits)
     for me in (0, 1):
         proof, claim = prove_and_claim(used, weights, result, codec, probes=4, bits=bits, me=me)
-        assert check_proof(proof, claim, 4, ReductionConfig()) is None
+        assert check(proof, claim, 4, ReductionConfig()) is None
 
 
 @pytest.mark.parametrize(("codec", "probes"), [("fp32", 2), ("int8", 8)])
@@ -126,7 +142,7 @@ def test_a_result_that_is_not_the_mean_is_refused(codec: str, probes: int, facto
     used, weights, result = honest_part(codec)
     lie = roundtrip(result * factor, codec)
     proof, claim = prove_and_claim(used, weights, lie, codec, probes=probes)
-    why = check_proof(proof, claim, probes, ReductionConfig())
+    why = check(proof, claim, probes, ReductionConfig())
     assert why is not None and "not the mean" in why
 
 
@@ -135,7 +151,7 @@ def test_a_reducer_cannot_drop_a_contribution_and_claim_it() -> None:
     used, weights, _ = honest_part("fp32")
     without = weighted_mean([used[1], used[2]], [weights[1], weights[2]])
     proof, claim = prove_and_claim(used, weights, without, "fp32")
-    assert "not the mean" in (check_proof(proof, claim, 2, ReductionConfig()) or "")
+    assert "not the mean" in (check(proof, claim, 2, ReductionConfig()) or "")
 
 
 def test_each_member_checks_its_own_entry() -> None:
@@ -164,11 +180,11 @@ def test_each_member_checks_its_own_entry() -> None:
     huge.entries[2].weight = 1e9
     cases.append((huge, "implausible weights"))
     for bad, why in cases:
-        assert why in (check_proof(bad, claim, 2, cfg) or ""), why
+        assert why in (check(bad, claim, 2, cfg) or ""), why
     invented = apb.PartProof()
     invented.CopyFrom(proof)
     del invented.entries[1]
-    assert "did not use" in (check_proof(invented, claim, 2, cfg) or "")
+    assert "did not use" in (check(invented, claim, 2, cfg) or "")
 
 
 def test_a_relayed_copy_or_a_left_out_member_takes_only_the_bytes_checked() -> None:
@@ -180,12 +196,12 @@ def test_a_relayed_copy_or_a_left_out_member_takes_only_the_bytes_checked() -> N
     proof = prove(used, weights, others, result)
     _, claim = prove_and_claim(used, weights, result, "fp32")
     relayed = dataclasses.replace(claim, relayed=True)
-    assert check_proof(proof, relayed, 2, cfg) is None
-    assert check_proof(proof, claim, 2, cfg) is not None  # direct: its nonce must be there
+    assert check(proof, relayed, 2, cfg) is None
+    assert check(proof, claim, 2, cfg) is not None  # direct: its nonce must be there
     crafted = result.clone()
     crafted[:10] *= -1
     other_bytes = dataclasses.replace(relayed, result=crafted, blob=served(crafted))
-    assert "other bytes" in (check_proof(proof, other_bytes, 2, cfg) or "")
+    assert "other bytes" in (check(proof, other_bytes, 2, cfg) or "")
     # Member 0's part was not used (an outlier, or late): the mean of 1 and 2 holds, its
     # nonce is not needed, the digest is; it can tell it was left out.
     two = {1: used[1], 2: used[2]}
@@ -193,19 +209,19 @@ def test_a_relayed_copy_or_a_left_out_member_takes_only_the_bytes_checked() -> N
     late = prove(two, weights, others, mean)
     acked = dataclasses.replace(claim, result=mean, blob=served(mean))
     unacked = dataclasses.replace(acked, acked=False)
-    assert check_proof(late, acked, 2, cfg) is None and left_out(late, acked)
-    assert check_proof(late, unacked, 2, cfg) is None and not left_out(late, unacked)
+    assert check(late, acked, 2, cfg) is None and left_out(late, acked)
+    assert check(late, unacked, 2, cfg) is None and not left_out(late, unacked)
     assert not left_out(proof, claim)
     wrong = dataclasses.replace(acked, result=crafted, blob=served(crafted))
-    assert "other bytes" in (check_proof(late, wrong, 2, cfg) or "")
+    assert "other bytes" in (check(late, wrong, 2, cfg) or "")
 
 
 def test_robust_aggregation_checks_only_the_entries() -> None:
     used, weights, _ = honest_part("fp32")
     trimmed = torch.stack(list(used.values())).median(dim=0).values
     proof, claim = prove_and_claim(used, weights, trimmed, "fp32")
-    assert check_proof(proof, claim, 2, ReductionConfig(aggregation="trimmed_mean")) is None
-    assert check_proof(proof, claim, 2, ReductionConfig()) is not None
+    assert check(proof, claim, 2, ReductionConfig(aggregation="trimmed_mean")) is None
+    assert check(proof, claim, 2, ReductionConfig()) is not None
 
 
 def test_projection_is_the_keystream_sign_vector() -> None:
@@ -251,10 +267,10 @@ def test_sampled_probes_pass_an_honest_part_and_catch_a_flip(codec: str) -> None
     for an eighth of the work."""
     used, weights, result = honest_part(codec, n=300_000)
     proof, claim = prove_and_claim(used, weights, result, codec, probes=8, density=0.125)
-    assert check_proof(proof, claim, 8, ReductionConfig()) is None
+    assert check(proof, claim, 8, ReductionConfig()) is None
     lie = roundtrip(-result, codec)
     proof, claim = prove_and_claim(used, weights, lie, codec, probes=8, density=0.125)
-    assert "not the mean" in (check_proof(proof, claim, 8, ReductionConfig()) or "")
+    assert "not the mean" in (check(proof, claim, 8, ReductionConfig()) or "")
 
 
 def test_the_sample_is_drawn_from_the_seed_and_whole_blocks() -> None:
@@ -309,11 +325,9 @@ def test_a_reducer_cannot_fill_in_its_own_entry(codec: str) -> None:
     used, weights, result = honest_part(codec)
     lie = roundtrip(-result, codec)
     proof, claim = prove_and_claim(used, weights, lie, codec, probes=4)
-    assert "not the mean" in (check_proof(proof, claim, 4, ReductionConfig()) or "")
+    assert "not the mean" in (check(proof, claim, 4, ReductionConfig()) or "")
     _forge_own_entry(proof, claim, 4)
-    assert "misstates its own contribution" in (
-        check_proof(proof, claim, 4, ReductionConfig()) or ""
-    )
+    assert "misstates its own contribution" in (check(proof, claim, 4, ReductionConfig()) or "")
     # A fresh commitment, opened honestly, to a contribution chosen after the probes.
     nonces = {n.member: bytes(n.nonce) for n in proof.nonces}
     seed = probe_seed(ROUND, 1, 0, nonces)
@@ -321,14 +335,12 @@ def test_a_reducer_cannot_fill_in_its_own_entry(codec: str) -> None:
     crafted = dict(used)
     crafted[REDUCER] = later.values
     reproof = make_proof(crafted, weights, nonces, seed, 4, [served(lie)], 256, 1.0, later)
-    assert "other than the one it served" in (
-        check_proof(reproof, claim, 4, ReductionConfig()) or ""
-    )
+    assert "other than the one it served" in (check(reproof, claim, 4, ReductionConfig()) or "")
     # Without any opening.
     bare = apb.PartProof()
     bare.CopyFrom(proof)
     bare.own_commitment = b""
-    assert "without a commitment" in (check_proof(bare, claim, 4, ReductionConfig()) or "")
+    assert "without a commitment" in (check(bare, claim, 4, ReductionConfig()) or "")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -348,7 +360,7 @@ def test_a_reducer_committed_in_int8_passes_and_a_flip_is_still_caught(bits: int
         proof = make_proof(used, weights, nonces, seed, 8, [served(result)], 256, 1 / 32, own)
         _, claim = prove_and_claim(used, weights, result, "int8", bits=bits, density=1 / 32)
         claim = dataclasses.replace(claim, nonce=nonces[0], commitment=own.root, form=form)
-        why = check_proof(proof, claim, 8, ReductionConfig())
+        why = check(proof, claim, 8, ReductionConfig())
         assert (why is None) == ok, why
 
 
@@ -365,7 +377,7 @@ def test_a_non_finite_commitment_is_refused() -> None:
     _, claim = prove_and_claim(used, weights, -result, "fp32", probes=4)
     claim = dataclasses.replace(claim, nonce=nonces[0], commitment=own.root)
     _forge_own_entry(proof, claim, 4)
-    assert "non-finite" in (check_proof(proof, claim, 4, ReductionConfig()) or "")
+    assert "non-finite" in (check(proof, claim, 4, ReductionConfig()) or "")
 
 
 def test_a_left_out_member_still_holds_the_reducer_to_the_root_it_was_served() -> None:
@@ -383,7 +395,7 @@ def test_a_left_out_member_still_holds_the_reducer_to_the_root_it_was_served() -
     _, claim = prove_and_claim(used, weights, lie, "fp32")
     claim = dataclasses.replace(claim, commitment=served_root)
     assert left_out(proof, claim)
-    assert "other than the one it served" in (check_proof(proof, claim, 2, ReductionConfig()) or "")
+    assert "other than the one it served" in (check(proof, claim, 2, ReductionConfig()) or "")
 
 
 def test_the_sample_is_capped_whatever_the_density() -> None:
@@ -394,3 +406,23 @@ def test_the_sample_is_capped_whatever_the_density() -> None:
         assert sum(b - a for a, b in ranges) <= MAX_SAMPLED, (numel, density)
         assert ranges == sample(seed, numel, 4096, density)
     assert sample(seed, 400_000, 4096, 1.0) == [(0, 400_000)]  # within the cap: read whole
+
+
+def test_an_altered_or_unsigned_proof_proves_nothing() -> None:
+    """Unary answers are not MAC'd: a proof changed on the way fails its signature, and that
+    refusal is not evidence against the reducer (no ban: it may be the network's doing)."""
+    used, weights, result = honest_part("fp32")
+    proof, claim = prove_and_claim(used, weights, result, "fp32")
+    assert check_proof(proof, claim, 2, ReductionConfig()) is None  # as signed
+    altered = apb.PartProof()
+    altered.CopyFrom(proof)
+    altered.entries[1].projections[0] += 1.0
+    for bad in (altered, apb.PartProof(entries=proof.entries, nonces=proof.nonces)):
+        why = check_proof(bad, claim, 2, ReductionConfig())
+        assert why is not None and "not signed" in why and not isinstance(why, Rejection)
+    someone = dataclasses.replace(claim, signer=Identity.generate().peer_id)
+    assert "not signed" in (check_proof(proof, someone, 2, ReductionConfig()) or "")
+    # A lie the reducer signed is evidence.
+    lie = roundtrip(-result, "fp32")
+    proof, claim = prove_and_claim(used, weights, lie, "fp32", probes=8)
+    assert isinstance(check_proof(proof, claim, 8, ReductionConfig()), Rejection)

@@ -126,6 +126,7 @@ class Averager:
                 rpc.tensor_in("PutPart", self._put_part, admit=self._admit_part),
                 rpc.tensor_out("GetPart", apb.GetPartRequest, self._get_part),
                 rpc.unary("GetProof", apb.ProofRequest, self._get_proof),
+                rpc.unary("AcceptedProofs", apb.AcceptedProofsRequest, self._accepted_proofs),
             ],
         )
 
@@ -150,11 +151,14 @@ class Averager:
             raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "unknown round")
         return rnd
 
-    def _sender_index(self, rnd: Round, ctx: rpc.CallContext) -> int:
+    def _sender_index(self, rnd: Round, ctx: rpc.CallContext, contributing: bool = False) -> int:
+        """The caller's index in the round. A banned peer may still fetch parts and proofs (it
+        is in the group, and what it fetches is checked anyway) but its contributions are
+        refused: whatever it sends is dropped for the ban's length, without waiting for it."""
         index = rnd.group.index_of(ctx.peer_id) if ctx.peer_id is not None else None
         if index is None or ctx.peer_id is None:
             raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, "sender is not in this group")
-        if self.bans.banned(ctx.peer_id):
+        if contributing and self.bans.banned(ctx.peer_id):
             why = self.bans.reason(ctx.peer_id)
             raise rpc.RpcError(rpc.StatusCode.PERMISSION_DENIED, f"sender is banned ({why})")
         return index
@@ -185,7 +189,7 @@ class Averager:
         except Exception:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "malformed PartInfo") from None
         rnd = await self._find_round(info.round_id)
-        sender = self._sender_index(rnd, ctx)
+        sender = self._sender_index(rnd, ctx, contributing=True)
         n = len(rnd.group.members)
         if info.part >= n or info.attempt >= n or rnd.reducer_of(info.part, info.attempt) != rnd.me:
             raise rpc.RpcError(
@@ -269,6 +273,17 @@ class Averager:
         if red.proof is None:
             raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "no proof for that part")
         return red.proof
+
+    async def _accepted_proofs(
+        self, req: apb.AcceptedProofsRequest, ctx: rpc.CallContext
+    ) -> apb.AcceptedProofs:
+        """The proofs this peer accepted in a round, once every part is in (or the wait is
+        over): a fellow member compares them with its own (verify.cross_check)."""
+        rnd = await self._find_round(req.round_id)
+        self._sender_index(rnd, ctx)
+        with trio.move_on_after(self.config.cross_check_s):
+            await rnd.obtained.wait()
+        return apb.AcceptedProofs(proofs=list(rnd.accepted.values()))
 
     # -- one round ---------------------------------------------------------------------------
 

@@ -37,6 +37,9 @@ class AllReduceConfig:
     #: Random probes a reducer's proof is checked on (proof.py); 0 trusts reducers. A
     #: sign-flipped int8 part escapes one probe ~3% of the time, two ~0.1%.
     probes: int = 2
+    #: Longest a member waits for its fellows' accepted proofs (verify.cross_check): also
+    #: bounded by half the round's time so far.
+    cross_check_s: float = 5.0
     #: The share of a part's blocks (~4096 values each) the probes read; parts of up to 16
     #: blocks are read whole (proof.sample says why not all, with the figures).
     probe_density: float = 1 / 32
@@ -59,6 +62,8 @@ class AllReduceConfig:
         TopKConfig(self.topk_chunk, self.topk_density, self.topk_bits)  # the same, for top-k
         if self.zstd_level is not None:
             ZstdConfig(self.zstd_level)
+        if not self.cross_check_s > 0:
+            raise ValueError("cross_check_s must be > 0")
         if not 0 <= self.probes <= 16:
             raise ValueError("probes must be in [0, 16]")
         if not 0 < self.probe_density <= 1:

@@ -38,6 +38,7 @@ from swarmd.node.metrics import Metrics
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta, payload_nbytes
+from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.allreduce")
 
@@ -109,6 +110,9 @@ class Exchange:
         self.acked: set[tuple[int, int]] = set()
         #: (part, attempt) -> the reducer's commitment served with the part (PartServed).
         self.commitments: dict[tuple[int, int], bytes] = {}
+        #: (part, attempt) -> the proof this peer checked and found to hold (verify.check).
+        self.verified: dict[tuple[int, int], apb.AcceptedProof] = {}
+        self.started = time.monotonic()
         #: Whether this peer's own part went into its reduction rounded (and its error
         #: feedback holds what that lost), not exact.
         self.own_rounded = False
@@ -128,6 +132,9 @@ class Exchange:
                     nursery.start_soon(self.send_part, j, 0, j)
                     nursery.start_soon(self.obtain, j)
             nursery.start_soon(self.reduce_own)
+        rnd.obtained.set()
+        if self.link.config.probes:
+            await verify.cross_check(self, time.monotonic() - self.started)
         # Every send has returned: the codes can serve the next round of this key.
         self.link.sent_codes.update(((self.key, j), codes) for j, codes in self.sent_codes.items())
 
@@ -191,6 +198,9 @@ class Exchange:
     async def prepare(self, j: int) -> None:
         self.encoded_parts[j] = await trio.to_thread.run_sync(self.encode_part, j)
         self.encoded_ready[j].set()
+
+    def banned(self, member: int) -> bool:
+        return self.link.bans.banned(self.rnd.group.members[member].peer_id)
 
     async def send_part(self, j: int, attempt: int, target: int) -> bool:
         await self.encoded_ready[j].wait()
@@ -269,6 +279,9 @@ class Exchange:
         if self.link.config.probes:
             committed = await trio.to_thread.run_sync(self.commit_own, j, attempt, own)
             red.committed, red.commitment, own = committed, committed.root, committed.values
+        # A banned member's calls are refused: waiting for its contribution would only run
+        # the part into its deadline.
+        red.expected -= {i for i in red.expected if i != rnd.me and self.banned(i)}
         red.add(rnd.me, own, self.weight)
         with trio.move_on_after(self.phase_deadline):
             await red.all_arrived.wait()
@@ -276,7 +289,8 @@ class Exchange:
         self.dropped.update(red.expected - red.contributors)
         for index, why in red.rejected.items():
             if isinstance(why, Rejection):  # what it sent; a member that never came is not
-                self.link.bans.offence(rnd.group.members[index].peer_id, why, self.context(j))
+                peer = rnd.group.members[index].peer_id
+                self.link.bans.offence(peer, why, self.context(j), rnd.group.round_id.hex())
         try:
             await verify.prove(self, j, attempt)
         finally:
@@ -421,6 +435,8 @@ class Exchange:
         if refused is not None:
             return False
         if why is None:
+            if (j, attempt) in self.verified:
+                self.rnd.accepted[(j, attempt)] = self.verified[(j, attempt)]
             return True
         # The evidence a ban needs: who, which round and part, and what did not hold.
         log.warning(
@@ -435,13 +451,35 @@ class Exchange:
             self.blame(j, attempt, why)
         return False
 
+    def equivocated(self, j: int, attempt: int, witness: PeerId) -> None:
+        """Part j's reducer signed another proof for it, which ``witness`` accepted: the part
+        is kept local (every member that sees this does the same), and the reducer banned."""
+        if j in self.failed:
+            return
+        s, e = self.rnd.bounds[j]
+        self.result[s:e] = self.local[s:e]
+        self.failed.append(j)
+        reducer = self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id
+        log.warning(
+            "round %s: reducer %s signed two different proofs for part %d (attempt %d); "
+            "member %s accepted the other: part %d kept local",
+            self.rnd.group.round_id.hex()[:12],
+            reducer.short(),
+            j,
+            attempt,
+            witness.short(),
+            j,
+        )
+        why = Rejection("signed two different proofs for one part", "false_data")
+        self.blame(j, attempt, why)
+
     def context(self, j: int) -> str:
         return f"round {self.rnd.group.round_id.hex()[:12]}, part {j}"
 
     def blame(self, j: int, attempt: int, why: Rejection) -> None:
         """Evidence against part j's reducer in ``attempt`` (bans.py)."""
         reducer = self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id
-        self.link.bans.offence(reducer, why, self.context(j))
+        self.link.bans.offence(reducer, why, self.context(j), self.rnd.group.round_id.hex())
 
     async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""

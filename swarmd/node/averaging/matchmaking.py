@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import trio
@@ -245,10 +245,8 @@ async def form_group(
     key: str,
     me: Member,
     config: MatchmakingConfig | None = None,
-    exclude: Callable[[PeerId], bool] | None = None,
 ) -> Group | None:
-    """The group this peer averages with for ``key``, or None (too few peers: skip the round).
-    ``exclude`` names peers this one will not put in a group it leads (bans.py)."""
+    """The group this peer averages with for ``key``, or None (too few peers: skip the round)."""
     cfg = config or MatchmakingConfig()
     info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth)
     # Not republished: a round is over in seconds; the record only has to outlive it for
@@ -280,12 +278,7 @@ async def form_group(
     # averaged this round together. They are committed to a group that does not name us;
     # forming a group with them would only wait for peers that will never answer.
     committed = view.committed()
-    available = [
-        m
-        for m in view.visible.values()
-        if m.peer_id not in committed
-        and (exclude is None or m.peer_id == me.peer_id or not exclude(m.peer_id))
-    ]
+    available = [m for m in view.visible.values() if m.peer_id not in committed]
     # An announcement outlives its author: a peer killed or frozen after announcing must not
     # lead the group (its followers would wait for a record that never comes, then train
     # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for

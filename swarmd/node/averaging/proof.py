@@ -9,8 +9,9 @@ section 3.2), cut down to what a plain mean needs:
   cannot have shaped the bytes it already holds); the nonces of the members it used seed
   ``probes`` random sign vectors z (AES-CTR keystream, the same on every CPU; torch's RNG is
   not);
-* the reducer answers every member with one proof: for each contribution it used, the
-  member, the weight and <g_i, z> per probe; the nonces; the digest of the bytes it served;
+* the reducer answers every member with one signed proof: for each contribution it used, the
+  member, the weight and <g_i, z> per probe; the nonces; the opening of its own contribution
+  (commit.py); the digest of that commitment and the bytes it served;
 * each member checks that its own nonce seeded z, that its own contribution is there with
   the weight it declared and the projection it computes itself, and that
   sum(w_i <g_i, z>) / W equals <r, z> for the part r it received, within what the result's
@@ -22,14 +23,18 @@ What this catches: a reducer that scales, flips or replaces its result, or drops
 misstates a member's contribution, or its own: its own entry is opened from a commitment it
 served with the part's bytes, before the probes existed (commit.py; before that, a reducer
 that knew about proofs filled in its own entry and served any part within the members' norm
-bound). What it does not: a reducer commits after it has seen the other contributions, so it
-can choose its own within the members' norm bound, as any member that guessed the others'
-could; bounding that is robust aggregation's (issue 28), whose result is not linear in the
-contributions: with it and three or more contributions only the entries are checked. The int8
-tolerance is a worst case (scale / 2 per element): a flip escapes one probe ~3% of the time,
-but a change of ~10% of the part's norm passes two probes often (measured: a third of the
-time). What BTARD adds and this does not: recomputing gradients from public data (swarmd's
-peers train on their own data), MPRNG-agreed accusations and bans.
+bound). Proofs are signed, and members compare the proofs they accepted
+(verify.cross_check): a reducer that told different members different stories, each filling
+in an entry the asker cannot check, is caught by its own signatures. What it does not: a
+reducer commits after it has seen the other contributions, so it can choose its own within the
+members' norm bound, as any member that guessed the others' could, and so can one that fills in
+a colluder's entry in the one proof it gives everyone; bounding that is robust aggregation's
+(issue 28), whose result is not linear in the contributions: with it and three or more
+contributions only the entries are checked. The int8 tolerance is a worst case (scale / 2 per
+element): a flip escapes one probe ~3% of the time, but a change of ~10% of the part's norm
+passes two probes often (measured: a third of the time). What BTARD adds and this does not:
+recomputing gradients from public data (swarmd's peers train on their own data), MPRNG-agreed
+accusations and run-wide bans (each peer bans on its own evidence: node/bans.py).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from swarmd.node.averaging.commit import HASH_BYTES, Committed, Form, open_block
 from swarmd.node.averaging.reduction import ReductionConfig, l2_norm, weight_outliers
 from swarmd.node.bans import Rejection
 from swarmd.protocol import averaging_pb2 as apb
+from swarmd.protocol.identity import Identity, PeerId, verify_signature
 
 NONCE_BYTES = 16
 #: Hoeffding's multiplier: P(|<d, z>| > k ||d||) <= 2 exp(-k^2 / 2) for independent signs.
@@ -177,6 +183,43 @@ def _topk_bound(decoded: torch.Tensor, chunk: int, bits: int) -> float:
     return math.sqrt(float(((rows != 0).sum(dim=1) * scale * scale).sum()))
 
 
+def proof_digest(proof: apb.PartProof) -> bytes:
+    """What the reducer signs: the proof with its signature fields empty."""
+    bare = apb.PartProof()
+    bare.CopyFrom(proof)
+    bare.ClearField("signer_key")
+    bare.ClearField("signature")
+    return hashlib.sha256(bare.SerializeToString(deterministic=True)).digest()
+
+
+def _signed(round_id: bytes, part: int, attempt: int, digest: bytes) -> bytes:
+    head = struct.pack(">I", len(round_id)) + round_id + struct.pack(">II", part, attempt)
+    return b"swarmd/proof-signature/v1" + head + digest
+
+
+def sign_proof(
+    proof: apb.PartProof, identity: Identity, round_id: bytes, part: int, attempt: int
+) -> None:
+    """Signed, a proof binds its reducer: two of them for one part that differ are evidence
+    that it told members different stories (equivocation; verify.cross_check)."""
+    proof.signer_key = identity.public_key
+    proof.signature = identity.sign(_signed(round_id, part, attempt, proof_digest(proof)))
+
+
+def signed_by(
+    reducer: PeerId,
+    key: bytes,
+    signature: bytes,
+    round_id: bytes,
+    part: int,
+    attempt: int,
+    digest: bytes,
+) -> bool:
+    return PeerId.from_public_key(key) == reducer and verify_signature(
+        key, signature, _signed(round_id, part, attempt, digest)
+    )
+
+
 @dataclass(frozen=True)
 class Claim:
     """What a member knows of a part it obtained, to check its reducer's proof against."""
@@ -210,6 +253,8 @@ class Claim:
     #: came, or they came from a relay), and the form it is committed in (commit.py).
     commitment: bytes
     form: Form
+    #: The reducer's peer id: the proof must carry its signature.
+    signer: PeerId
 
 
 class _Excused(str):
@@ -289,6 +334,11 @@ def _verdict(
 def _check_form(
     proof: apb.PartProof, claim: Claim, probes: int, reduction: ReductionConfig
 ) -> str | None:
+    digest_ = proof_digest(proof)
+    key, sig = bytes(proof.signer_key), bytes(proof.signature)
+    if not signed_by(claim.signer, key, sig, claim.round_id, claim.part, claim.attempt, digest_):
+        # Unsigned, it may have been changed on the way (unary answers are not MAC'd).
+        return _Excused("is not signed by the reducer")
     entries: dict[int, apb.ProofEntry] = {}
     for e in proof.entries:
         values = [e.weight, *e.projections]

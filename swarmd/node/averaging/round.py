@@ -131,6 +131,10 @@ class Round:
         self.direct = {j: Outcome() for j in range(len(group.members))}
         self.finished_at: float | None = None
         self.config = config
+        #: The proofs this peer accepted (verify.cross_check), served to fellow members once
+        #: `obtained` is set: every part is in.
+        self.accepted: dict[tuple[int, int], apb.AcceptedProof] = {}
+        self.obtained = trio.Event()
 
     def part_numel(self, part: int) -> int:
         start, end = self.bounds[part]

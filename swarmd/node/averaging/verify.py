@@ -25,6 +25,9 @@ from swarmd.node.averaging.proof import (
     left_out,
     make_proof,
     probe_seed,
+    proof_digest,
+    sign_proof,
+    signed_by,
 )
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -36,6 +39,57 @@ log = logging.getLogger("swarmd.allreduce")
 
 #: The Averager service's proof method (exchange.SERVICE; named here to keep imports one way).
 GET_PROOF = rpc.method_path("swarmd.averaging.v1.Averager", "GetProof")
+ACCEPTED_PROOFS = rpc.method_path("swarmd.averaging.v1.Averager", "AcceptedProofs")
+
+
+async def cross_check(ex: Exchange, elapsed_s: float) -> None:
+    """Compares the proofs this peer accepted with the other members' (BTARD's broadcast of
+    what each member was told, cut to one small call per member). A member checks only its
+    own entry and the reducer's, so a reducer could tell each member a story that forges an
+    entry that member cannot check; a fellow member holding the reducer's signature on
+    another proof for the same part proves it did. Such a part is kept local by every member
+    that sees it (the liar's bytes never land), and the reducer is banned.
+
+    Waits for the others at most half as long as the round took so far (and 1 to
+    `cross_check_s` seconds): a member that never answers costs a bounded share of a round."""
+    rnd, cfg = ex.rnd, ex.link.config
+    mine = dict(rnd.accepted)
+    if not mine:
+        return
+    n = len(rnd.group.members)
+    timeout = min(cfg.cross_check_s, max(1.0, 0.5 * elapsed_s))
+    req = apb.AcceptedProofsRequest(round_id=rnd.group.round_id)
+
+    async def ask(i: int) -> None:
+        member = rnd.group.members[i]
+        try:
+            theirs = await ex.link.client.unary(
+                member.address,
+                ACCEPTED_PROOFS,
+                req,
+                apb.AcceptedProofs,
+                timeout=timeout,
+                recipient=member.peer_id,
+            )
+        except (rpc.RpcError, OSError):
+            return  # nothing learnt; not evidence of anything
+        for item in theirs.proofs[: 2 * n * n]:
+            own = mine.get((item.part, item.attempt))
+            if own is None or item.digest == own.digest or item.part >= n or item.attempt >= n:
+                continue
+            reducer = rnd.group.members[rnd.reducer_of(item.part, item.attempt)].peer_id
+            args = (rnd.group.round_id, item.part, item.attempt, bytes(item.digest))
+            if signed_by(reducer, bytes(item.signer_key), bytes(item.signature), *args):
+                ex.equivocated(item.part, item.attempt, member.peer_id)
+
+    # Only members that can hold a proof of a part this peer accepted: not its reducer (in a
+    # pair, nobody).
+    reducers = {rnd.reducer_of(j, a) for j, a in mine}
+    asked = [i for i in range(n) if i != rnd.me and reducers != {i}]
+    with trio.move_on_after(timeout + 1.0):
+        async with trio.open_nursery() as nursery:
+            for i in asked:
+                nursery.start_soon(ask, i)
 
 
 async def prove(ex: Exchange, j: int, attempt: int) -> None:
@@ -58,9 +112,14 @@ async def prove(ex: Exchange, j: int, attempt: int) -> None:
     cfg = ex.link.config
     served, (block, _), density = red.encoded, cfg.proof_block(rnd.codec_name), cfg.probe_density
     own = red.committed if rnd.me in red.used else None
-    make = functools.partial(
-        make_proof, red.used, weights, nonces, seed, probes, served, block, density, own
-    )
+    identity = ex.link.client.identity
+
+    def make() -> apb.PartProof:
+        proof = make_proof(red.used, weights, nonces, seed, probes, served, block, density, own)
+        if identity is not None:
+            sign_proof(proof, identity, rnd.group.round_id, j, attempt)
+        return proof
+
     red.proof = await trio.to_thread.run_sync(make)
 
 
@@ -123,8 +182,17 @@ async def check(
             density=cfg.probe_density,
             commitment=b"" if relayed else ex.commitments.get((j, attempt), b""),
             form=form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits),
+            signer=rnd.group.members[reducer].peer_id,
         )
         why = check_proof(proof, claim, cfg.probes, cfg.reduction)
+        if why is None:
+            ex.verified[(j, attempt)] = apb.AcceptedProof(
+                part=j,
+                attempt=attempt,
+                digest=proof_digest(proof),
+                signer_key=proof.signer_key,
+                signature=proof.signature,
+            )
         if why is None and left_out(proof, claim):
             log.warning(
                 "round %s: reducer %s left this peer's contribution out of part %d (attempt %d)",

@@ -267,7 +267,7 @@ class DeMoStrategy(Strategy):
             target = self.peer.config.target_group_size
         key = f"{round_key(self.peer.config.name, self.run.step)}/{snap.state_hash.hex()[:16]}"
         mm = dataclasses.replace(self.mm, target_group_size=target, gather_s=gather_s)
-        group = await form_group(self.peer.dht, key, self.me, mm, self.peer.averager.bans.banned)
+        group = await form_group(self.peer.dht, key, self.me, mm)
         self.group = group if group is not None and len(group.members) > 1 else None
         if self.group is not None:
             for m in self.group.members:

@@ -62,7 +62,7 @@ class Peer:
         )
         self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
         self.dht = DHTNode(self.identity, self.client)
-        #: Whom this peer refuses for what they sent (bans.py): the averager, matchmaking and
+        #: Whom this peer refuses for what they sent (bans.py): the averager and
         #: state sync share it; each ban is a `peer_banned` event with its evidence.
         self.bans = Bans(observer=self.metrics, on_ban=self._banned)
         self.metrics.watch_bans(self.bans.active)

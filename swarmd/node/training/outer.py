@@ -301,7 +301,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         mm = dataclasses.replace(self.mm, target_group_size=target)
         if poll_s is not None:
             mm = dataclasses.replace(mm, poll_s=poll_s)
-        group = await form_group(self.peer.dht, key, self.me, mm, self.peer.averager.bans.banned)
+        group = await form_group(self.peer.dht, key, self.me, mm)
         out = Averaging(formed=group is not None)
         if group is not None and len(group.members) > 1:
             out.group_size = len(group.members)
