@@ -68,6 +68,9 @@ def _final(events: list[dict[str, Any]]) -> dict[str, Any]:
         # Negates its part and fills in its own proof entry to fit: the naive liar (negates
         # only) is test_allreduce's, against four all-reduce processes.
         (3, "forger", "misstates its own contribution"),
+        # ... or gives each member a proof with the other's entry filled in: the members
+        # compare the signed proofs they accepted, ban it, and re-reduce its part without it.
+        (3, "equivocator", "signed two different proofs"),
     ],
 )
 def test_a_lying_member_cannot_move_the_honest_ones(

@@ -112,6 +112,8 @@ class Exchange:
         self.commitments: dict[tuple[int, int], bytes] = {}
         #: (part, attempt) -> the proof this peer checked and found to hold (verify.check).
         self.verified: dict[tuple[int, int], apb.AcceptedProof] = {}
+        #: Parts whose reducer signed two different proofs (verify.cross_check).
+        self.equivocations: set[int] = set()
         self.started = time.monotonic()
         #: Whether this peer's own part went into its reduction rounded (and its error
         #: feedback holds what that lost), not exact.
@@ -135,6 +137,12 @@ class Exchange:
         rnd.obtained.set()
         if self.link.config.probes:
             await verify.cross_check(self, time.monotonic() - self.started)
+        if self.equivocations:
+            # Every member that saw the two signatures re-reduces the part without its
+            # reducer, at the same fallback reducers: they end with the same values again.
+            async with trio.open_nursery() as nursery:
+                for j in sorted(self.equivocations):
+                    nursery.start_soon(self.fall_back, j)
         # Every send has returned: the codes can serve the next round of this key.
         self.link.sent_codes.update(((self.key, j), codes) for j, codes in self.sent_codes.items())
 
@@ -368,7 +376,6 @@ class Exchange:
 
     async def obtain(self, j: int) -> None:
         rnd = self.rnd
-        s, e = rnd.bounds[j]
         direct = await self.fetch(j, j, 0, False, self.fetch_timeout)
         accepted = direct is not None and await self.accept(j, 0, direct, relayed=False)
         # Relays serve only a copy this peer accepted: decoded, and its reducer's proof held.
@@ -394,6 +401,13 @@ class Exchange:
                 j, 0, relayed, relayed=True, early=proofs[0]
             ):
                 return
+        await self.fall_back(j)
+
+    async def fall_back(self, j: int) -> None:
+        """Part j from the fallback reducers in turn (reducing it here when it is this peer's
+        turn); this peer's local values when none gives a part that holds."""
+        rnd = self.rnd
+        s, e = rnd.bounds[j]
         for attempt in range(1, len(rnd.group.members)):
             target = rnd.reducer_of(j, attempt)
             if target == rnd.me:
@@ -453,16 +467,15 @@ class Exchange:
 
     def equivocated(self, j: int, attempt: int, witness: PeerId) -> None:
         """Part j's reducer signed another proof for it, which ``witness`` accepted: the part
-        is kept local (every member that sees this does the same), and the reducer banned."""
-        if j in self.failed:
+        is re-reduced without it (`run`), and the reducer banned."""
+        if j in self.equivocations or attempt != 0:
             return
-        s, e = self.rnd.bounds[j]
-        self.result[s:e] = self.local[s:e]
-        self.failed.append(j)
+        self.equivocations.add(j)
+        self.recovered.append(j)
         reducer = self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id
         log.warning(
             "round %s: reducer %s signed two different proofs for part %d (attempt %d); "
-            "member %s accepted the other: part %d kept local",
+            "member %s accepted the other: part %d is re-reduced without it",
             self.rnd.group.round_id.hex()[:12],
             reducer.short(),
             j,
