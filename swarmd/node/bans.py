@@ -4,9 +4,9 @@ Evidence is only ever what a peer sent, checked by this peer: values that are no
 the wrong size, bytes that do not decode, an impossible declared weight, a reduced part whose
 proof does not hold, a state chunk whose hash is not the manifest's. How the network behaved
 (a timeout, a reset, a straggler's late nonce) is never evidence, so a ban cannot lock out an
-honest peer on a bad link. Rejections that an honest peer can earn now and then (a norm or a
-weight far from the group's: a peer that trained on odd data, or joined late) are strikes; a
-ban takes `strikes` of them within `strike_window_s`.
+honest peer on a bad link. Rejections that an honest peer can earn (a norm or a weight far
+from the group's: a peer with more local ranks, or one that joined late) are strikes, which ban
+only when `strikes` is set (off by default: see BanConfig).
 
 A ban refuses the peer's contributions to parts this peer reduces (without waiting for them)
 and keeps this peer from downloading its state. The peer stays in groups: bans are each peer's
@@ -56,7 +56,12 @@ class BanConfig:
     first_s: float = 60.0
     growth: float = 4.0
     max_s: float = 24 * 3600.0
-    strikes: int = 3
+    #: Outliers that make a ban within the window; 0 (the default): outliers never ban. An
+    #: honest peer can be a steady outlier (more local ranks than the rest: a heavier weight;
+    #: a late joiner: a tiny update next to which every part looks huge), and one round's
+    #: sub-groups would count it several times; until outliers are judged against robust
+    #: statistics of the run (issue 28), only evidence bans.
+    strikes: int = 0
     strike_window_s: float = 900.0
 
     def __post_init__(self) -> None:
@@ -64,8 +69,8 @@ class BanConfig:
             raise ValueError("need 0 < first_s <= max_s")
         if self.growth < 1:
             raise ValueError("growth must be >= 1")
-        if self.strikes < 1 or self.strike_window_s <= 0:
-            raise ValueError("strikes must be >= 1 and strike_window_s > 0")
+        if self.strikes < 0 or self.strike_window_s <= 0:
+            raise ValueError("strikes must be >= 0 and strike_window_s > 0")
 
 
 @dataclass
@@ -118,6 +123,8 @@ class Bans:
             if rec.until > now:
                 return rec.until - now  # already banned: one ban per episode
             if why.offence not in HARD:
+                if cfg.strikes == 0:
+                    return 0.0
                 rec.strikes = [s for s in rec.strikes if s[0] > now - cfg.strike_window_s]
                 if episode and any(e == episode for _, e in rec.strikes):
                     return 0.0

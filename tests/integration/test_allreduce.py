@@ -190,13 +190,16 @@ def test_an_equivocating_reducer_is_caught_by_comparing_proofs(
     order = [m[0] for m in members(peers)]
     liar_part = order.index(str(peers[1].info["peer_id"]))
     s, e = part_bounds(NUMEL, [1.0] * 4)[liar_part]
-    all_four, without = weighted_mean([0, 1, 2, 3]), weighted_mean([0, 2, 3])
+    all_four = weighted_mean([0, 1, 2, 3])
     honest = [o for i, o in enumerate(outs) if i != 1]
     for o in honest:
         assert o["ok"] and liar_part in o["recovered_parts"], o
     results = [load(o) for o in honest]
     assert all(torch.equal(r, results[0]) for r in results)
-    assert torch.equal(results[0][s:e], without[s:e])  # fp32: exactly the honest mean
+    # fp32: exactly a mean of honest contributions there (all three, unless one reached the
+    # fallback reducer after its deadline), never the lie.
+    subsets = [[0, 2, 3], [0, 2], [0, 3], [2, 3]]
+    assert any(torch.equal(results[0][s:e], weighted_mean(c)[s:e]) for c in subsets)
     rest = torch.cat([results[0][:s], results[0][e:]])
     assert torch.equal(rest, torch.cat([all_four[:s], all_four[e:]]))
     time.sleep(0.2)  # the stderr pumps

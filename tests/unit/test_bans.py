@@ -77,7 +77,7 @@ def test_bad_config_is_refused() -> None:
         {"first_s": 0},
         {"first_s": 10, "max_s": 5},
         {"growth": 0.5},
-        {"strikes": 0},
+        {"strikes": -1},
         {"strike_window_s": 0},
     ):
         with pytest.raises(ValueError):
@@ -91,3 +91,12 @@ def test_one_episode_is_one_strike() -> None:
         assert bans.offence(peer, OUTLIER, episode="round-a") == 0
     assert bans.offence(peer, OUTLIER, episode="round-b") == 0
     assert bans.offence(peer, OUTLIER, episode="round-c") == 60
+
+
+def test_by_default_outliers_never_ban() -> None:
+    """An honest peer can be a steady outlier: only evidence bans unless strikes are set."""
+    bans, peer = Bans(clock=Clock()), Identity.generate().peer_id
+    for k in range(10):
+        assert bans.offence(peer, OUTLIER, episode=f"round-{k}") == 0
+    assert not bans.banned(peer)
+    assert bans.offence(peer, NAN) == BanConfig().first_s

@@ -180,7 +180,16 @@ def test_each_member_checks_its_own_entry() -> None:
     huge.entries[2].weight = 1e9
     cases.append((huge, "implausible weights"))
     for bad, why in cases:
-        assert why in (check(bad, claim, 2, cfg) or ""), why
+        # The run bounds what a member may declare (4 x H x batch x local ranks).
+        bounded = ReductionConfig(max_weight=1e6)
+        assert why in (check(bad, claim, 2, bounded) or ""), why
+    # Within the bound, the median rule is the reducer's alone: a second pass over the weights
+    # it kept ({1, 1, 5} after it dropped 21) must not refuse (nor ban) an honest reducer.
+    kept = {0: 1.0, 1: 1.0, 2: 5.0}
+    used, _, _ = honest_part("fp32", weights=(1.0, 1.0, 5.0))
+    mean = weighted_mean([used[i] for i in sorted(used)], [kept[i] for i in sorted(used)])
+    proof5, claim5 = prove_and_claim(used, kept, mean, "fp32")
+    assert check(proof5, claim5, 2, cfg) is None
     invented = apb.PartProof()
     invented.CopyFrom(proof)
     del invented.entries[1]

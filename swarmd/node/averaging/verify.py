@@ -47,8 +47,12 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
     what each member was told, cut to one small call per member). A member checks only its
     own entry and the reducer's, so a reducer could tell each member a story that forges an
     entry that member cannot check; a fellow member holding the reducer's signature on
-    another proof for the same part proves it did. Such a part is kept local by every member
-    that sees it (the liar's bytes never land), and the reducer is banned.
+    another proof for the same part proves it did. Such a part is re-reduced without the
+    reducer by every member that sees it (Exchange.fall_back), and the reducer is banned.
+    Detections are not passed on: a reducer that serves one member late enough that only it
+    compares in time splits the group on that part (the others applied a proof forging that
+    member's entry), and a fallback reducer that did not see it reduces nothing, so the
+    members that did go on to the next fallback (bounded by their deadlines).
 
     Waits for the others at most half as long as the round took so far (and 1 to
     `cross_check_s` seconds): a member that never answers costs a bounded share of a round."""
@@ -77,6 +81,8 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
             own = mine.get((item.part, item.attempt))
             if own is None or item.digest == own.digest or item.part >= n or item.attempt >= n:
                 continue
+            if rnd.reducer_of(item.part, item.attempt) == i:
+                continue  # a reducer showing a second proof of its own would pick its accusers
             reducer = rnd.group.members[rnd.reducer_of(item.part, item.attempt)].peer_id
             args = (rnd.group.round_id, item.part, item.attempt, bytes(item.digest))
             if signed_by(reducer, bytes(item.signer_key), bytes(item.signature), *args):
