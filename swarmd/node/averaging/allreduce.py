@@ -369,7 +369,7 @@ class Averager:
         if residual is not None:
             s, e = rnd.bounds[rnd.me]
             # A sparse codec's own part was encoded too (Exchange.sent_values), and a proved
-            # round's was rounded to its committed form (Exchange.commit_own): both recorded
+            # round's was rounded to its committed form (verify.commit_own): both recorded
             # what they lost. Otherwise it went in exact: nothing to carry.
             if not rnd.sparse and not exchange.own_rounded:
                 await trio.to_thread.run_sync(residual[s:e].zero_)

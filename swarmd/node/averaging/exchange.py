@@ -28,9 +28,7 @@ from swarmd.compression import (
 )
 from swarmd.node.averaging import verify
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
-from swarmd.node.averaging.commit import Committed, commit, form_for
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
-from swarmd.node.averaging.proof import sample_block
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.bans import Bans, Rejection
@@ -262,30 +260,12 @@ class Exchange:
             own = await trio.to_thread.run_sync(self.sent_values, rnd.me)
         await self.reduce(rnd.me, 0, own)
 
-    def commit_own(self, j: int, attempt: int, own: torch.Tensor) -> Committed:
-        """This peer's contribution to a part it reduces, in the round's number format and
-        committed to before any member's nonce exists (commit.py). Its own part's rounding goes
-        to error feedback, as its other parts' does; a fallback part's send recorded the same
-        rounding already (the same quantiser on the same values)."""
-        rnd, cfg = self.rnd, self.link.config
-        block, _ = cfg.proof_block(rnd.codec_name)
-        form = form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits)
-        s, e = rnd.bounds[j]
-        residual = out = None
-        if j == rnd.me and attempt == 0 and self.residual is not None and form.kind != "fp32":
-            residual = self.residual[s:e]
-            self.own_rounded = True
-            # `to_send` is then this round's own buffer, and its own part is read nowhere
-            # else: the rounded values replace it there.
-            out = own if own.data_ptr() == self.to_send[s:e].data_ptr() else None
-        return commit(own, form, sample_block(block), residual, out)
-
     async def reduce(self, j: int, attempt: int, own: torch.Tensor) -> None:
         rnd = self.rnd
         red = rnd.reduction(j, attempt)
         s, e = rnd.bounds[j]
         if self.link.config.probes:
-            committed = await trio.to_thread.run_sync(self.commit_own, j, attempt, own)
+            committed = await trio.to_thread.run_sync(verify.commit_own, self, j, attempt, own)
             red.committed, red.commitment, own = committed, committed.root, committed.values
         # A banned member's calls are refused: waiting for its contribution would only run
         # the part into its deadline.

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from swarmd.compression import CompressionError, DecodeLimits, decode
-from swarmd.node.averaging.commit import form_for
+from swarmd.node.averaging.commit import Committed, commit, form_for
 from swarmd.node.averaging.proof import (
     NONCE_BYTES,
     Claim,
@@ -26,6 +26,7 @@ from swarmd.node.averaging.proof import (
     make_proof,
     probe_seed,
     proof_digest,
+    sample_block,
     sign_proof,
     signed_by,
 )
@@ -96,6 +97,25 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
         async with trio.open_nursery() as nursery:
             for i in asked:
                 nursery.start_soon(ask, i)
+
+
+def commit_own(ex: Exchange, j: int, attempt: int, own: torch.Tensor) -> Committed:
+    """This peer's contribution to a part it reduces, in the round's number format and
+    committed to before any member's nonce exists (commit.py). Its own part's rounding goes
+    to error feedback, as its other parts' does; a fallback part's send recorded the same
+    rounding already (the same quantiser on the same values)."""
+    rnd, cfg = ex.rnd, ex.link.config
+    block, _ = cfg.proof_block(rnd.codec_name)
+    form = form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits)
+    s, e = rnd.bounds[j]
+    residual = out = None
+    if j == rnd.me and attempt == 0 and ex.residual is not None and form.kind != "fp32":
+        residual = ex.residual[s:e]
+        ex.own_rounded = True
+        # `to_send` is then this round's own buffer, and its own part is read nowhere
+        # else: the rounded values replace it there.
+        out = own if own.data_ptr() == ex.to_send[s:e].data_ptr() else None
+    return commit(own, form, sample_block(block), residual, out)
 
 
 async def prove(ex: Exchange, j: int, attempt: int) -> None:

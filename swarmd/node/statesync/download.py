@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from swarmd.node.bans import Bans, Rejection
 from swarmd.node.statesync.donor import (
     DONOR_SERVICE,
     GET_CHUNK,
@@ -158,6 +157,8 @@ class SyncStats:
     failed_fetches: int = 0
     elapsed_s: float = 0.0
     chunks_by_donor: dict[str, int] = field(default_factory=dict)
+    #: Donors that sent a chunk off its manifest's hash: evidence for bans (node/bans.py).
+    corrupt_donors: list[str] = field(default_factory=list)
     #: The derived bound of each chunk fetch that ran out: what silent donors cost.
     expired_timeouts_s: list[float] = field(default_factory=list)
 
@@ -186,11 +187,9 @@ class _Download:
         on_progress: Callable[[int, int], None] | None,
         expect: Layout | None = None,
         peer_ids: Mapping[str, PeerId] | None = None,
-        bans: Bans | None = None,
     ) -> None:
         self.client = client
         self.expect = expect
-        self.bans = bans
         #: Address -> the peer id expected there (from its advert); see download_state.
         self.peer_ids = dict(peer_ids or {})
         #: Donors whose manifest did not fit `expect`.
@@ -359,10 +358,7 @@ class _Download:
                 donor.address,
             )
             self._failed(donor, index, "sent a chunk whose hash does not match", drop=True)
-            pid = self.peer_ids.get(donor.address)
-            if self.bans is not None and pid is not None:  # signed for: its own bytes
-                why = Rejection("a state chunk whose hash is not its manifest's", "false_data")
-                self.bans.offence(pid, why, f"chunk {index}")
+            self.stats.corrupt_donors.append(donor.address)
             return False
         self.pool.delivered(donor, nbytes, elapsed)
         self.stats.chunks_by_donor[donor.address] = (
@@ -470,15 +466,13 @@ async def download_state(
     on_progress: Callable[[int, int], None] | None = None,
     expect: Layout | None = None,
     peer_ids: Mapping[str, PeerId] | None = None,
-    bans: Bans | None = None,
 ) -> StateSnapshot:
     """Downloads a state from ``donors`` (addresses), verified chunk by chunk, within deadline_s.
 
     ``expect`` (the model's own `layout_of`) refuses, before allocating, any donor whose
     manifest lists other tensors, dtypes or shapes than this peer's model has. ``peer_ids``
     (address -> the peer id its signed advert names) addresses each donor's requests to that
-    peer, so a server at the address that is someone else serves nothing. A donor (named in
-    ``peer_ids``) whose chunk does not hash to its manifest's is reported to ``bans``.
+    peer, so a server at the address that is someone else serves nothing.
 
     Without ``want_hash``, takes the newest round any donor serves (among equal rounds, the
     state most donors agree on). Raises StateSyncError when the deadline passes, no donor can
@@ -493,7 +487,7 @@ async def download_state(
     if not donors:
         raise StateSyncError("no donors given")
     cfg, counts = config or SyncConfig(), stats or SyncStats()
-    job = _Download(client, donors, parallel, cfg, counts, on_progress, expect, peer_ids, bans)
+    job = _Download(client, donors, parallel, cfg, counts, on_progress, expect, peer_ids)
     with trio.move_on_after(deadline_s):
         return await job.run(want_hash)
     s = job.stats

@@ -19,9 +19,15 @@ from typing import Any, Protocol
 import torch
 import trio
 
+from swarmd.node.bans import Rejection
 from swarmd.node.statesync.catchup import state_to_take
 from swarmd.node.statesync.donor import StateAdvert, advert_key, choose_donors
-from swarmd.node.statesync.download import StateRefused, StateSyncError, download_state
+from swarmd.node.statesync.download import (
+    StateRefused,
+    StateSyncError,
+    SyncStats,
+    download_state,
+)
 from swarmd.node.statesync.snapshot import StateSnapshot, layout_of
 from swarmd.node.statesync.vet import nonfinite, worse_than_ours
 from swarmd.node.training.context import PeerContext
@@ -245,6 +251,7 @@ class SharedState:
         A state that cannot be loaded (not this model's layout, non-finite values) is refused
         for good: its hash goes into `refused`, and `adverts` leaves it out from then on."""
         want, donors = choose_donors(adverts)
+        stats, peer_ids = SyncStats(), _advertisers(adverts, want)
         try:
             snap = await download_state(
                 self.peer.client,
@@ -252,8 +259,8 @@ class SharedState:
                 deadline_s=SYNC_DEADLINE_S,
                 want_hash=want,
                 expect=layout_of(self.opt.state_dict()),
-                peer_ids=_advertisers(adverts, want),
-                bans=self.peer.averager.bans,
+                peer_ids=peer_ids,
+                stats=stats,
             )
         except StateRefused as exc:
             self._refuse(want, donors, str(exc))
@@ -261,6 +268,11 @@ class SharedState:
         except StateSyncError as exc:
             log.warning("state sync failed (%s); going on with this peer's state", exc)
             return False
+        finally:  # a chunk off its manifest's hash is its donor's own signed bytes
+            corrupt = Rejection("a state chunk off its manifest's hash", "false_data")
+            for address in stats.corrupt_donors:
+                if address in peer_ids:
+                    self.peer.averager.bans.offence(peer_ids[address], corrupt, "state sync")
         if snap.meta.get("config") != self.peer.config.hash:
             self._refuse(want, donors, "it belongs to another run config")
             return False
