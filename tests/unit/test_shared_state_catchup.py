@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import trio
 
+from swarmd.node.bans import Bans
 from swarmd.node.dht.values import Value
 from swarmd.node.statesync.donor import StateAdvert
 from swarmd.node.statesync.snapshot import HASH_BYTES
@@ -38,6 +39,7 @@ def shared_state(
         creator=creator,
         config=SimpleNamespace(name="r", hash="h"),
         dht=FakeDHT(adverts),
+        averager=SimpleNamespace(bans=Bans()),  # whom the peer refuses: nobody here
     )
     opt = SimpleNamespace(age=5)
     state = SharedState(cast(PeerContext, peer), cast(SyncedState, opt))
