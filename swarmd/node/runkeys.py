@@ -29,3 +29,9 @@ def advert_key(run: str) -> str:
     """The DHT key under which donors of ``run`` advertise; each donor uses its peer id as
     sub-key, so a peer has exactly one current advert and nobody can overwrite another's."""
     return f"{run}/state"
+
+
+def stages_key(run: str) -> str:
+    """SWARM stage servers: one entry per server, naming its stage, address and measured
+    throughput (swarm/directory.py)."""
+    return f"swarmd/{run}/stages"

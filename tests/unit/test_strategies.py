@@ -20,5 +20,5 @@ def test_every_algorithm_has_its_strategy() -> None:
 
 
 def test_unknown_algorithm_is_a_join_error() -> None:
-    with pytest.raises(JoinError, match="cannot train algo 'swarm'"):
-        strategy_for("swarm")
+    with pytest.raises(JoinError, match="cannot train algo 'pipedream'"):
+        strategy_for("pipedream")

@@ -114,8 +114,12 @@ class Averager:
         """Bounds the weight a member may declare (the run knows how many samples a round
         can hold); a member declaring more is dropped from the part, with the evidence logged."""
         reduction = dataclasses.replace(self.config.reduction, max_weight=max_weight)
-        self.config = dataclasses.replace(self.config, reduction=reduction)
-        self._link.config = self.config
+        self.set_config(dataclasses.replace(self.config, reduction=reduction))
+
+    def set_config(self, config: AllReduceConfig) -> None:
+        """Uses `config` from the next round on (a run's own settings, read after start)."""
+        self.config = config
+        self._link.config = config
 
     # -- service -----------------------------------------------------------------------------
 

@@ -151,6 +151,10 @@ def cmd_join(args: argparse.Namespace) -> int:
             local_workers=local_workers,
             precision=args.precision,
             compile=args.compile,
+            role=args.role,
+            stage=args.stage,
+            slowdown=args.slowdown,
+            swarm_audit=args.swarm_audit,
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None

@@ -30,7 +30,7 @@ from swarmd.protocol.address import Address
 
 #: runconfig.ALGORITHMS, spelled out so that parsing a command line imports no torch (a DHT
 #: node stays small); tests/unit/test_cli.py checks that the two agree.
-ALGORITHMS = ("diloco", "streaming-diloco", "demo")
+ALGORITHMS = ("diloco", "streaming-diloco", "demo", "swarm")
 
 #: The object whose `add_parser` makes a sub-command's parser.
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -141,7 +141,7 @@ def _add_dht(sub: Subparsers) -> None:
 def _add_join(sub: Subparsers) -> None:
     p = sub.add_parser(
         "join",
-        help="train with a run's peers (DiLoCo)",
+        help="train with a run's peers (DiLoCo, streaming DiLoCo, DeMo or SWARM)",
         description="Joins a training run: bootstraps into the DHT through --peers, reads the "
         "run's configuration from it (or publishes one with --create-run), downloads the "
         "group's newest state or resumes this peer's saved state, then trains with DiLoCo "
@@ -152,6 +152,7 @@ def _add_join(sub: Subparsers) -> None:
     _add_join_network(p)
     _add_join_run(p)
     _add_join_limits(p)
+    _add_swarm_options(p)
     add_metrics(p)
     add_state_dir(p)
     p.set_defaults(func=commands.cmd_join)
@@ -251,6 +252,41 @@ def _add_join_run(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="torch.compile the training forward (faster steps on a GPU after a compile of "
         "a minute or more at start)",
+    )
+
+
+def _add_swarm_options(p: argparse.ArgumentParser) -> None:
+    """What a peer of a SWARM run (algo swarm) does."""
+    g = p.add_argument_group("SWARM runs (algo swarm)")
+    g.add_argument(
+        "--role",
+        choices=["auto", "trainer", "server", "both"],
+        default="auto",
+        help="serve a pipeline stage, drive micro-batches of this peer's data through the "
+        "stages, or both (auto: both)",
+    )
+    g.add_argument(
+        "--stage",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the stage to serve first (default: the one with the fewest servers); servers "
+        "move to the bottleneck stage on their own",
+    )
+    g.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="emulate a device X times slower: hold the device idle (X-1) times each "
+        "compute's time (benchmarks; default 1)",
+    )
+    g.add_argument(
+        "--swarm-audit",
+        action="store_true",
+        help="servers append the id of each micro-batch whose backward they applied to "
+        "<state-dir>/stage-applied.log, trainers write the micro-batches they completed to "
+        "<state-dir>/trainer-completed.log (tests check exactly-once with them)",
     )
 
 

@@ -19,6 +19,7 @@ from swarmd.node.dht import DHTNode
 from swarmd.node.local.ranks import LocalRanks
 from swarmd.node.metrics import Metrics
 from swarmd.node.statesync.donor import StateDonor
+from swarmd.node.swarm.server import StageHost
 from swarmd.node.training.membership import LivePeers
 from swarmd.node.training.options import JoinOptions
 from swarmd.node.training.progress import Progress, TrainStats
@@ -57,6 +58,8 @@ class PeerContext:
     #: The sticky-group all-gather (DeMo's exchange), served whatever the algorithm.
     gatherer: Gatherer
     donor: StateDonor
+    #: SWARM's Stage service (answers once a stage is attached).
+    stages: StageHost
     metrics: Metrics
     out: Progress
     live: LivePeers

@@ -32,6 +32,7 @@ from swarmd.node.runtime.heap import settle_heap
 from swarmd.node.server.advertise import advertised_address
 from swarmd.node.server.peer import Scratch, announce, peer_service
 from swarmd.node.statesync.donor import StateDonor
+from swarmd.node.swarm.server import StageHost
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.membership import LivePeers, heartbeat
 from swarmd.node.training.options import JoinError, JoinOptions
@@ -71,6 +72,8 @@ class Peer:
         )
         self.gatherer = Gatherer(self.client, self.identity.peer_id, metrics=self.metrics)
         self.donor = StateDonor()
+        #: SWARM's stage calls: served by every peer, answered once a stage is attached.
+        self.stages = StageHost()
         self.address = ""
         #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
         self.stopping = trio.Event()
@@ -94,6 +97,7 @@ class Peer:
             self.averager.service(),
             self.gatherer.service(),
             self.donor.service(),
+            self.stages.service(),
         ]
 
     async def run(self) -> None:
@@ -216,6 +220,7 @@ class Peer:
             averager=self.averager,
             gatherer=self.gatherer,
             donor=self.donor,
+            stages=self.stages,
             metrics=self.metrics,
             out=self.out,
             live=LivePeers(self.dht, config),

@@ -21,6 +21,9 @@ def build_model(config: RunConfig, device: str) -> torch.nn.Module:
                 n_head=config.n_head,
                 n_embd=config.n_embd,
                 block_size=config.block_size,
+                # A pipeline's first and last stages live on different peers: a tied
+                # embedding would be two copies drifting apart.
+                tie_weights=config.algo != "swarm",
             ),
             seed=config.seed,
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmd.node.local.config import LocalConfig, choose_precision
+from swarmd.node.swarm.config import ROLES
 from swarmd.node.training.progress_record import check_text
 from swarmd.node.training.runconfig import RunConfig
 from swarmd.protocol import rpc
@@ -66,6 +67,16 @@ class JoinOptions:
     precision: str = "auto"
     #: torch.compile the training forward (--compile).
     compile: bool = False
+    #: SWARM runs: trainer, server, both, or auto (both) (--role); the stage to serve first
+    #: (--stage; None: the one with the least throughput).
+    role: str = "auto"
+    stage: int | None = None
+    #: SWARM servers: hold the device idle (slowdown - 1) x each compute's time after it, to
+    #: emulate a slower GPU (--slowdown; benchmarks/swarm.py).
+    slowdown: float = 1.0
+    #: SWARM servers: append the id of every micro-batch whose backward this peer applied to
+    #: <state-dir>/stage-applied.log (--swarm-audit; tests check exactly-once with it).
+    swarm_audit: bool = False
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -80,6 +91,12 @@ class JoinOptions:
             raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
         resolve_device(self.device)  # a missing GPU is a usage error, said before joining
         check_text("public_name", self.public_name)  # published: printable, at most 64 chars
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.stage is not None and not 0 <= self.stage < 64:
+            raise ValueError(f"stage must be in [0, 64), got {self.stage}")
+        if not 1.0 <= self.slowdown <= 1000.0:
+            raise ValueError(f"slowdown must be in [1, 1000], got {self.slowdown}")
         self.local_config()  # more ranks than GPUs, an unknown precision: said before joining
 
     def local_config(self) -> LocalConfig:

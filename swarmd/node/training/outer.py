@@ -177,14 +177,14 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         self.origin, self.first_step = await self._state.take_initial()
         config, averager = self.peer.config, self.peer.averager
         # The run decides how its parts look on the wire (receivers read it from each header).
-        averager.config = dataclasses.replace(
+        averager.set_config(dataclasses.replace(
             averager.config,
             int8_block_size=config.int8_block_size,
             int8_bits=config.int8_bits,
             topk_density=float(config.topk_density),
             topk_bits=config.topk_bits,
             zstd_level=ZSTD_LEVEL if config.zstd else None,
-        )
+        ))  # fmt: skip
 
     async def _begin(self) -> float:
         """Says what it trains, publishes the starting state (its hash keys the first round)

@@ -22,6 +22,7 @@ import swarmd
 from swarmd.node.runkeys import CONFIG_TTL_S as CONFIG_TTL_S
 from swarmd.node.runkeys import config_key as config_key
 from swarmd.node.runkeys import peers_key as peers_key
+from swarmd.node.swarm.config import SwarmConfig
 from swarmd.optim.demo import DeMoConfig
 from swarmd.optim.diloco import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
@@ -35,7 +36,7 @@ _DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
 #: How a run's pseudo-gradients may travel (see `RunConfig.codec`).
 CODECS = ("int8", "fp16", "fp32", "topk", "lowrank")
 #: The training algorithms a run may use.
-ALGORITHMS = ("diloco", "streaming-diloco", "demo")
+ALGORITHMS = ("diloco", "streaming-diloco", "demo", "swarm")
 
 
 class RunConfigError(ValueError):
@@ -133,6 +134,18 @@ class RunConfig:
     #: outer weight is its samples, N times one process's, and the all-reduce drops a member
     #: declaring more than `max_weight`, so this bounds how much one peer may count.
     max_local_workers: int = 8
+    #: `swarm` (SWARM parallelism, Ryabinin et al. 2023): the model cut into `swarm_stages`
+    #: pipeline stages, each served by several peers; trainers route every micro-batch of
+    #: `batch_size` sequences through one server per stage; each stage's servers average
+    #: gradients and step AdamW (at inner_lr, weight_decay) every `swarm_round_s` seconds;
+    #: servers move to the bottleneck stage (see swarmd/node/swarm/config.py for each).
+    swarm_stages: int = 3
+    swarm_round_s: float = 5.0
+    swarm_rebalance_s: float = 30.0
+    swarm_rebalance_gain: float = 1.25
+    swarm_activations: str = "fp16"
+    swarm_inflight: int = 4
+    swarm_call_timeout_s: float = 30.0
     version: str = field(default=swarmd.__version__)
 
     def __post_init__(self) -> None:
@@ -205,6 +218,15 @@ class RunConfig:
             self.demo_config()
         except ValueError as exc:
             raise RunConfigError(f"demo options: {exc}") from None
+        try:
+            swarm = self.swarm_config()
+        except ValueError as exc:
+            raise RunConfigError(f"swarm options: {exc}") from None
+        if self.algo == "swarm" and self.model == "builtin" and swarm.stages > self.n_layer:
+            raise RunConfigError(
+                f"swarm_stages ({swarm.stages}) must be at most n_layer ({self.n_layer}): "
+                "each stage holds at least one block"
+            )
 
     def lr_schedule_config(self) -> LrSchedule:
         """The inner learning-rate schedule (raises ValueError with the reason if invalid)."""
@@ -263,6 +285,18 @@ class RunConfig:
             compression_chunk=self.demo_chunk,
             weight_decay=self.weight_decay,
             value_bits=self.demo_value_bits,
+        )
+
+    def swarm_config(self) -> SwarmConfig:
+        """SWARM's settings (raises ValueError with the reason if invalid)."""
+        return SwarmConfig(
+            stages=self.swarm_stages,
+            round_s=self.swarm_round_s,
+            rebalance_s=self.swarm_rebalance_s,
+            rebalance_gain=self.swarm_rebalance_gain,
+            activations=self.swarm_activations,
+            inflight=self.swarm_inflight,
+            call_timeout_s=self.swarm_call_timeout_s,
         )
 
     # -- serialisation ---------------------------------------------------------------------

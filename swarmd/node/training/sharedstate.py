@@ -94,9 +94,15 @@ def _advertisers(adverts: Iterable[StateAdvert], state_hash: bytes) -> dict[str,
 class SharedState:
     """One peer's view of the group's state: its own copy's hash and when it was last shared."""
 
-    def __init__(self, peer: PeerContext, opt: SyncedState, judge: Judge | None = None) -> None:
+    def __init__(
+        self, peer: PeerContext, opt: SyncedState, judge: Judge | None = None, *, scope: str = ""
+    ) -> None:
         self.peer = peer
         self.opt = opt
+        #: What part of the run's state this is ("": all of it; SWARM: one stage's, "stage2"):
+        #: its adverts and its file are its own, so a stage's joiner finds that stage's donors.
+        self.key = advert_key(peer.config.name + (f"/{scope}" if scope else ""))
+        self.path = peer.opts.state_dir / (f"{scope}-{STATE_FILE}" if scope else STATE_FILE)
         #: Measures an offered state against this peer's own before it is loaded (the
         #: strategy knows the model and data); None skips that check.
         self.judge = judge
@@ -105,7 +111,7 @@ class SharedState:
         #: Set while no save runs in the background (`publish(..., background=)`).
         self._saved = trio.Event()
         self._saved.set()
-        remove_stale_temps(peer.opts.state_dir / STATE_FILE)
+        remove_stale_temps(self.path)
         #: Hash of the global state this peer last published (None before its first): the
         #: matchmaking key carries it, so only peers holding the very same state average.
         self.last_hash: bytes | None = None
@@ -173,7 +179,7 @@ class SharedState:
         peer.donor.publish(snap)
         shared = self.proven and self.opt.age <= self.shared_round
         await peer.dht.store(
-            advert_key(peer.config.name),
+            self.key,
             StateAdvert.of(snap, peer.address, shared=shared).to_bytes(),
             peer.dht.now() + ADVERT_TTL_S,
             subkey=str(peer.identity.peer_id),
@@ -203,9 +209,8 @@ class SharedState:
             self._saved.set()
 
     async def _save(self, state: dict[str, Any]) -> None:
-        peer = self.peer
         try:
-            await trio.to_thread.run_sync(save_state, peer.opts.state_dir / STATE_FILE, state)
+            await trio.to_thread.run_sync(save_state, self.path, state)
         except SaveError as exc:
             # Training goes on: the state lives in memory and in the group; a restart resumes
             # from the last good file (or the group's newer state).
@@ -214,7 +219,7 @@ class SharedState:
             self.save_failing = True
         else:
             if self.save_failing:
-                log.info("saved the state to %s again", peer.opts.state_dir / STATE_FILE)
+                log.info("saved the state to %s again", self.path)
             self.save_failing = False
 
     async def adverts(self, *, known_only: bool = False) -> list[StateAdvert]:
@@ -223,7 +228,7 @@ class SharedState:
         that never averaged nor downloaded is where a joiner is, and reads them all)."""
         adverts: list[StateAdvert] = []
         me = str(self.peer.identity.peer_id)
-        entries = await self.peer.dht.get_map(advert_key(self.peer.config.name))
+        entries = await self.peer.dht.get_map(self.key)
         for peer, value in entries.items():
             if peer == me:
                 continue
@@ -238,6 +243,11 @@ class SharedState:
                 continue
             adverts.append(dataclasses.replace(advert, owner=peer))
         return adverts
+
+    async def sync_to(self, adverts: list[StateAdvert]) -> bool:
+        """Downloads and loads the state these adverts name (a strategy that decides itself
+        whose state to follow); False if that failed."""
+        return await self._sync_from_group(adverts)
 
     def _banned(self, peer: str) -> bool:
         try:
@@ -326,7 +336,7 @@ class SharedState:
         """Loads the newest state: the group's, else ours, else the seeded init. Returns where
         it came from and the inner step to resume the data order at."""
         adverts = await self.adverts()
-        saved = load_saved(self.peer.opts.state_dir / STATE_FILE, self.peer.config.hash)
+        saved = load_saved(self.path, self.peer.config.hash)
         saved_round = state_age(saved["global"]) if saved else -1
         if saved is None and adverts and max(a.round for a in adverts) == 0:
             # Round 0 is the seeded init, which this peer builds itself bit for bit: a run's

@@ -7,9 +7,10 @@ from swarmd.node.training.diloco import DiLoCoStrategy
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.strategy import Strategy
 from swarmd.node.training.streaming import StreamingStrategy
+from swarmd.node.training.swarm import SwarmStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
-    s.algo: s for s in (DiLoCoStrategy, StreamingStrategy, DeMoStrategy)
+    s.algo: s for s in (DiLoCoStrategy, StreamingStrategy, DeMoStrategy, SwarmStrategy)
 }
 
 

@@ -1,0 +1,65 @@
+"""When a stage server moves to another stage: the pipeline runs at its slowest stage's speed.
+
+A pipeline's throughput is the smallest of its stages' total rates (the sum of their servers'
+published micro-batches per second). A server of stage `a` moves to the stage `b` with the
+smallest total when, with its rate taken from `a` and added to `b`, the smallest total rises
+by at least `gain` (SWARM's rule, with Petals' balance-quality margin against noise). Stage
+`a` must keep a server, and only one server of a stage moves per look: the one whose
+(peer id, look) hash is lowest, so the servers of an over-served stage, which all read the
+same directory and come to the same conclusion, don't all leave it at once (Petals saw
+decisions reverse within minutes as servers moved together: petals#389). A server moving
+publishes itself as `joining` its new stage at once, so the next look already counts it
+there. Pure functions of the directory: the strategy does the move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from swarmd.node.swarm.directory import StageRecord
+from swarmd.protocol.identity import PeerId
+
+
+@dataclass(frozen=True)
+class Move:
+    source: int
+    target: int
+    #: The slowest stage's total rate before and after the move (micro-batches/s).
+    before: float
+    after: float
+
+
+def stage_rates(records: dict[PeerId, StageRecord], stages: int) -> list[float]:
+    """Each stage's total rate (servers joining it count already)."""
+    totals = [0.0] * stages
+    for record in records.values():
+        if record.state in ("serving", "joining"):
+            totals[record.stage] += record.rate
+    return totals
+
+
+def _lot(peer: PeerId, look: int) -> bytes:
+    return hashlib.blake2b(peer.raw + look.to_bytes(8, "little"), digest_size=8).digest()
+
+
+def choose_move(
+    records: dict[PeerId, StageRecord], me: PeerId, stages: int, gain: float, look: int
+) -> Move | None:
+    """Where `me` should move now, or None (see the module's docstring)."""
+    mine = records.get(me)
+    if mine is None or mine.state != "serving" or mine.rate <= 0 or stages < 2:
+        return None
+    peers = [p for p, r in records.items() if r.stage == mine.stage and r.state == "serving"]
+    if len(peers) < 2 or min(peers, key=lambda p: _lot(p, look)) != me:
+        return None
+    totals = stage_rates(records, stages)
+    before = min(totals)
+    target = min((s for s in range(stages) if s != mine.stage), key=lambda s: (totals[s], s))
+    after_totals = list(totals)
+    after_totals[mine.stage] -= mine.rate
+    after_totals[target] += mine.rate
+    after = min(after_totals)
+    if after > before * gain and after > before:
+        return Move(mine.stage, target, before, after)
+    return None

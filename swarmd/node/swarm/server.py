@@ -1,0 +1,292 @@
+"""A stage server's RPC side: Forward, Backward and Last calls, and Fetch for their results.
+
+Every peer serves the Stage service (services are fixed when the server starts, before the
+run's algorithm is known); it answers FAILED_PRECONDITION until a SWARM strategy attaches a
+stage, and for a stage it does not hold (a server that moved), so a trainer with an old
+directory learns at once and asks another server.
+
+A call is two transfers on the tensor plane: the caller puts its bundle (Forward, Backward,
+Last), the server computes and keeps the answer in a bounded outbox, and the caller fetches
+it (Fetch, by the call's id). The transport has no call that sends a tensor both ways; this
+costs one more round trip per hop (a few ms on loopback, one RTT on a wide-area link) and is
+the place to save one (a bulk-plane "call" kind).
+
+Everything received is checked before compute (wire.decode: sizes, finiteness; then shapes
+against this stage's: batch at most the run's, sequence at most its block, width its model's,
+token ids below its vocabulary). Compute is one call at a time (one device); at most
+`MAX_WAITING` calls wait for it, beyond that a call is refused RESOURCE_EXHAUSTED so the
+trainer goes elsewhere instead of queueing behind a slow server. Answers not fetched within
+`OUTBOX_TTL_S` are dropped, and the outbox holds at most `OUTBOX_BYTES`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+import trio
+
+from swarmd.node.swarm import wire
+from swarmd.optim.stage import StageTrainer
+from swarmd.protocol import rpc
+from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol.calls import CallContext, RpcError, StatusCode
+from swarmd.protocol.framing import Payload, TensorMeta
+
+STAGE_SERVICE = "swarmd.v1.Stage"
+FORWARD = rpc.method_path(STAGE_SERVICE, "Forward")
+BACKWARD = rpc.method_path(STAGE_SERVICE, "Backward")
+LAST = rpc.method_path(STAGE_SERVICE, "Last")
+FETCH = rpc.method_path(STAGE_SERVICE, "Fetch")
+
+MAX_WAITING = 64
+OUTBOX_TTL_S = 60.0
+OUTBOX_BYTES = 256 << 20
+#: Smoothing of the measured seconds per call (new sample's share).
+EMA_ALPHA = 0.2
+MAX_CALL_ID = 64
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StageShape:
+    """What this stage's inputs may look like (from the run config)."""
+
+    batch: int
+    block: int
+    width: int
+    vocab: int
+
+
+@dataclass
+class StageJob:
+    """A stage this peer serves: its trainer and how its calls are checked and answered."""
+
+    trainer: StageTrainer
+    shape: StageShape
+    activations: str = "fp16"
+    #: >= 1: each compute of d seconds is followed by (slowdown - 1) * d seconds of holding
+    #: the device idle (benchmarks emulate unequal GPUs on a few CPU cores this way).
+    slowdown: float = 1.0
+    #: Seconds per call of each kind (EMA), once measured.
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: (micro-batch id, op) of each backward applied: what the tests audit.
+    on_applied: Callable[[str], None] | None = None
+
+    @property
+    def index(self) -> int:
+        return self.trainer.index
+
+    def observe(self, kind: str, seconds: float) -> None:
+        old = self.seconds.get(kind)
+        self.seconds[kind] = seconds if old is None else old + EMA_ALPHA * (seconds - old)
+
+    @property
+    def rate(self) -> float:
+        """Micro-batches per second (forward + backward, or the last stage's one call)."""
+        t = self.trainer
+        kinds = ("last",) if t.last_stage else ("forward", "backward")
+        if not all(k in self.seconds for k in kinds):
+            return 0.0
+        return 1.0 / max(sum(self.seconds[k] for k in kinds), 1e-6)
+
+
+class StageHost:
+    """The Stage service of one peer, and the stage it serves now (if any)."""
+
+    def __init__(self) -> None:
+        self.job: StageJob | None = None
+        self._device = trio.CapacityLimiter(1)
+        self._waiting = 0
+        #: (caller, call id) -> (deadline, answer bundle)
+        self._outbox: collections.OrderedDict[tuple[str, str], tuple[float, list[memoryview]]]
+        self._outbox = collections.OrderedDict()
+        self._outbox_bytes = 0
+        #: Micro-batches computed since start, by kind.
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    # -- what the strategy does ------------------------------------------------------------
+
+    def attach(self, job: StageJob | None) -> None:
+        """Serves `job` from now on (None: no stage)."""
+        self.job = job
+
+    @property
+    def queue(self) -> int:
+        """Calls waiting for or holding this peer's compute."""
+        return self._waiting
+
+    async def compute(self, kind: str, fn: Callable[[], T], job: StageJob | None = None) -> T:
+        """Runs `fn` on the device (one at a time), timing it for `job`'s rate (default: the
+        served one's); used for calls and for the strategy's own work on a stage (take,
+        apply)."""
+        job = job or self.job
+        async with self._device:
+            t0 = time.perf_counter()
+            out = await trio.to_thread.run_sync(fn)
+            took = time.perf_counter() - t0
+            if job is not None and job.slowdown > 1:
+                await trio.sleep((job.slowdown - 1.0) * took)
+            if job is not None and kind in ("forward", "backward", "last"):
+                job.observe(kind, time.perf_counter() - t0)
+        return out
+
+    # -- the service -----------------------------------------------------------------------
+
+    def service(self) -> rpc.Service:
+        return rpc.Service(
+            STAGE_SERVICE,
+            [
+                rpc.tensor_in("Forward", self._forward, admit=self._admit),
+                rpc.tensor_in("Backward", self._backward, admit=self._admit),
+                rpc.tensor_in("Last", self._last, admit=self._admit),
+                rpc.tensor_out("Fetch", pb.TensorRequest, self._fetch),
+            ],
+        )
+
+    def _job_for(self, meta: TensorMeta) -> StageJob:
+        job = self.job
+        if job is None:
+            raise RpcError(StatusCode.FAILED_PRECONDITION, "this peer serves no stage")
+        if meta.name != str(job.index):
+            raise RpcError(
+                StatusCode.FAILED_PRECONDITION,
+                f"this peer serves stage {job.index}, not {meta.name[:8]!r}",
+            )
+        return job
+
+    async def _admit(self, meta: TensorMeta, ctx: CallContext) -> None:
+        job = self._job_for(meta)
+        s = job.shape
+        cells = s.batch * s.block
+        limit = 1024 + cells * (2 * 4 * s.width + 2 * 8)  # two fp32 hidden + two int64
+        if meta.dtype != "uint8" or len(meta.shape) != 1 or meta.shape[0] > limit:
+            raise RpcError(
+                StatusCode.INVALID_ARGUMENT,
+                f"a stage call is a uint8 bundle of at most {limit} B",
+            )
+        if not 0 < len(meta.info) <= MAX_CALL_ID:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "a stage call names its call id")
+        if self._waiting >= MAX_WAITING:
+            raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "stage server busy")
+
+    def _inputs(self, job: StageJob, tensors: list[torch.Tensor], n: int, what: str) -> None:
+        """Checks the first `n` tensors: the stage's input, then (n=2) targets or gradient."""
+        s = job.shape
+        x = tensors[0]
+        if job.trainer.first:
+            wire.expect(tensors[:1], [(None, None)], what)
+            if x.dtype != torch.int64 or bool((x < 0).any()) or bool((x >= s.vocab).any()):
+                raise wire.WireError(f"{what}: token ids must be int64 in [0, {s.vocab})")
+        else:
+            wire.expect(tensors[:1], [(None, None, s.width)], what)
+            if x.dtype != torch.float32:
+                raise wire.WireError(f"{what}: hidden states must be floats")
+        if not (1 <= x.shape[0] <= s.batch and 1 <= x.shape[1] <= s.block):
+            raise wire.WireError(
+                f"{what}: batch {x.shape[0]} x length {x.shape[1]} exceeds {s.batch} x {s.block}"
+            )
+
+    def _decode(self, job: StageJob, data: bytearray, count: int, what: str) -> list[torch.Tensor]:
+        try:
+            tensors = wire.decode(data)
+            if len(tensors) != count:
+                raise wire.WireError(f"{what}: expected {count} tensors, got {len(tensors)}")
+            self._inputs(job, tensors, count, what)
+        except wire.WireError as exc:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return tensors
+
+    async def _run(
+        self,
+        meta: TensorMeta,
+        ctx: CallContext,
+        kind: str,
+        fn: Callable[[], torch.Tensor | list[torch.Tensor] | None],
+    ) -> None:
+        self._waiting += 1
+        try:
+            out = await self.compute(kind, fn)
+        finally:
+            self._waiting -= 1
+        self.calls[kind] += 1
+        job = self.job
+        if out is not None and job is not None:
+            answer = out if isinstance(out, list) else [out]
+            self._post(ctx, meta.info, wire.encode(answer, job.activations))
+
+    async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
+        job = self._job_for(meta)
+        if job.trainer.last_stage:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Forward")
+        (x,) = self._decode(job, data, 1, "Forward")
+        await self._run(meta, ctx, "forward", lambda: job.trainer.forward(x))
+        return pb.TensorAck(received_bytes=len(data))
+
+    async def _backward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
+        job = self._job_for(meta)
+        x, grad = self._decode(job, data, 2, "Backward")
+        if grad.dtype != torch.float32 or grad.dim() != 3 or grad.shape[:2] != x.shape[:2]:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "Backward: gradient does not fit input")
+
+        def step() -> torch.Tensor | None:
+            try:
+                return job.trainer.backward(x, grad)
+            except ValueError as exc:
+                raise RpcError(StatusCode.INVALID_ARGUMENT, f"Backward: {exc}") from None
+
+        await self._run(meta, ctx, "backward", step)
+        self._applied(job, meta)
+        return pb.TensorAck(received_bytes=len(data))
+
+    async def _last(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
+        job = self._job_for(meta)
+        if not job.trainer.last_stage:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, f"stage {job.index} is not the last")
+        x, targets = self._decode(job, data, 2, "Last")
+        bad = targets.dtype != torch.int64 or targets.shape != x.shape[:2]
+        if bad or bool((targets < 0).any()) or bool((targets >= job.shape.vocab).any()):
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: targets must match the input")
+
+        def step() -> list[torch.Tensor]:
+            loss, grad = job.trainer.last(x, targets)
+            if not math.isfinite(loss):
+                raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: loss is not finite")
+            out = [torch.tensor(loss, dtype=torch.float32)]
+            return out if grad is None else [*out, grad]
+
+        await self._run(meta, ctx, "last", step)
+        self._applied(job, meta)
+        return pb.TensorAck(received_bytes=len(data))
+
+    def _applied(self, job: StageJob, meta: TensorMeta) -> None:
+        if job.on_applied is not None:
+            job.on_applied(meta.info.decode(errors="replace"))
+
+    # -- the outbox --------------------------------------------------------------------------
+
+    def _post(self, ctx: CallContext, call: bytes, answer: list[memoryview]) -> None:
+        now = time.monotonic()
+        while self._outbox and (
+            next(iter(self._outbox.values()))[0] < now or self._outbox_bytes > OUTBOX_BYTES
+        ):
+            _, (_, old) = self._outbox.popitem(last=False)
+            self._outbox_bytes -= sum(v.nbytes for v in old)
+        key = (str(ctx.peer_id), call.hex())
+        self._outbox[key] = (now + OUTBOX_TTL_S, answer)
+        self._outbox_bytes += sum(v.nbytes for v in answer)
+
+    async def _fetch(self, req: pb.TensorRequest, ctx: CallContext) -> tuple[TensorMeta, Payload]:
+        entry = self._outbox.pop((str(ctx.peer_id), req.name), None)
+        if entry is None:
+            raise RpcError(StatusCode.NOT_FOUND, "no answer for that call (expired or taken)")
+        answer = entry[1]
+        self._outbox_bytes -= sum(v.nbytes for v in answer)
+        nbytes = sum(v.nbytes for v in answer)
+        return TensorMeta("uint8", (nbytes,), name="answer"), answer

@@ -1,0 +1,210 @@
+"""A SWARM trainer: drives micro-batches of its data through one server per stage.
+
+Forward goes stage 0, 1, ..., S-2 (each answer is the next stage's input), then the last
+stage's Last call computes the loss and its input's gradient; backward goes S-2, ..., 0, each
+call sending the hop's input again with the gradient (servers recompute: stateless backward).
+The trainer keeps each hop's input until its backward is done, so its memory is `inflight`
+micro-batches x S hidden states; nothing is held on a server between calls.
+
+Every hop picks its server afresh (router.py), so a micro-batch's backward may run on another
+server of the stage than its forward did. A hop that fails (refused, timed out, server gone)
+is retried on another server of the same stage; only that hop is redone, never the whole
+micro-batch, so a micro-batch is counted once whatever fails. A stage with no live server
+pauses the trainer: it says so once, then re-reads the directory every second until a server
+appears (or the peer is stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarmd.node.dht import DHTNode
+from swarmd.node.swarm import directory, wire
+from swarmd.node.swarm.config import SwarmConfig
+from swarmd.node.swarm.directory import StageRecord
+from swarmd.node.swarm.router import Router
+from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST
+from swarmd.protocol import rpc
+from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol.framing import TensorMeta
+from swarmd.protocol.identity import PeerId
+
+log = logging.getLogger("swarmd.swarm")
+
+#: How long a read of the directory is reused.
+DIRECTORY_TTL_S = 2.0
+WAIT_POLL_S = 1.0
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+#: (event kind, text, fields): the peer's progress output.
+Say = Callable[..., None]
+
+
+@dataclass
+class TrainerStats:
+    done: int = 0
+    retries: int = 0
+    tokens: int = 0
+    loss: float = math.nan
+    #: Completed micro-batch sequence numbers (each exactly once).
+    completed: list[int] = field(default_factory=list)
+
+
+class StageUnavailable(Exception):
+    """No server of a stage answered; raised only when the trainer is stopping."""
+
+
+class SwarmTrainer:
+    def __init__(
+        self,
+        client: rpc.RpcClient,
+        dht: DHTNode,
+        run: str,
+        config: SwarmConfig,
+        say: Say,
+        *,
+        me: PeerId,
+    ) -> None:
+        self.client, self.dht, self.run, self.config = client, dht, run, config
+        self.say = say
+        self.me = me
+        self.router = Router()
+        self.stats = TrainerStats()
+        self._records: list[dict[PeerId, StageRecord]] = []
+        self._read_at = -math.inf
+        self._read_lock = trio.Lock()
+        self._nonce = secrets.token_hex(4)
+        self._waiting_for: set[int] = set()
+
+    async def servers(self, stage: int, *, fresh: bool = False) -> dict[PeerId, StageRecord]:
+        """The stage's serving servers, from a directory read at most DIRECTORY_TTL_S old."""
+        async with self._read_lock:
+            if fresh or time.monotonic() - self._read_at > DIRECTORY_TTL_S:
+                records = await directory.read(self.dht, self.run, self.config.stages)
+                self._records = directory.by_stage(records, self.config.stages)
+                self._read_at = time.monotonic()
+        return {p: r for p, r in self._records[stage].items() if r.state == "serving"}
+
+    async def micro_batch(self, seq: int, batch: Batch) -> float:
+        """Trains one micro-batch through the pipeline; returns its loss."""
+        x, y = batch
+        mb = f"{self._nonce}-{seq}"
+        last = self.config.stages - 1
+        inputs = [x]
+        for s in range(last):
+            (h,) = await self.call(s, FORWARD, [inputs[-1]], f"{mb}/f", answer=1, like=x)
+            inputs.append(h)
+        out = await self.call(
+            last, LAST, [inputs[-1], y], f"{mb}/l", answer=1 if last == 0 else 2, like=x
+        )
+        loss = float(out[0])
+        if not math.isfinite(loss):
+            raise wire.WireError("the last stage answered a non-finite loss")
+        grad = out[1] if last > 0 else None
+        for s in range(last - 1, -1, -1):
+            assert grad is not None
+            got = await self.call(
+                s, BACKWARD, [inputs[s], grad], f"{mb}/b", answer=0 if s == 0 else 1, like=x
+            )
+            grad = got[0] if got else None
+        self.stats.done += 1
+        self.stats.completed.append(seq)
+        self.stats.tokens += x.numel()
+        self.stats.loss = loss
+        return loss
+
+    async def call(
+        self,
+        stage: int,
+        path: str,
+        tensors: list[torch.Tensor],
+        call: str,
+        *,
+        answer: int,
+        like: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """One hop, retried on the stage's other servers until one answers."""
+        payload = wire.encode(tensors, self.config.activations)
+        nbytes = sum(v.nbytes for v in payload)
+        attempt = 0
+        while True:
+            servers = await self.servers(stage, fresh=attempt > 0)
+            choice = self.router.pick(servers)
+            if choice is None:
+                await self._wait_for(stage)
+                continue
+            if stage in self._waiting_for:
+                self._waiting_for.discard(stage)
+                self.say("stage_back", f"stage {stage} is served again", stage=stage)
+            call_id = f"{call}{stage}.{attempt}".encode()
+            meta = TensorMeta("uint8", (nbytes,), name=str(stage), info=call_id)
+            self.router.started(choice.peer)
+            t0 = time.monotonic()
+            try:
+                with trio.fail_after(self.config.call_timeout_s):
+                    await self.client.put_tensor(
+                        choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
+                    )
+                    out: list[torch.Tensor] = []
+                    if answer:
+                        _, data = await self.client.get_tensor(
+                            choice.address,
+                            FETCH,
+                            pb.TensorRequest(name=call_id.hex()),
+                            expect=choice.peer,
+                        )
+                        out = wire.decode(data)
+                        _check_answer(out, answer, like, stage)
+            except (rpc.RpcError, wire.WireError, trio.TooSlowError) as exc:
+                ban = self.router.failed(choice.peer)
+                attempt += 1
+                self.stats.retries += 1
+                self.say(
+                    "stage_retry",
+                    f"stage {stage} call to {str(choice.peer)[:12]} failed ({_why(exc)}); "
+                    f"retrying on another server (that one rests {ban:.0f} s)",
+                    stage=stage,
+                    server=str(choice.peer),
+                    why=_why(exc),
+                )
+                continue
+            self.router.succeeded(choice.peer, time.monotonic() - t0)
+            return out
+
+    async def _wait_for(self, stage: int) -> None:
+        if stage not in self._waiting_for:
+            self._waiting_for.add(stage)
+            self.say(
+                "stage_missing",
+                f"waiting: no live server serves stage {stage} of {self.config.stages}",
+                stage=stage,
+            )
+        await trio.sleep(WAIT_POLL_S)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, rpc.RpcError):
+        return f"{exc.code.name}: {exc.details[:120]}"
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    return str(exc)[:120]
+
+
+def _check_answer(out: list[torch.Tensor], count: int, like: torch.Tensor, stage: int) -> None:
+    """A server's answer must be what was asked: `count` tensors, hidden states or gradients
+    of the micro-batch's (batch, length, *) shape, a scalar loss first from the last stage."""
+    if len(out) != count:
+        raise wire.WireError(f"stage {stage} answered {len(out)} tensors, expected {count}")
+    for t in out:
+        if t.dim() == 0:
+            continue
+        if t.dim() != 3 or t.shape[:2] != like.shape[:2] or t.dtype != torch.float32:
+            raise wire.WireError(f"stage {stage} answered a tensor of shape {tuple(t.shape)}")

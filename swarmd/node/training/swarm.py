@@ -1,0 +1,446 @@
+"""SWARM parallelism (`algo = "swarm"`): a peer serves a pipeline stage, drives micro-batches
+through the stages as a trainer, or both (`swarmd join --role`).
+
+A server builds the run's seeded model, keeps the layers of its stage and serves them
+(swarm/server.py). Every `round_s` of wall-clock time the servers of a stage take the
+gradients they accumulated, average them through matchmaking and the all-reduce (key: run,
+stage, round and the stage state's hash, so only servers holding the same state average) and
+each takes the same AdamW step: the stage's servers stay identical. A server whose state is
+not the one most of its stage holds (it missed a round) downloads theirs. A joiner downloads
+its stage's state from the stage's servers (sharedstate.py, scoped to the stage). After a
+round, now and then (`rebalance_s`), a server looks whether it should move to the bottleneck
+stage (swarm/rebalance.py); if so it downloads that stage's state first and only then stops
+serving its old one, which keeps at least one server.
+
+A trainer reads its data shard and runs `inflight` micro-batches at a time through the
+pipeline (swarm/trainer.py). Its steps are micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import trio
+from torch import nn
+
+from swarmd.node.averaging.allreduce import Member
+from swarmd.node.averaging.codecs import CodecName
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.swarm import directory
+from swarmd.node.swarm.directory import StageRecord
+from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
+from swarmd.node.swarm.server import StageJob, StageShape
+from swarmd.node.swarm.trainer import SwarmTrainer
+from swarmd.node.training.context import PeerContext
+from swarmd.node.training.model import build_model
+from swarmd.node.training.options import JoinError
+from swarmd.node.training.outer import choose_shard
+from swarmd.node.training.sharedstate import SharedState
+from swarmd.node.training.strategy import Strategy
+from swarmd.optim.stage import StageOptConfig, StageTrainer
+from swarmd.workloads import TokenSource, lm_loss, load_source
+
+#: How long a trainer's in-flight micro-batches may take to finish once the peer is told to
+#: stop (a stage with no server would hold them forever).
+DRAIN_S = 10.0
+AUDIT_FILE = "stage-applied.log"
+#: With --swarm-audit, a trainer writes the micro-batches it completed here when it stops.
+COMPLETED_FILE = "trainer-completed.log"
+
+
+def cut_stages(model: nn.Module, count: int) -> list[nn.Module]:
+    """The model's `count` pipeline stages: the built-in GPT's `stages`, or a user model's
+    own `stages(count)` (its last stage returns logits)."""
+    stages = getattr(model, "stages", None)
+    if not callable(stages):
+        raise JoinError("algo swarm needs a model that declares its stages: stages(n) -> modules")
+    try:
+        out = list(stages(count))
+    except ValueError as exc:
+        raise JoinError(f"cannot cut the model into {count} stages: {exc}") from None
+    if len(out) != count or not all(isinstance(m, nn.Module) for m in out):
+        raise JoinError(f"the model's stages({count}) did not return {count} modules")
+    return out
+
+
+def probe_shape(stages: list[nn.Module], batch: int, block: int) -> StageShape:
+    """The hidden width and vocabulary, from one token through the whole pipeline."""
+    with torch.no_grad():
+        h = torch.zeros(1, 1, dtype=torch.int64)
+        widths = []
+        for s in stages:
+            h = s(h)
+            widths.append(h.shape[-1])
+    return StageShape(batch=batch, block=block, width=widths[0], vocab=widths[-1])
+
+
+class SwarmStrategy(Strategy):
+    algo = "swarm"
+
+    def __init__(self, peer: PeerContext) -> None:
+        super().__init__(peer)
+        self.swarm = peer.config.swarm_config()
+        role = peer.opts.role
+        self.serving = role in ("server", "both", "auto")
+        self.training = role in ("trainer", "both", "auto")
+        self.job: StageJob | None = None
+        self.state: SharedState | None = None
+        self.trainer: SwarmTrainer | None = None
+        self._source: TokenSource | None = None
+        self.shard = 0
+        self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
+        self._rounds = 0
+        self._look = 0
+        self._audit: Path | None = (
+            peer.opts.state_dir / AUDIT_FILE if peer.opts.swarm_audit else None
+        )
+
+    @property
+    def round(self) -> int:
+        return self.job.trainer.round if self.job is not None else self._rounds
+
+    # -- join --------------------------------------------------------------------------------
+
+    async def join(self) -> None:
+        config = self.peer.config
+        if self.training:
+            self.shard = choose_shard(self.peer)
+            self._source = await trio.to_thread.run_sync(load_source, config.data)
+            self.trainer = SwarmTrainer(
+                self.peer.client,
+                self.peer.dht,
+                config.name,
+                self.swarm,
+                self.peer.out.event,
+                me=self.peer.identity.peer_id,
+            )
+        if self.serving:
+            # Servers of a stage process different numbers of micro-batches by design (the
+            # router sends more to faster ones): weights far from the median are normal here.
+            averager = self.peer.averager
+            reduction = dataclasses.replace(averager.config.reduction, weight_outlier_factor=1e9)
+            averager.set_config(dataclasses.replace(averager.config, reduction=reduction))
+            stage = self.peer.opts.stage
+            if stage is None:
+                stage = await self._least_served()
+            elif stage >= self.swarm.stages:
+                raise JoinError(
+                    f"--stage {stage}: run {config.name!r} has {self.swarm.stages} stages "
+                    f"(0 to {self.swarm.stages - 1})"
+                )
+            self.job, self.state = await self._take_stage(stage)
+            self.peer.stages.attach(self.job)
+
+    async def _least_served(self) -> int:
+        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
+        totals = stage_rates(records, self.swarm.stages)
+        counts = [0] * self.swarm.stages
+        for r in records.values():
+            counts[r.stage] += 1
+        return min(range(self.swarm.stages), key=lambda s: (counts[s], totals[s], s))
+
+    def _build_stage(self, stage: int) -> tuple[StageTrainer, StageShape]:
+        config = self.peer.config
+        model = build_model(config, "cpu")
+        stages = cut_stages(model, self.swarm.stages)
+        shape = probe_shape(stages, config.batch_size, config.block_size)
+        opt = StageOptConfig(lr=config.inner_lr, weight_decay=config.weight_decay)
+        return StageTrainer(stages[stage], stage, self.swarm.stages, opt, lm_loss), shape
+
+    async def _take_stage(self, stage: int) -> tuple[StageJob, SharedState]:
+        """Builds `stage`, takes its servers' state (or the seeded one), publishes it."""
+        trainer, shape = await trio.to_thread.run_sync(self._build_stage, stage)
+        state = SharedState(self.peer, trainer, scope=f"stage{stage}")
+        origin, _ = await state.take_initial()
+        job = StageJob(
+            trainer,
+            shape,
+            activations=self.swarm.activations,
+            slowdown=self.peer.opts.slowdown,
+            on_applied=self._log_applied if self._audit else None,
+        )
+        await self._warm_up(job)
+        await state.publish(0)
+        self.peer.out.event(
+            "stage",
+            f"serving stage {stage} of {self.swarm.stages}: {trainer.numel / 1e6:.2f}M "
+            f"parameters, round {trainer.round} ({origin} start), "
+            f"{job.rate:.1f} micro-batches/s",
+            stage=stage,
+            stages=self.swarm.stages,
+            params=trainer.numel,
+            origin=origin,
+            round=trainer.round,
+            rate=round(job.rate, 3),
+        )
+        return job, state
+
+    async def _warm_up(self, job: StageJob) -> None:
+        """One micro-batch of zeros through the stage (gradients dropped), so its first record
+        already says how fast it computes."""
+        s, t = job.shape, job.trainer
+        x = (
+            torch.zeros(s.batch, s.block, dtype=torch.int64)
+            if t.first
+            else torch.zeros(s.batch, s.block, s.width)
+        )
+        host = self.peer.stages
+        if t.last_stage:
+            y = torch.zeros(s.batch, s.block, dtype=torch.int64)
+            await host.compute("last", lambda: t.last(x, y), job)
+        else:
+            out = await host.compute("forward", lambda: t.forward(x), job)
+            g = torch.zeros_like(out)
+            await host.compute("backward", lambda: t.backward(x, g), job)
+        await host.compute("take", t.take, job)
+
+    def _log_applied(self, call: str) -> None:
+        assert self._audit is not None
+        with self._audit.open("a") as f:
+            f.write(call + "\n")
+
+    # -- train -------------------------------------------------------------------------------
+
+    async def train(self, nursery: trio.Nursery) -> int:
+        start = time.monotonic()
+        roles = [r for r, on in (("server", self.serving), ("trainer", self.training)) if on]
+        self.peer.out.event(
+            "training",
+            f"SWARM: {' and '.join(roles)}, {self.swarm.stages} stages, rounds every "
+            f"{self.swarm.round_s:g} s, activations {self.swarm.activations}",
+            algo="swarm",
+            roles=roles,
+            stages=self.swarm.stages,
+        )
+        try:
+            async with trio.open_nursery() as inner:
+                if self.serving:
+                    inner.start_soon(self._serve)
+                if self.training:
+                    await self._train_loop(start)
+                else:
+                    while not self.peer.should_stop(self._rounds, start):
+                        await trio.sleep(0.2)
+                inner.cancel_scope.cancel()
+        finally:
+            await self._leave()
+        return self.trainer.stats.done if self.trainer else self._rounds
+
+    async def _leave(self) -> None:
+        if self.job is None:
+            return
+        self.peer.stages.attach(None)
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            await directory.withdraw(
+                self.peer.dht, self.peer.config.name, self.peer.identity.peer_id, self._record()
+            )
+
+    async def _train_loop(self, start: float) -> None:
+        trainer, config = self.trainer, self.peer.config
+        assert trainer is not None and self._source is not None
+        source = self._source
+        seqs = itertools.count()
+        stats = self.peer.stats
+
+        async def worker() -> None:
+            while not self.peer.should_stop(trainer.stats.done, start):
+                seq = next(seqs)
+                if self.peer.opts.max_steps is not None and seq >= self.peer.opts.max_steps:
+                    return
+                batch = source.train_batch(
+                    self.shard, config.data_shards, config.batch_size, config.block_size,
+                    config.seed, seq,
+                )  # fmt: skip
+                loss = await trainer.micro_batch(seq, batch)
+                stats.step, stats.loss = trainer.stats.done, loss
+                stats.tokens = trainer.stats.tokens
+
+        async def drain_on_stop(scope: trio.CancelScope) -> None:
+            await self.peer.stopping.wait()
+            await trio.sleep(DRAIN_S)
+            scope.cancel()
+
+        async with trio.open_nursery() as workers:
+            workers.start_soon(drain_on_stop, workers.cancel_scope)
+            async with trio.open_nursery() as pool:
+                for _ in range(self.swarm.inflight):
+                    pool.start_soon(worker)
+            workers.cancel_scope.cancel()
+        self.peer.out.event(
+            "trainer_done",
+            f"trained {trainer.stats.done} micro-batches ({trainer.stats.retries} hops "
+            f"retried), last loss {trainer.stats.loss:.4f}",
+            micro_batches=trainer.stats.done,
+            retries=trainer.stats.retries,
+            loss=trainer.stats.loss,
+        )
+        if self._audit is not None:
+            done = self.peer.opts.state_dir / COMPLETED_FILE
+            done.write_text("".join(f"{seq}\n" for seq in trainer.stats.completed))
+
+    # -- serve -------------------------------------------------------------------------------
+
+    def _record(self, state: str = "serving") -> StageRecord:
+        assert self.job is not None
+        return StageRecord(
+            stage=self.job.index,
+            address=self.peer.address,
+            rate=min(self.job.rate, 1e6),
+            queue=self.peer.stages.queue,
+            state=state,
+            round=self.job.trainer.round,
+        )
+
+    async def _publish_records(self) -> None:
+        while True:
+            await directory.publish(
+                self.peer.dht, self.peer.config.name, self.peer.identity.peer_id, self._record()
+            )
+            await trio.sleep(directory.REFRESH_S)
+
+    async def _serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._publish_records)
+            next_look = time.monotonic() + self._look_after()
+            while True:
+                r = math.floor(time.time() / self.swarm.round_s) + 1
+                await trio.sleep(max(0.0, r * self.swarm.round_s - time.time()))
+                await self._round(r)
+                if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
+                    await self._maybe_move()
+                    next_look = time.monotonic() + self._look_after()
+
+    def _look_after(self) -> float:
+        return self.swarm.rebalance_s * random.uniform(0.5, 1.5)
+
+    def _mm(self, target: int) -> MatchmakingConfig:
+        gather = min(5.0, max(0.5, self.swarm.round_s / 2))
+        return MatchmakingConfig(
+            target_group_size=target,
+            min_group_size=1,
+            gather_s=gather,
+            commit_wait_s=gather + 2.0,
+            ttl_s=60.0,
+        )
+
+    async def _stage_peers(self) -> dict[str, StageRecord]:
+        assert self.job is not None
+        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
+        return {
+            str(p): r
+            for p, r in records.items()
+            if r.stage == self.job.index and r.state == "serving"
+        }
+
+    async def _round(self, r: int) -> None:
+        """One stage round: take, average with the stage's servers, step, publish."""
+        job, state, host = self.job, self.state, self.peer.stages
+        assert job is not None and state is not None and state.last_hash is not None
+        t0 = time.monotonic()
+        grad, count = await host.compute("take", job.trainer.take, job)
+        peers = await self._stage_peers()
+        target = len(set(peers) | {str(self.peer.identity.peer_id)})
+        key = f"{round_key(self.peer.config.name, r)}/stage{job.index}/{state.last_hash.hex()[:16]}"
+        group_size, dropped, avg = 1, 0, grad
+        if target > 1:
+            group = await form_group(self.peer.dht, key, self.me, self._mm(target))
+            if group is not None and len(group.members) > 1:
+                result = await self.peer.averager.allreduce(
+                    group,
+                    grad,
+                    StageTrainer.weight(count),
+                    key=f"stage{job.index}",
+                    codec=self._codec(),
+                )
+                avg, group_size, dropped = result.tensor, len(group.members), len(result.dropped)
+                state.meet(m.peer_id for m in group.members if m.peer_id not in result.dropped)
+                state.averaged("averaged", group_size, dropped)
+        if not bool(avg.any()):
+            # Nobody of the group had a micro-batch (an idle pipeline): no step, so the
+            # state and its hash stay. Every member sees the same average: same decision.
+            return
+        await host.compute("apply", lambda: job.trainer.apply(avg), job)
+        snap = await state.publish(job.trainer.round)
+        took_over = await self._follow_stage(peers)
+        self._rounds += 1
+        self.peer.stats.round = job.trainer.round
+        self.peer.out.event(
+            "stage_round",
+            f"stage {job.index} round {job.trainer.round}: {count} micro-batches, group of "
+            f"{group_size}{f', {dropped} dropped' if dropped else ''}, "
+            f"{job.rate:.1f} micro-batches/s{', took the stage state' if took_over else ''}",
+            stage=job.index,
+            round=job.trainer.round,
+            micro_batches=count,
+            group_size=group_size,
+            dropped=dropped,
+            rate=round(job.rate, 3),
+            state_hash=snap.state_hash.hex() if not took_over else state.last_hash.hex(),
+            seconds=round(time.monotonic() - t0, 3),
+        )
+
+    def _codec(self) -> CodecName:
+        """The run's codec for stage gradients (topk and lowrank are for DiLoCo's
+        pseudo-gradients: a stage round's dense gradient goes as int8)."""
+        codec = self.peer.config.codec
+        return "fp16" if codec == "fp16" else "fp32" if codec == "fp32" else "int8"
+
+    async def _follow_stage(self, peers: dict[str, StageRecord]) -> bool:
+        """Takes the state most of the stage's servers hold when this server's is another
+        (it missed a round: no group, a late join); True if it did."""
+        state = self.state
+        assert state is not None and self.job is not None
+        adverts = [a for a in await state.adverts() if a.owner in peers]
+        mine = state.last_hash
+        assert mine is not None
+        # Holders and round of each state, this server's own included: every server of the
+        # stage counts the same, so all of them follow the same state (ties: the later
+        # round, then the higher hash; two servers that drifted apart meet again).
+        holders: dict[bytes, tuple[int, int]] = {mine: (1, self.job.trainer.round)}
+        for a in adverts:
+            n, r = holders.get(a.state_hash, (0, 0))
+            holders[a.state_hash] = (n + 1, max(r, a.round))
+        best = max(holders, key=lambda h: (*holders[h], h))
+        if best == mine:
+            return False
+        if not await state.sync_to([a for a in adverts if a.state_hash == best]):
+            return False
+        await state.publish(self.job.trainer.round)
+        return True
+
+    async def _maybe_move(self) -> None:
+        assert self.job is not None
+        self._look += 1
+        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
+        me = self.peer.identity.peer_id
+        records[me] = self._record()
+        move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain, self._look)
+        if move is not None:
+            await self._move(move)
+
+    async def _move(self, move: Move) -> None:
+        """Serves `move.target` instead: announced as joining it, its state downloaded, then
+        switched (the old stage keeps its other servers)."""
+        assert self.job is not None
+        peer = self.peer
+        joining = dataclasses.replace(self._record("joining"), stage=move.target)
+        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, joining)
+        peer.out.event(
+            "rebalance",
+            f"moving from stage {move.source} to stage {move.target}: the slowest stage's "
+            f"throughput {move.before:.2f} -> {move.after:.2f} micro-batches/s",
+            source=move.source,
+            target=move.target,
+            before=round(move.before, 3),
+            after=round(move.after, 3),
+        )
+        job, state = await self._take_stage(move.target)
+        self.job, self.state = job, state
+        peer.stages.attach(job)
+        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())

@@ -1,0 +1,211 @@
+"""One pipeline stage's training state: its layers, their accumulated gradients, AdamW.
+
+A SWARM stage server (swarmd/node/swarm) runs micro-batches through one contiguous slice of
+the model for trainers it never sees the data of. This module is the torch side of it:
+
+- `forward(x)`: the stage's output, no graph kept (nothing is cached between calls);
+- `backward(x, grad_out)`: recomputes the forward from the inputs the trainer sends again
+  and backpropagates `grad_out`; parameter gradients add up in `.grad`, the input's gradient
+  goes back (stateless backward, as in SWARM and hivemind: any server of the stage can take
+  a micro-batch's backward, whichever ran its forward, and no activation waits in memory for
+  a backward that may never come; the price is one more forward per micro-batch);
+- `last(x, targets)`: the last stage's forward, loss and backward in one call.
+
+Every `round`, the servers of a stage average the gradients they accumulated (`take`) and
+each applies the same average (`apply`): same parameters, same AdamW state, same step, so
+they stay identical. `take` and `apply` split accumulation from stepping so the network part
+runs between them while the stage goes on serving micro-batches (their gradients count in the
+next round; SWARM's gradients are as stale).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+#: State-dict keys: the round, then parameters and AdamW moments by parameter name.
+ROUND_KEY = "round"
+PARAM_PREFIX = "param."
+EXP_AVG_PREFIX = "adam.exp_avg."
+EXP_AVG_SQ_PREFIX = "adam.exp_avg_sq."
+STEP_KEY = "adam.step"
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StageOptConfig:
+    """AdamW within a stage (the averaged gradient is one data-parallel step's)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    #: Bound on the averaged gradient's norm per step (None: none).
+    grad_clip: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"StageOptConfig.lr must be > 0, got {self.lr!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"StageOptConfig.grad_clip must be > 0, got {self.grad_clip!r}")
+
+
+class StageTrainer:
+    """The layers of stage `index` of `count`, with the optimiser that trains them."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        index: int,
+        count: int,
+        config: StageOptConfig,
+        loss: Loss,
+    ) -> None:
+        if not 0 <= index < count:
+            raise ValueError(f"stage index {index} out of range for {count} stages")
+        self.module = module
+        self.index, self.count = index, count
+        self.config = config
+        self._loss = loss
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError(f"stage {index} has no trainable parameters")
+        self.numel = sum(p.numel() for p in self.params)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        #: Micro-batches whose gradients are in `.grad` now.
+        self.pending = 0
+        self.round = 0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def age(self) -> int:
+        return self.round
+
+    # -- the micro-batch calls -------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out: torch.Tensor = self.module(x)
+        return out
+
+    def backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Recomputes, backpropagates; the input's gradient (None for token ids)."""
+        x = x if self.first else x.detach().requires_grad_(True)
+        out = self.module(x)
+        if out.shape != grad_out.shape:
+            raise ValueError(f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}")
+        out.backward(grad_out)
+        self.pending += 1
+        return None if self.first else x.grad
+
+    def last(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
+        """The last stage: loss and the input's gradient, parameters' gradients accumulated."""
+        x = x if self.first else x.detach().requires_grad_(True)
+        loss = self._loss(self.module(x), targets)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.pending += 1
+        return float(loss.detach()), None if self.first else x.grad
+
+    # -- a round ---------------------------------------------------------------------------
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The gradients accumulated since the last `take` as one flat vector (their sum over
+        micro-batches divided by count + 1, see `weight`), and the micro-batch count; the
+        accumulators start again from zero."""
+        count = self.pending
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])  # type: ignore[union-attr]
+        flat.div_(count + 1)
+        for p in self.params:
+            p.grad.zero_()  # type: ignore[union-attr]
+        self.pending = 0
+        return flat, count
+
+    @staticmethod
+    def weight(count: int) -> float:
+        """A server's weight in its stage's average: its micro-batches plus one, so that a
+        server that got none still takes part (weight 0 divides by nothing when every server
+        was idle) and the average is the stage's mean gradient shrunk by N/(N+servers)."""
+        return float(count + 1)
+
+    def apply(self, grad: torch.Tensor) -> None:
+        """One AdamW step on the stage's averaged gradient; the gradients accumulating for the
+        next round are kept aside meanwhile."""
+        if grad.shape != (self.numel,) or not bool(torch.isfinite(grad).all()):
+            raise ValueError("averaged gradient has the wrong size or is not finite")
+        kept = [p.grad for p in self.params]
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = grad[offset : offset + n].view_as(p).clone()
+            offset += n
+        if self.config.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
+        self.opt.step()
+        for p, g in zip(self.params, kept, strict=True):
+            p.grad = g
+        self.round += 1
+
+    # -- shared state (statesync) ----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What the stage's servers hold in common: round, parameters, AdamW moments."""
+        out: dict[str, torch.Tensor] = {ROUND_KEY: torch.tensor(self.round, dtype=torch.int64)}
+        state = self.opt.state
+        step = 0.0
+        for name, p in zip(self.names, self.params, strict=True):
+            out[PARAM_PREFIX + name] = p.detach().clone()
+            s = state.get(p, {})
+            out[EXP_AVG_PREFIX + name] = s.get("exp_avg", torch.zeros_like(p)).clone()
+            out[EXP_AVG_SQ_PREFIX + name] = s.get("exp_avg_sq", torch.zeros_like(p)).clone()
+            step = float(s["step"]) if "step" in s else step
+        out[STEP_KEY] = torch.tensor(step, dtype=torch.float32)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Takes a stage state (a joiner's download); raises ValueError if it is another
+        stage's or model's layout."""
+        want = set(self.state_dict())
+        if set(state) != want:
+            raise ValueError("state does not match this stage's layout")
+        step = float(state[STEP_KEY])
+        with torch.no_grad():
+            for name, p in zip(self.names, self.params, strict=True):
+                src = state[PARAM_PREFIX + name]
+                if src.shape != p.shape:
+                    raise ValueError(f"{name}: shape {tuple(src.shape)}, expected {tuple(p.shape)}")
+                p.copy_(src)
+                if step > 0:
+                    self.opt.state[p] = {
+                        "step": torch.tensor(step),
+                        "exp_avg": state[EXP_AVG_PREFIX + name].clone().to(p),
+                        "exp_avg_sq": state[EXP_AVG_SQ_PREFIX + name].clone().to(p),
+                    }
+                else:
+                    self.opt.state.pop(p, None)
+        self.round = int(state[ROUND_KEY])
+        self.pending = 0
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """Nothing of a stage is this server's own (its accumulated gradients are not kept)."""
+        return {}
+
+    def load_local_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """See `local_state_dict`."""

@@ -1,0 +1,80 @@
+"""A pipeline of StageTrainers computes what the whole model does: the same loss, the same
+gradients, the same AdamW step; stage state round-trips and refuses another stage's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from swarmd.optim.stage import StageOptConfig, StageTrainer
+from swarmd.workloads import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, tie_weights=False)
+
+
+def _pipeline(model: GPT, n: int) -> list[StageTrainer]:
+    opt = StageOptConfig(lr=1e-2, grad_clip=None)
+    return [StageTrainer(m, i, n, opt, lm_loss) for i, m in enumerate(model.stages(n))]
+
+
+def _micro_batch(stages: list[StageTrainer], x: torch.Tensor, y: torch.Tensor) -> float:
+    inputs = [x]
+    for s in stages[:-1]:
+        inputs.append(s.forward(inputs[-1]))
+    loss, grad = stages[-1].last(inputs[-1], y)
+    for i in range(len(stages) - 2, -1, -1):
+        grad = stages[i].backward(inputs[i], grad)  # type: ignore[arg-type]
+    return loss
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_pipeline_equals_the_whole_model(n: int) -> None:
+    torch.manual_seed(0)
+    whole = GPT(CFG, seed=1)
+    piped = copy.deepcopy(whole)
+    stages = _pipeline(piped, n)
+    ref_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+    for _ in range(3):
+        batches = [(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))) for _ in range(2)]
+        ref_opt.zero_grad()
+        ref_losses = []
+        for x, y in batches:
+            _, loss = whole(x, y)
+            assert loss is not None
+            (loss / len(batches)).backward()
+            ref_losses.append(float(loss.detach()))
+        ref_opt.step()
+        losses = [_micro_batch(stages, x, y) for x, y in batches]
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for s in stages:
+            grad, count = s.take()
+            assert count == len(batches)
+            # take() divides by count + 1 (see StageTrainer.weight): the mean is back with it.
+            s.apply(grad * (count + 1) / count)
+    for (name, a), b in zip(whole.named_parameters(), piped.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_state_round_trips_and_refuses_another_stage() -> None:
+    a = _pipeline(GPT(CFG, seed=1), 3)
+    b = _pipeline(GPT(CFG, seed=2), 3)
+    _micro_batch(a, torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+    for s in a:
+        grad, _ = s.take()
+        s.apply(grad)
+    b[1].load_state_dict(a[1].state_dict())
+    assert b[1].round == 1
+    for k, v in a[1].state_dict().items():
+        torch.testing.assert_close(b[1].state_dict()[k], v, msg=k)
+    with pytest.raises(ValueError, match="layout"):
+        b[0].load_state_dict(a[1].state_dict())
+
+
+def test_apply_refuses_a_bad_average() -> None:
+    (s,) = _pipeline(GPT(CFG, seed=1), 1)
+    with pytest.raises(ValueError):
+        s.apply(torch.full((s.numel,), float("nan")))
+    with pytest.raises(ValueError):
+        s.apply(torch.zeros(s.numel + 1))

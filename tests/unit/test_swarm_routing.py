@@ -1,0 +1,121 @@
+"""SWARM's decisions without a network: which server a trainer calls, when a server moves."""
+
+from __future__ import annotations
+
+import random
+
+from swarmd.node.swarm.directory import StageRecord, by_stage
+from swarmd.node.swarm.rebalance import choose_move, stage_rates
+from swarmd.node.swarm.router import MAX_BAN_S, Router
+from swarmd.protocol.identity import Identity
+
+PEERS = [Identity.generate().peer_id for _ in range(6)]
+
+
+def rec(stage: int, rate: float, queue: int = 0, state: str = "serving") -> StageRecord:
+    return StageRecord(
+        stage=stage, address=f"127.0.0.1:{1000 + stage}", rate=rate, queue=queue, state=state
+    )
+
+
+def test_router_prefers_fast_and_idle_servers_in_proportion() -> None:
+    router = Router(random.Random(0))
+    fast, slow = PEERS[:2]
+    servers = {fast: rec(0, 30.0), slow: rec(0, 10.0)}
+    picks = {fast: 0, slow: 0}
+    for _ in range(400):
+        choice = router.pick(servers)
+        assert choice is not None
+        picks[choice.peer] += 1
+        router.started(choice.peer)
+        if sum(picks.values()) % 4 == 0:  # calls finish: keep ~4 in flight
+            for p in (fast, slow):
+                while router._of(p).inflight > 0:
+                    router.succeeded(p, 1.0 / servers[p].rate)
+    share = picks[fast] / 400
+    assert 0.6 < share < 0.9, picks  # ~3:1 by rate, never all on one
+
+
+def test_a_published_queue_sends_calls_elsewhere() -> None:
+    router = Router(random.Random(1))
+    a, b = PEERS[:2]
+    servers = {a: rec(0, 10.0, queue=20), b: rec(0, 10.0, queue=0)}
+    assert all(router.pick(servers).peer == b for _ in range(50))  # type: ignore[union-attr]
+
+
+def test_failures_ban_with_backoff_but_never_empty_a_stage() -> None:
+    router = Router(random.Random(2))
+    a, b = PEERS[:2]
+    servers = {a: rec(0, 10.0), b: rec(0, 10.0)}
+    router.started(a)
+    assert router.failed(a, now=0.0) == 2.0
+    assert {router.pick(servers, now=1.0).peer for _ in range(20)} == {b}  # type: ignore[union-attr]
+    for _ in range(10):
+        router.started(a)
+        ban = router.failed(a, now=0.0)
+    assert ban == MAX_BAN_S
+    # Every server banned: the one banned least long is tried rather than nothing.
+    router.started(b)
+    router.failed(b, now=0.0)
+    assert router.pick(servers, now=1.0).peer == b  # type: ignore[union-attr]
+    assert router.pick({}, now=1.0) is None
+
+
+def test_the_bottleneck_gets_one_server_of_the_best_served_stage() -> None:
+    # Stage 0 has three servers, stage 1 one: the pipeline runs at stage 1's 10/s.
+    records = {
+        PEERS[0]: rec(0, 10),
+        PEERS[1]: rec(0, 10),
+        PEERS[2]: rec(0, 10),
+        PEERS[3]: rec(1, 10),
+    }
+    assert stage_rates(records, 2) == [30, 10]
+    movers = [p for p in PEERS[:4] if choose_move(records, p, 2, gain=1.25, look=7) is not None]
+    assert len(movers) == 1 and records[movers[0]].stage == 0  # one mover, from stage 0
+    move = choose_move(records, movers[0], 2, gain=1.25, look=7)
+    assert move is not None and (move.source, move.target) == (0, 1)
+    assert (move.before, move.after) == (10, 20)
+
+
+def test_no_move_without_enough_gain_or_from_a_lone_server() -> None:
+    balanced = {PEERS[0]: rec(0, 10), PEERS[1]: rec(0, 10), PEERS[2]: rec(1, 18)}
+    assert all(
+        choose_move(balanced, p, 2, 1.25, look) is None for p in PEERS[:3] for look in range(20)
+    )
+    lone = {PEERS[0]: rec(0, 10), PEERS[1]: rec(1, 1)}
+    assert choose_move(lone, PEERS[0], 2, 1.25, 0) is None  # stage 0 would be left empty
+    # A server already joining the bottleneck counts there: nobody else follows it.
+    joining = {
+        **{p: rec(0, 10) for p in PEERS[:3]},
+        PEERS[3]: rec(1, 10, state="joining"),
+        PEERS[4]: rec(1, 10),
+    }
+    assert all(
+        choose_move(joining, p, 2, 1.25, look) is None for p in PEERS[:3] for look in range(20)
+    )
+
+
+def test_an_empty_stage_is_filled() -> None:
+    records = {PEERS[0]: rec(0, 10), PEERS[1]: rec(0, 10), PEERS[2]: rec(2, 10)}
+    moves = [choose_move(records, p, 3, 1.25, 3) for p in PEERS[:2]]
+    (move,) = [m for m in moves if m is not None]
+    assert move.target == 1 and move.before == 0
+
+
+def test_records_parse_strictly() -> None:
+    r = rec(1, 12.5, queue=3)
+    assert StageRecord.from_bytes(r.to_bytes()) == r
+    for raw in (b"[]", b"{}", b'{"stage": -1}', b"x" * 600, b"\xff"):
+        try:
+            StageRecord.from_bytes(raw)
+        except ValueError:
+            continue
+        raise AssertionError(raw)
+    bad = r.to_bytes().replace(b"12.5", b"1e309")
+    try:
+        StageRecord.from_bytes(bad)
+        raise AssertionError("infinite rate accepted")
+    except ValueError:
+        pass
+    grouped = by_stage({PEERS[0]: r}, 3)
+    assert [len(g) for g in grouped] == [0, 1, 0]
