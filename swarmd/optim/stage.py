@@ -79,8 +79,11 @@ class StageTrainer:
         self.opt = torch.optim.AdamW(
             self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
-        #: Micro-batches whose gradients are in `.grad` now.
+        #: Micro-batches whose gradients are in `.grad` now, and (last stage) their summed loss.
         self.pending = 0
+        self._loss_sum = 0.0
+        #: The last stage's mean loss over the micro-batches of the last `take` (NaN: none).
+        self.taken_loss = math.nan
         self.round = 0
         for p in self.params:
             p.grad = torch.zeros_like(p)
@@ -120,7 +123,9 @@ class StageTrainer:
         loss = self._loss(self.module(x), targets)
         loss.backward()  # type: ignore[no-untyped-call]
         self.pending += 1
-        return float(loss.detach()), None if self.first else x.grad
+        value = float(loss.detach())
+        self._loss_sum += value
+        return value, None if self.first else x.grad
 
     # -- a round ---------------------------------------------------------------------------
 
@@ -133,7 +138,8 @@ class StageTrainer:
         flat.div_(count + 1)
         for p in self.params:
             p.grad.zero_()  # type: ignore[union-attr]
-        self.pending = 0
+        self.taken_loss = self._loss_sum / count if count else math.nan
+        self.pending, self._loss_sum = 0, 0.0
         return flat, count
 
     @staticmethod
@@ -159,6 +165,11 @@ class StageTrainer:
         self.opt.step()
         for p, g in zip(self.params, kept, strict=True):
             p.grad = g
+        self.round += 1
+
+    def skip(self) -> None:
+        """A round in which the stage had no micro-batch: no step, only the round moves on
+        (so the state's hash, which keys the next round's matchmaking, is a new one)."""
         self.round += 1
 
     # -- shared state (statesync) ----------------------------------------------------------
@@ -199,7 +210,7 @@ class StageTrainer:
                 else:
                     self.opt.state.pop(p, None)
         self.round = int(state[ROUND_KEY])
-        self.pending = 0
+        self.pending, self._loss_sum = 0, 0.0
         for p in self.params:
             p.grad = torch.zeros_like(p)
 

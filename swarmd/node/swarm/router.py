@@ -28,6 +28,7 @@ from swarmd.protocol.identity import PeerId
 
 BAN_S = 2.0
 MAX_BAN_S = 60.0
+BUSY_BAN_S = 0.2
 #: Seconds per call assumed for a server that has not published a rate yet.
 UNMEASURED_S = 1.0
 EMA_ALPHA = 0.3
@@ -89,6 +90,14 @@ class Router:
         s.inflight -= 1
         s.failures = 0
         s.seconds = seconds if s.seconds is None else s.seconds + EMA_ALPHA * (seconds - s.seconds)
+
+    def busy(self, peer: PeerId, now: float | None = None) -> None:
+        """The server refused a call for load or rate (nothing computed): it is passed over
+        for BUSY_BAN_S, without counting as a failure."""
+        now = time.monotonic() if now is None else now
+        s = self._of(peer)
+        s.inflight -= 1
+        s.banned_until = max(s.banned_until, now + BUSY_BAN_S)
 
     def failed(self, peer: PeerId, now: float | None = None) -> float:
         """Bans the server after a failed call; returns the ban's length."""

@@ -30,7 +30,7 @@ from swarmd.node.dht import DHTNode
 from swarmd.node.swarm import directory, wire
 from swarmd.node.swarm.config import SwarmConfig
 from swarmd.node.swarm.directory import StageRecord
-from swarmd.node.swarm.router import Router
+from swarmd.node.swarm.router import Choice, Router
 from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -42,6 +42,8 @@ log = logging.getLogger("swarmd.swarm")
 #: How long a read of the directory is reused.
 DIRECTORY_TTL_S = 2.0
 WAIT_POLL_S = 1.0
+#: How long a trainer waits after a server refused a call for load or rate.
+BUSY_S = 0.05
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: (event kind, text, fields): the peer's progress output.
@@ -153,31 +155,53 @@ class SwarmTrainer:
                     await self.client.put_tensor(
                         choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
                     )
-                    out: list[torch.Tensor] = []
-                    if answer:
-                        _, data = await self.client.get_tensor(
-                            choice.address,
-                            FETCH,
-                            pb.TensorRequest(name=call_id.hex()),
-                            expect=choice.peer,
-                        )
-                        out = wire.decode(data)
-                        _check_answer(out, answer, like, stage)
-            except (rpc.RpcError, wire.WireError, trio.TooSlowError) as exc:
-                ban = self.router.failed(choice.peer)
+                    out = await self._fetch(choice, call_id, answer) if answer else []
+                    _check_answer(out, answer, like, stage)
+            except rpc.RpcError as exc:
+                if exc.code is rpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Refused before any compute (its queue is full, or this trainer called
+                    # it too often): nothing was applied; rest a moment, ask again.
+                    self.router.busy(choice.peer)
+                    await trio.sleep(BUSY_S)
+                    continue
                 attempt += 1
-                self.stats.retries += 1
-                self.say(
-                    "stage_retry",
-                    f"stage {stage} call to {str(choice.peer)[:12]} failed ({_why(exc)}); "
-                    f"retrying on another server (that one rests {ban:.0f} s)",
-                    stage=stage,
-                    server=str(choice.peer),
-                    why=_why(exc),
-                )
+                self._failed(stage, choice.peer, exc)
+                continue
+            except (wire.WireError, trio.TooSlowError) as exc:
+                attempt += 1
+                self._failed(stage, choice.peer, exc)
                 continue
             self.router.succeeded(choice.peer, time.monotonic() - t0)
             return out
+
+    async def _fetch(self, choice: Choice, call_id: bytes, count: int) -> list[torch.Tensor]:
+        """The answer of a call the server took. A refusal for rate is waited out at the same
+        server: only it holds the answer, and asking another would apply the micro-batch's
+        gradients twice (a server that is gone took its gradients with it)."""
+        rest = BUSY_S
+        while True:
+            try:
+                _, data = await self.client.get_tensor(
+                    choice.address, FETCH, pb.TensorRequest(name=call_id.hex()), expect=choice.peer
+                )
+                return wire.decode(data)
+            except rpc.RpcError as exc:
+                if exc.code is not rpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+            await trio.sleep(rest)
+            rest = min(2 * rest, 1.0)
+
+    def _failed(self, stage: int, peer: PeerId, exc: BaseException) -> None:
+        ban = self.router.failed(peer)
+        self.stats.retries += 1
+        self.say(
+            "stage_retry",
+            f"stage {stage} call to {str(peer)[:12]} failed ({_why(exc)}); retrying on another "
+            f"server (that one rests {ban:.0f} s)",
+            stage=stage,
+            server=str(peer),
+            why=_why(exc),
+        )
 
     async def _wait_for(self, stage: int) -> None:
         if stage not in self._waiting_for:

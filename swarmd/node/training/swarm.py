@@ -31,7 +31,7 @@ from torch import nn
 
 from swarmd.node.averaging.allreduce import Member
 from swarmd.node.averaging.codecs import CodecName
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.swarm import directory
 from swarmd.node.swarm.directory import StageRecord
 from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
@@ -44,6 +44,7 @@ from swarmd.node.training.outer import choose_shard
 from swarmd.node.training.sharedstate import SharedState
 from swarmd.node.training.strategy import Strategy
 from swarmd.optim.stage import StageOptConfig, StageTrainer
+from swarmd.protocol.identity import PeerId
 from swarmd.workloads import TokenSource, lm_loss, load_source
 
 #: How long a trainer's in-flight micro-batches may take to finish once the peer is told to
@@ -97,6 +98,15 @@ class SwarmStrategy(Strategy):
         self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
         self._rounds = 0
         self._look = 0
+        #: The run's stage servers as last read, and whether a read was made yet.
+        self._directory: dict[PeerId, StageRecord] = {}
+        self._directory_read = trio.Event()
+        #: Whether this server's stage state may be its own (its last round was not one
+        #: whole round with every server of the stage, or it just joined and the stage may
+        #: have stepped since its download): it looks at the stage's until sure.
+        self._unsure = True
+        self._me = str(peer.identity.peer_id)
+        self._nursery: trio.Nursery | None = None
         self._audit: Path | None = (
             peer.opts.state_dir / AUDIT_FILE if peer.opts.swarm_audit else None
         )
@@ -298,20 +308,30 @@ class SwarmStrategy(Strategy):
         )
 
     async def _publish_records(self) -> None:
+        """Refreshes this server's record, and reads the stage directory (what rounds and
+        moves use: a read per round cost each round a DHT lookup)."""
         while True:
+            peer = self.peer
             await directory.publish(
-                self.peer.dht, self.peer.config.name, self.peer.identity.peer_id, self._record()
+                peer.dht, peer.config.name, peer.identity.peer_id, self._record()
             )
+            self._directory = await directory.read(peer.dht, peer.config.name, self.swarm.stages)
+            self._directory_read.set()
             await trio.sleep(directory.REFRESH_S)
 
     async def _serve(self) -> None:
+        """Stage rounds on the wall clock's `round_s` boundaries (the next one after the
+        last round ended: a round that overran skips a boundary)."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._publish_records)
+            await self._directory_read.wait()
             next_look = time.monotonic() + self._look_after()
+            period = self.swarm.round_s
             while True:
-                r = math.floor(time.time() / self.swarm.round_s) + 1
-                await trio.sleep(max(0.0, r * self.swarm.round_s - time.time()))
-                await self._round(r)
+                r = math.floor(time.time() / period) + 1
+                await trio.sleep(max(0.0, r * period - time.time()))
+                await self._round()
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
                     await self._maybe_move()
                     next_look = time.monotonic() + self._look_after()
@@ -329,25 +349,33 @@ class SwarmStrategy(Strategy):
             ttl_s=60.0,
         )
 
-    async def _stage_peers(self) -> dict[str, StageRecord]:
+    def _stage_peers(self) -> dict[str, StageRecord]:
+        """The stage's serving servers, as last read (REFRESH_S ago at most)."""
         assert self.job is not None
-        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
         return {
             str(p): r
-            for p, r in records.items()
+            for p, r in self._directory.items()
             if r.stage == self.job.index and r.state == "serving"
         }
 
-    async def _round(self, r: int) -> None:
-        """One stage round: take, average with the stage's servers, step, publish."""
+    async def _round(self) -> None:
+        """One stage round: take, average with the stage's servers, step, publish.
+
+        The matchmaking key is the stage's state hash alone: servers holding the same state
+        meet whenever each starts its round (one that started late is waited for up to the
+        gather time), and every round makes a new state (an idle one moves the round counter
+        only), so no key is used twice."""
         job, state, host = self.job, self.state, self.peer.stages
         assert job is not None and state is not None and state.last_hash is not None
         t0 = time.monotonic()
         grad, count = await host.compute("take", job.trainer.take, job)
-        peers = await self._stage_peers()
-        target = len(set(peers) | {str(self.peer.identity.peer_id)})
-        key = f"{round_key(self.peer.config.name, r)}/stage{job.index}/{state.last_hash.hex()[:16]}"
-        group_size, dropped, avg = 1, 0, grad
+        peers = self._stage_peers()
+        target = len(set(peers) | {self._me})
+        # Before matchmaking: the others' adverts of the last round are in by now, and the
+        # key carries the state's hash, so a server that takes theirs meets them this round.
+        took_over = self._unsure and await self._follow_stage(peers)
+        key = f"swarmd/{self.peer.config.name}/stage{job.index}/{state.last_hash.hex()[:32]}"
+        group_size, dropped, avg, whole = 1, 0, grad, True
         if target > 1:
             group = await form_group(self.peer.dht, key, self.me, self._mm(target))
             if group is not None and len(group.members) > 1:
@@ -359,29 +387,42 @@ class SwarmStrategy(Strategy):
                     codec=self._codec(),
                 )
                 avg, group_size, dropped = result.tensor, len(group.members), len(result.dropped)
+                whole = result.ok and not dropped
                 state.meet(m.peer_id for m in group.members if m.peer_id not in result.dropped)
                 state.averaged("averaged", group_size, dropped)
         if not bool(avg.any()):
-            # Nobody of the group had a micro-batch (an idle pipeline): no step, so the
-            # state and its hash stay. Every member sees the same average: same decision.
+            # Nobody of the group had a micro-batch (an idle pipeline): no step, only the
+            # round moves on. Every member sees the same average: the same decision.
+            await host.compute("skip", job.trainer.skip, job)
+            await state.publish(job.trainer.round, background=self._nursery)
+            self._unsure = not (whole and group_size == target)
             return
         await host.compute("apply", lambda: job.trainer.apply(avg), job)
-        snap = await state.publish(job.trainer.round)
-        took_over = await self._follow_stage(peers)
+        snap = await state.publish(job.trainer.round, background=self._nursery)
+        # A round with all of the stage's servers leaves them identical by construction;
+        # otherwise this server may hold a state of its own now.
+        # A dropped member or a part that failed leaves members with their own values there.
+        self._unsure = not (whole and group_size == target)
         self._rounds += 1
         self.peer.stats.round = job.trainer.round
+        loss = job.trainer.taken_loss
+        if math.isfinite(loss):
+            self.peer.stats.loss = loss
         self.peer.out.event(
             "stage_round",
-            f"stage {job.index} round {job.trainer.round}: {count} micro-batches, group of "
+            f"stage {job.index} round {job.trainer.round}: {count} micro-batches"
+            f"{f', loss {loss:.4f}' if math.isfinite(loss) else ''}, group of "
             f"{group_size}{f', {dropped} dropped' if dropped else ''}, "
-            f"{job.rate:.1f} micro-batches/s{', took the stage state' if took_over else ''}",
+            f"{job.rate:.1f} micro-batches/s{' (took the stage state first)' if took_over else ''}",
             stage=job.index,
             round=job.trainer.round,
             micro_batches=count,
+            loss=round(loss, 5) if math.isfinite(loss) else None,
             group_size=group_size,
             dropped=dropped,
+            synced=took_over,
             rate=round(job.rate, 3),
-            state_hash=snap.state_hash.hex() if not took_over else state.last_hash.hex(),
+            state_hash=snap.state_hash.hex(),
             seconds=round(time.monotonic() - t0, 3),
         )
 
@@ -396,28 +437,38 @@ class SwarmStrategy(Strategy):
         (it missed a round: no group, a late join); True if it did."""
         state = self.state
         assert state is not None and self.job is not None
-        adverts = [a for a in await state.adverts() if a.owner in peers]
-        mine = state.last_hash
+        mine, my_round = state.last_hash, self.job.trainer.round
         assert mine is not None
+        # Only servers this one met (averaged with, or downloaded from) once it has met any:
+        # a stranger's advert of a far later round must not pull the stage to its state. A
+        # state older than this server's is one it has passed (a slow server's last advert).
+        adverts = [
+            a
+            for a in await state.adverts(known_only=True)
+            if a.owner in peers and a.round >= my_round
+        ]
         # Holders and round of each state, this server's own included: every server of the
         # stage counts the same, so all of them follow the same state (ties: the later
         # round, then the higher hash; two servers that drifted apart meet again).
-        holders: dict[bytes, tuple[int, int]] = {mine: (1, self.job.trainer.round)}
+        holders: dict[bytes, tuple[int, int]] = {mine: (1, my_round)}
         for a in adverts:
             n, r = holders.get(a.state_hash, (0, 0))
             holders[a.state_hash] = (n + 1, max(r, a.round))
         best = max(holders, key=lambda h: (*holders[h], h))
         if best == mine:
+            # Sure again once another server holds this state too (or there is none).
+            self._unsure = holders[mine][0] < 2 and len(set(peers) - {self._me}) > 0
             return False
         if not await state.sync_to([a for a in adverts if a.state_hash == best]):
             return False
-        await state.publish(self.job.trainer.round)
+        self._unsure = False
+        await state.publish(self.job.trainer.round, background=self._nursery)
         return True
 
     async def _maybe_move(self) -> None:
         assert self.job is not None
         self._look += 1
-        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
+        records = dict(self._directory)
         me = self.peer.identity.peer_id
         records[me] = self._record()
         move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain, self._look)
@@ -441,6 +492,6 @@ class SwarmStrategy(Strategy):
             after=round(move.after, 3),
         )
         job, state = await self._take_stage(move.target)
-        self.job, self.state = job, state
+        self.job, self.state, self._unsure = job, state, True
         peer.stages.attach(job)
         await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())
