@@ -184,6 +184,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         from swarmd.node.cli.transport_demo import run_demo as transport_demo
 
         return transport_demo(peers=args.peers, tensor_mib=args.tensor_mib)
+    if args.algo == "swarm":
+        from swarmd.node.cli.demo_swarm import run_swarm_demo
+
+        return run_swarm_demo(duration_s=args.duration)
     from swarmd.node.cli.demo import run_demo
 
     return run_demo(

@@ -394,7 +394,8 @@ def _add_demo(sub: Subparsers) -> None:
         "--algo",
         choices=ALGORITHMS,
         default="diloco",
-        help="the run's algorithm (default: diloco)",
+        help="the run's algorithm (default: diloco); swarm: a 2-stage pipeline of 4 stage "
+        "servers (unbalanced: one moves to the slow stage) and 2 trainers",
     )
     p.add_argument(
         "--transport-only",

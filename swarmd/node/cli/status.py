@@ -17,10 +17,16 @@ import trio
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.statesync.donor import StateAdvert, advert_key
+from swarmd.node.swarm import directory
+from swarmd.node.swarm.directory import StageRecord, by_stage
+from swarmd.node.swarm.rebalance import stage_rates
 from swarmd.node.training.runconfig import RunConfig, RunConfigError, peers_key
 from swarmd.node.training.runrecord import claims
 from swarmd.protocol import rpc
-from swarmd.protocol.identity import Identity
+from swarmd.protocol.identity import Identity, PeerId
+
+#: The most stages a run may have (SwarmConfig.stages): records beyond are not a run's.
+MAX_STAGES = 64
 
 
 async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
@@ -33,6 +39,7 @@ async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
             found = await claims(dht, run)
             live = await dht.peers(peers_key(run), exhaustive=True)
             adverts = await dht.get_map(advert_key(run), exhaustive=True)
+            servers = await directory.read(dht, run, MAX_STAGES)
             nursery.cancel_scope.cancel()
     finally:
         client.close()
@@ -70,7 +77,34 @@ async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
         )
     rounds = [a.round for a in states.values()]
     report["round"] = max(rounds) if rounds else None
+    report["stages"] = _stages(servers)
     return report
+
+
+def _stages(servers: dict[PeerId, StageRecord]) -> list[dict[str, Any]]:
+    """A SWARM run's stages: each one's servers and their summed throughput."""
+    if not servers:
+        return []
+    count = max(r.stage for r in servers.values()) + 1
+    rates = stage_rates(servers, count)
+    return [
+        {
+            "stage": stage,
+            "rate": round(rates[stage], 3),
+            "servers": [
+                {
+                    "peer_id": str(p),
+                    "address": r.address,
+                    "rate": round(r.rate, 3),
+                    "queue": r.queue,
+                    "state": r.state,
+                    "round": r.round,
+                }
+                for p, r in sorted(group.items())
+            ],
+        }
+        for stage, group in enumerate(by_stage(servers, count))
+    ]
 
 
 def status(run: str, peers: Sequence[str], as_json: bool) -> int:
@@ -99,4 +133,15 @@ def status(run: str, peers: Sequence[str], as_json: bool) -> int:
             else "no state yet"
         )
         print(f"  {p['peer_id'][:10]}  {p['address']:<21}  {state}")
+    for stage in report["stages"]:
+        servers = stage["servers"]
+        print(
+            f"stage {stage['stage']}: {len(servers)} servers, "
+            f"{stage['rate']:.1f} micro-batches/s together"
+        )
+        for srv in servers:
+            print(
+                f"  {srv['peer_id'][:10]}  {srv['address']:<21}  {srv['state']}, round "
+                f"{srv['round']}, {srv['rate']:.1f} micro-batches/s, queue {srv['queue']}"
+            )
     return 0

@@ -272,7 +272,8 @@ class SwarmStrategy(Strategy):
                 stats.tokens = trainer.stats.tokens
 
         async def drain_on_stop(scope: trio.CancelScope) -> None:
-            await self.peer.stopping.wait()
+            while not self.peer.should_stop(trainer.stats.done, start):
+                await trio.sleep(0.2)
             await trio.sleep(DRAIN_S)
             scope.cancel()
 
