@@ -233,3 +233,52 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
             client.close()
 
     trio.run(main)
+
+
+def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_path: Path) -> None:
+    """3 servers on stage 0, 1 slowed server on stage 1: one stage-0 server moves to stage 1,
+    with stage 1's state, and averages there; stage 0 keeps its other two."""
+    run = SWARM_RUN.replace("swarm_stages = 3", "swarm_stages = 2").replace(
+        "swarm_rebalance_s = 0", "swarm_rebalance_s = 4"
+    )
+    (tmp_path / "run.toml").write_text(run)
+    boot = start_bootstrap(processes, tmp_path)
+    create = ("--create-run", str(tmp_path / "run.toml"))
+    servers = processes.start_many(
+        [
+            _server(tmp_path, "a", boot, 0, *create),
+            _server(tmp_path, "b", boot, 0),
+            _server(tmp_path, "c", boot, 0),
+            _server(tmp_path, "slow", boot, 1, "--slowdown", "4"),
+        ],
+        timeout=START_S,
+    )
+    for s in servers:
+        wait_for(s, "stage", timeout=START_S)
+    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
+    moved: Proc | None = None
+    deadline = time.monotonic() + 90
+    while moved is None and time.monotonic() < deadline:
+        for s in servers[:3]:
+            try:
+                event = s.receive(timeout=0.5)
+            except AssertionError:
+                continue
+            if event["event"] == "rebalance":
+                assert (event["source"], event["target"]) == (0, 1), event
+                assert event["after"] > event["before"], event
+                moved = s
+    assert moved is not None, "no server moved to the bottleneck stage"
+    took = wait_for(moved, "stage", timeout=60)
+    assert took["stage"] == 1 and took["origin"] == "group" and took["round"] >= 1, took
+    while (e := moved.receive(timeout=60))["event"] != "stage_round" or e["group_size"] < 2:
+        pass
+    assert e["stage"] == 1
+    runs = _stop([trainer, *servers])
+    assert all(t.process.returncode == 0 for t in [trainer]), trainer.stderr_tail
+    # Only one server moved; stage 0 kept the others, which went on averaging together.
+    moves = [e for events in runs for e in events if e["event"] == "rebalance"]
+    assert len(moves) == 1, moves
+    stayed = [events for s, events in zip(servers[:3], runs[1:4], strict=True) if s is not moved]
+    for events in stayed:
+        assert _rounds(events)[-1]["stage"] == 0

@@ -119,3 +119,16 @@ def test_records_parse_strictly() -> None:
         pass
     grouped = by_stage({PEERS[0]: r}, 3)
     assert [len(g) for g in grouped] == [0, 1, 0]
+
+
+def test_a_busy_server_rests_briefly_without_a_failure() -> None:
+    router = Router(random.Random(3))
+    a, b = PEERS[:2]
+    servers = {a: rec(0, 10.0), b: rec(0, 10.0)}
+    router.started(a)
+    router.busy(a, now=0.0)
+    assert {router.pick(servers, now=0.1).peer for _ in range(20)} == {b}  # type: ignore[union-attr]
+    assert router.pick({a: servers[a]}, now=0.3).peer == a  # type: ignore[union-attr]
+    # It was not counted as a failure: the next failure bans for the first step only.
+    router.started(a)
+    assert router.failed(a, now=1.0) == 2.0

@@ -56,7 +56,8 @@ class TrainerStats:
     retries: int = 0
     tokens: int = 0
     loss: float = math.nan
-    #: Completed micro-batch sequence numbers (each exactly once).
+    #: Completed micro-batch sequence numbers (each exactly once), kept only when asked
+    #: (`keep_completed`: an audit; a long run would keep them all).
     completed: list[int] = field(default_factory=list)
 
 
@@ -74,12 +75,14 @@ class SwarmTrainer:
         say: Say,
         *,
         me: PeerId,
+        keep_completed: bool = False,
     ) -> None:
         self.client, self.dht, self.run, self.config = client, dht, run, config
         self.say = say
         self.me = me
         self.router = Router()
         self.stats = TrainerStats()
+        self._keep_completed = keep_completed
         self._records: list[dict[PeerId, StageRecord]] = []
         self._read_at = -math.inf
         self._read_lock = trio.Lock()
@@ -118,7 +121,8 @@ class SwarmTrainer:
             )
             grad = got[0] if got else None
         self.stats.done += 1
-        self.stats.completed.append(seq)
+        if self._keep_completed:
+            self.stats.completed.append(seq)
         self.stats.tokens += x.numel()
         self.stats.loss = loss
         return loss

@@ -1,51 +1,33 @@
 """SWARM parallelism (`algo = "swarm"`): a peer serves a pipeline stage, drives micro-batches
 through the stages as a trainer, or both (`swarmd join --role`).
 
-A server builds the run's seeded model, keeps the layers of its stage and serves them
-(swarm/server.py). Every `round_s` of wall-clock time the servers of a stage take the
-gradients they accumulated, average them through matchmaking and the all-reduce (key: run,
-stage, round and the stage state's hash, so only servers holding the same state average) and
-each takes the same AdamW step: the stage's servers stay identical. A server whose state is
-not the one most of its stage holds (it missed a round) downloads theirs. A joiner downloads
-its stage's state from the stage's servers (sharedstate.py, scoped to the stage). After a
-round, now and then (`rebalance_s`), a server looks whether it should move to the bottleneck
-stage (swarm/rebalance.py); if so it downloads that stage's state first and only then stops
-serving its old one, which keeps at least one server.
+A server (stage_server.py) builds the run's seeded model, keeps the layers of its stage and
+serves them (swarm/server.py). Every `round_s` of wall-clock time the servers of a stage take
+the gradients they accumulated, average them through matchmaking and the all-reduce (keyed by
+the stage state's hash, so only servers holding the same state average) and each takes the
+same AdamW step: the stage's servers stay identical. A server whose state is not the one most
+of its stage holds (it missed a round) downloads theirs; a joiner downloads its stage's state
+(sharedstate.py, scoped to the stage). Now and then (`rebalance_s`) a server looks whether it
+should move to the bottleneck stage (swarm/rebalance.py); if so it downloads that stage's
+state first and only then stops serving its old one, which keeps at least one server.
 
-A trainer reads its data shard and runs `inflight` micro-batches at a time through the
-pipeline (swarm/trainer.py). Its steps are micro-batches.
+A trainer (swarm/trainer.py) reads its data shard and runs `inflight` micro-batches at a time
+through the pipeline. Its steps are micro-batches.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
-import random
 import time
-from pathlib import Path
 
-import torch
 import trio
-from torch import nn
 
-from swarmd.node.averaging.allreduce import Member
-from swarmd.node.averaging.codecs import CodecName
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
-from swarmd.node.swarm import directory
-from swarmd.node.swarm.directory import StageRecord
-from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
-from swarmd.node.swarm.server import StageJob, StageShape
 from swarmd.node.swarm.trainer import SwarmTrainer
 from swarmd.node.training.context import PeerContext
-from swarmd.node.training.model import build_model
-from swarmd.node.training.options import JoinError
 from swarmd.node.training.outer import choose_shard
-from swarmd.node.training.sharedstate import SharedState
+from swarmd.node.training.stage_server import StageServer
 from swarmd.node.training.strategy import Strategy
-from swarmd.optim.stage import StageOptConfig, StageTrainer
-from swarmd.protocol.identity import PeerId
-from swarmd.workloads import TokenSource, lm_loss, load_source
+from swarmd.workloads import TokenSource, load_source
 
 #: How long a trainer's in-flight micro-batches may take to finish once the peer is told to
 #: stop (a stage with no server would hold them forever).
@@ -53,32 +35,6 @@ DRAIN_S = 10.0
 AUDIT_FILE = "stage-applied.log"
 #: With --swarm-audit, a trainer writes the micro-batches it completed here when it stops.
 COMPLETED_FILE = "trainer-completed.log"
-
-
-def cut_stages(model: nn.Module, count: int) -> list[nn.Module]:
-    """The model's `count` pipeline stages: the built-in GPT's `stages`, or a user model's
-    own `stages(count)` (its last stage returns logits)."""
-    stages = getattr(model, "stages", None)
-    if not callable(stages):
-        raise JoinError("algo swarm needs a model that declares its stages: stages(n) -> modules")
-    try:
-        out = list(stages(count))
-    except ValueError as exc:
-        raise JoinError(f"cannot cut the model into {count} stages: {exc}") from None
-    if len(out) != count or not all(isinstance(m, nn.Module) for m in out):
-        raise JoinError(f"the model's stages({count}) did not return {count} modules")
-    return out
-
-
-def probe_shape(stages: list[nn.Module], batch: int, block: int) -> StageShape:
-    """The hidden width and vocabulary, from one token through the whole pipeline."""
-    with torch.no_grad():
-        h = torch.zeros(1, 1, dtype=torch.int64)
-        widths = []
-        for s in stages:
-            h = s(h)
-            widths.append(h.shape[-1])
-    return StageShape(batch=batch, block=block, width=widths[0], vocab=widths[-1])
 
 
 class SwarmStrategy(Strategy):
@@ -90,30 +46,17 @@ class SwarmStrategy(Strategy):
         role = peer.opts.role
         self.serving = role in ("server", "both", "auto")
         self.training = role in ("trainer", "both", "auto")
-        self.job: StageJob | None = None
-        self.state: SharedState | None = None
         self.trainer: SwarmTrainer | None = None
+        self.server: StageServer | None = None
         self._source: TokenSource | None = None
         self.shard = 0
-        self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
-        self._rounds = 0
-        self._look = 0
-        #: The run's stage servers as last read, and whether a read was made yet.
-        self._directory: dict[PeerId, StageRecord] = {}
-        self._directory_read = trio.Event()
-        #: Whether this server's stage state may be its own (its last round was not one
-        #: whole round with every server of the stage, or it just joined and the stage may
-        #: have stepped since its download): it looks at the stage's until sure.
-        self._unsure = True
-        self._me = str(peer.identity.peer_id)
-        self._nursery: trio.Nursery | None = None
-        self._audit: Path | None = (
-            peer.opts.state_dir / AUDIT_FILE if peer.opts.swarm_audit else None
-        )
+        self._audit = peer.opts.state_dir if peer.opts.swarm_audit else None
 
     @property
     def round(self) -> int:
-        return self.job.trainer.round if self.job is not None else self._rounds
+        """The served stage's round (a trainer alone has none: 0)."""
+        job = self.server.job if self.server is not None else None
+        return job.trainer.round if job is not None else 0
 
     # -- join --------------------------------------------------------------------------------
 
@@ -129,91 +72,12 @@ class SwarmStrategy(Strategy):
                 self.swarm,
                 self.peer.out.event,
                 me=self.peer.identity.peer_id,
+                keep_completed=self._audit is not None,
             )
         if self.serving:
-            # Servers of a stage process different numbers of micro-batches by design (the
-            # router sends more to faster ones): weights far from the median are normal here.
-            averager = self.peer.averager
-            reduction = dataclasses.replace(averager.config.reduction, weight_outlier_factor=1e9)
-            averager.set_config(dataclasses.replace(averager.config, reduction=reduction))
-            stage = self.peer.opts.stage
-            if stage is None:
-                stage = await self._least_served()
-            elif stage >= self.swarm.stages:
-                raise JoinError(
-                    f"--stage {stage}: run {config.name!r} has {self.swarm.stages} stages "
-                    f"(0 to {self.swarm.stages - 1})"
-                )
-            self.job, self.state = await self._take_stage(stage)
-            self.peer.stages.attach(self.job)
-
-    async def _least_served(self) -> int:
-        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
-        totals = stage_rates(records, self.swarm.stages)
-        counts = [0] * self.swarm.stages
-        for r in records.values():
-            counts[r.stage] += 1
-        return min(range(self.swarm.stages), key=lambda s: (counts[s], totals[s], s))
-
-    def _build_stage(self, stage: int) -> tuple[StageTrainer, StageShape]:
-        config = self.peer.config
-        model = build_model(config, "cpu")
-        stages = cut_stages(model, self.swarm.stages)
-        shape = probe_shape(stages, config.batch_size, config.block_size)
-        opt = StageOptConfig(lr=config.inner_lr, weight_decay=config.weight_decay)
-        return StageTrainer(stages[stage], stage, self.swarm.stages, opt, lm_loss), shape
-
-    async def _take_stage(self, stage: int) -> tuple[StageJob, SharedState]:
-        """Builds `stage`, takes its servers' state (or the seeded one), publishes it."""
-        trainer, shape = await trio.to_thread.run_sync(self._build_stage, stage)
-        state = SharedState(self.peer, trainer, scope=f"stage{stage}")
-        origin, _ = await state.take_initial()
-        job = StageJob(
-            trainer,
-            shape,
-            activations=self.swarm.activations,
-            slowdown=self.peer.opts.slowdown,
-            on_applied=self._log_applied if self._audit else None,
-        )
-        await self._warm_up(job)
-        await state.publish(0)
-        self.peer.out.event(
-            "stage",
-            f"serving stage {stage} of {self.swarm.stages}: {trainer.numel / 1e6:.2f}M "
-            f"parameters, round {trainer.round} ({origin} start), "
-            f"{job.rate:.1f} micro-batches/s",
-            stage=stage,
-            stages=self.swarm.stages,
-            params=trainer.numel,
-            origin=origin,
-            round=trainer.round,
-            rate=round(job.rate, 3),
-        )
-        return job, state
-
-    async def _warm_up(self, job: StageJob) -> None:
-        """One micro-batch of zeros through the stage (gradients dropped), so its first record
-        already says how fast it computes."""
-        s, t = job.shape, job.trainer
-        x = (
-            torch.zeros(s.batch, s.block, dtype=torch.int64)
-            if t.first
-            else torch.zeros(s.batch, s.block, s.width)
-        )
-        host = self.peer.stages
-        if t.last_stage:
-            y = torch.zeros(s.batch, s.block, dtype=torch.int64)
-            await host.compute("last", lambda: t.last(x, y), job)
-        else:
-            out = await host.compute("forward", lambda: t.forward(x), job)
-            g = torch.zeros_like(out)
-            await host.compute("backward", lambda: t.backward(x, g), job)
-        await host.compute("take", t.take, job)
-
-    def _log_applied(self, call: str) -> None:
-        assert self._audit is not None
-        with self._audit.open("a") as f:
-            f.write(call + "\n")
+            audit = self._audit / AUDIT_FILE if self._audit is not None else None
+            self.server = StageServer(self.peer, self.swarm, audit)
+            await self.server.start()
 
     # -- train -------------------------------------------------------------------------------
 
@@ -228,28 +92,24 @@ class SwarmStrategy(Strategy):
             roles=roles,
             stages=self.swarm.stages,
         )
+        server = self.server
         try:
             async with trio.open_nursery() as inner:
-                if self.serving:
-                    inner.start_soon(self._serve)
+                if server is not None:
+                    inner.start_soon(server.serve)
                 if self.training:
                     await self._train_loop(start)
                 else:
-                    while not self.peer.should_stop(self._rounds, start):
+                    assert server is not None
+                    while not self.peer.should_stop(server.rounds, start):
                         await trio.sleep(0.2)
                 inner.cancel_scope.cancel()
         finally:
-            await self._leave()
-        return self.trainer.stats.done if self.trainer else self._rounds
-
-    async def _leave(self) -> None:
-        if self.job is None:
-            return
-        self.peer.stages.attach(None)
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            await directory.withdraw(
-                self.peer.dht, self.peer.config.name, self.peer.identity.peer_id, self._record()
-            )
+            if server is not None:
+                await server.leave()
+        if self.trainer is not None:
+            return self.trainer.stats.done
+        return server.rounds if server is not None else 0
 
     async def _train_loop(self, start: float) -> None:
         trainer, config = self.trainer, self.peer.config
@@ -292,207 +152,5 @@ class SwarmStrategy(Strategy):
             loss=trainer.stats.loss,
         )
         if self._audit is not None:
-            done = self.peer.opts.state_dir / COMPLETED_FILE
+            done = self._audit / COMPLETED_FILE
             done.write_text("".join(f"{seq}\n" for seq in trainer.stats.completed))
-
-    # -- serve -------------------------------------------------------------------------------
-
-    def _record(self, state: str = "serving") -> StageRecord:
-        assert self.job is not None
-        return StageRecord(
-            stage=self.job.index,
-            address=self.peer.address,
-            rate=min(self.job.rate, 1e6),
-            queue=self.peer.stages.queue,
-            state=state,
-            round=self.job.trainer.round,
-        )
-
-    async def _publish_records(self) -> None:
-        """Refreshes this server's record, and reads the stage directory (what rounds and
-        moves use: a read per round cost each round a DHT lookup)."""
-        while True:
-            peer = self.peer
-            await directory.publish(
-                peer.dht, peer.config.name, peer.identity.peer_id, self._record()
-            )
-            self._directory = await directory.read(peer.dht, peer.config.name, self.swarm.stages)
-            self._directory_read.set()
-            await trio.sleep(directory.REFRESH_S)
-
-    async def _serve(self) -> None:
-        """Stage rounds on the wall clock's `round_s` boundaries (the next one after the
-        last round ended: a round that overran skips a boundary)."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._publish_records)
-            await self._directory_read.wait()
-            next_look = time.monotonic() + self._look_after()
-            period = self.swarm.round_s
-            while True:
-                r = math.floor(time.time() / period) + 1
-                await trio.sleep(max(0.0, r * period - time.time()))
-                await self._round()
-                if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
-                    await self._maybe_move()
-                    next_look = time.monotonic() + self._look_after()
-
-    def _look_after(self) -> float:
-        return self.swarm.rebalance_s * random.uniform(0.5, 1.5)
-
-    def _mm(self, target: int) -> MatchmakingConfig:
-        gather = min(5.0, max(0.5, self.swarm.round_s / 2))
-        return MatchmakingConfig(
-            target_group_size=target,
-            min_group_size=1,
-            gather_s=gather,
-            commit_wait_s=gather + 2.0,
-            ttl_s=60.0,
-        )
-
-    def _stage_peers(self) -> dict[str, StageRecord]:
-        """The stage's serving servers, as last read (REFRESH_S ago at most)."""
-        assert self.job is not None
-        return {
-            str(p): r
-            for p, r in self._directory.items()
-            if r.stage == self.job.index and r.state == "serving"
-        }
-
-    async def _round(self) -> None:
-        """One stage round: take, average with the stage's servers, step, publish.
-
-        The matchmaking key is the stage's state hash alone: servers holding the same state
-        meet whenever each starts its round (one that started late is waited for up to the
-        gather time), and every round makes a new state (an idle one moves the round counter
-        only), so no key is used twice."""
-        job, state, host = self.job, self.state, self.peer.stages
-        assert job is not None and state is not None and state.last_hash is not None
-        t0 = time.monotonic()
-        grad, count = await host.compute("take", job.trainer.take, job)
-        peers = self._stage_peers()
-        target = len(set(peers) | {self._me})
-        # Before matchmaking: the others' adverts of the last round are in by now, and the
-        # key carries the state's hash, so a server that takes theirs meets them this round.
-        took_over = self._unsure and await self._follow_stage(peers)
-        key = f"swarmd/{self.peer.config.name}/stage{job.index}/{state.last_hash.hex()[:32]}"
-        group_size, dropped, avg, whole = 1, 0, grad, True
-        if target > 1:
-            group = await form_group(self.peer.dht, key, self.me, self._mm(target))
-            if group is not None and len(group.members) > 1:
-                result = await self.peer.averager.allreduce(
-                    group,
-                    grad,
-                    StageTrainer.weight(count),
-                    key=f"stage{job.index}",
-                    codec=self._codec(),
-                )
-                avg, group_size, dropped = result.tensor, len(group.members), len(result.dropped)
-                whole = result.ok and not dropped
-                state.meet(m.peer_id for m in group.members if m.peer_id not in result.dropped)
-                state.averaged("averaged", group_size, dropped)
-        if not bool(avg.any()):
-            # Nobody of the group had a micro-batch (an idle pipeline): no step, only the
-            # round moves on. Every member sees the same average: the same decision.
-            await host.compute("skip", job.trainer.skip, job)
-            await state.publish(job.trainer.round, background=self._nursery)
-            self._unsure = not (whole and group_size == target)
-            return
-        await host.compute("apply", lambda: job.trainer.apply(avg), job)
-        snap = await state.publish(job.trainer.round, background=self._nursery)
-        # A round with all of the stage's servers leaves them identical by construction;
-        # otherwise this server may hold a state of its own now.
-        # A dropped member or a part that failed leaves members with their own values there.
-        self._unsure = not (whole and group_size == target)
-        self._rounds += 1
-        self.peer.stats.round = job.trainer.round
-        loss = job.trainer.taken_loss
-        if math.isfinite(loss):
-            self.peer.stats.loss = loss
-        self.peer.out.event(
-            "stage_round",
-            f"stage {job.index} round {job.trainer.round}: {count} micro-batches"
-            f"{f', loss {loss:.4f}' if math.isfinite(loss) else ''}, group of "
-            f"{group_size}{f', {dropped} dropped' if dropped else ''}, "
-            f"{job.rate:.1f} micro-batches/s{' (took the stage state first)' if took_over else ''}",
-            stage=job.index,
-            round=job.trainer.round,
-            micro_batches=count,
-            loss=round(loss, 5) if math.isfinite(loss) else None,
-            group_size=group_size,
-            dropped=dropped,
-            synced=took_over,
-            rate=round(job.rate, 3),
-            state_hash=snap.state_hash.hex(),
-            seconds=round(time.monotonic() - t0, 3),
-        )
-
-    def _codec(self) -> CodecName:
-        """The run's codec for stage gradients (topk and lowrank are for DiLoCo's
-        pseudo-gradients: a stage round's dense gradient goes as int8)."""
-        codec = self.peer.config.codec
-        return "fp16" if codec == "fp16" else "fp32" if codec == "fp32" else "int8"
-
-    async def _follow_stage(self, peers: dict[str, StageRecord]) -> bool:
-        """Takes the state most of the stage's servers hold when this server's is another
-        (it missed a round: no group, a late join); True if it did."""
-        state = self.state
-        assert state is not None and self.job is not None
-        mine, my_round = state.last_hash, self.job.trainer.round
-        assert mine is not None
-        # Only servers this one met (averaged with, or downloaded from) once it has met any:
-        # a stranger's advert of a far later round must not pull the stage to its state. A
-        # state older than this server's is one it has passed (a slow server's last advert).
-        adverts = [
-            a
-            for a in await state.adverts(known_only=True)
-            if a.owner in peers and a.round >= my_round
-        ]
-        # Holders and round of each state, this server's own included: every server of the
-        # stage counts the same, so all of them follow the same state (ties: the later
-        # round, then the higher hash; two servers that drifted apart meet again).
-        holders: dict[bytes, tuple[int, int]] = {mine: (1, my_round)}
-        for a in adverts:
-            n, r = holders.get(a.state_hash, (0, 0))
-            holders[a.state_hash] = (n + 1, max(r, a.round))
-        best = max(holders, key=lambda h: (*holders[h], h))
-        if best == mine:
-            # Sure again once another server holds this state too (or there is none).
-            self._unsure = holders[mine][0] < 2 and len(set(peers) - {self._me}) > 0
-            return False
-        if not await state.sync_to([a for a in adverts if a.state_hash == best]):
-            return False
-        self._unsure = False
-        await state.publish(self.job.trainer.round, background=self._nursery)
-        return True
-
-    async def _maybe_move(self) -> None:
-        assert self.job is not None
-        self._look += 1
-        records = dict(self._directory)
-        me = self.peer.identity.peer_id
-        records[me] = self._record()
-        move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain, self._look)
-        if move is not None:
-            await self._move(move)
-
-    async def _move(self, move: Move) -> None:
-        """Serves `move.target` instead: announced as joining it, its state downloaded, then
-        switched (the old stage keeps its other servers)."""
-        assert self.job is not None
-        peer = self.peer
-        joining = dataclasses.replace(self._record("joining"), stage=move.target)
-        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, joining)
-        peer.out.event(
-            "rebalance",
-            f"moving from stage {move.source} to stage {move.target}: the slowest stage's "
-            f"throughput {move.before:.2f} -> {move.after:.2f} micro-batches/s",
-            source=move.source,
-            target=move.target,
-            before=round(move.before, 3),
-            after=round(move.after, 3),
-        )
-        job, state = await self._take_stage(move.target)
-        self.job, self.state, self._unsure = job, state, True
-        peer.stages.attach(job)
-        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())
