@@ -21,6 +21,7 @@ next round; SWARM's gradients are as stale).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,13 @@ EXP_AVG_SQ_PREFIX = "adam.exp_avg_sq."
 STEP_KEY = "adam.step"
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _check(what: str, t: torch.Tensor, bound: float) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what} is not finite")
+    if bound < math.inf and t.numel() and float(t.abs().max()) > bound:
+        raise ValueError(f"{what} exceeds {bound:g} (beyond what the wire carries)")
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,9 @@ class StageTrainer:
         self.round = 0
         for p in self.params:
             p.grad = torch.zeros_like(p)
+        #: Compute, rounds and loads may come from different worker threads (a state
+        #: download loads outside the server's device limiter): one at a time.
+        self._lock = threading.Lock()
 
     @property
     def first(self) -> bool:
@@ -102,30 +113,60 @@ class StageTrainer:
 
     # -- the micro-batch calls -------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bound: float = math.inf) -> torch.Tensor:
+        """The stage's output; ValueError if it is not finite or beyond `bound` (what the
+        wire's format can carry)."""
         with torch.no_grad():
             out: torch.Tensor = self.module(x)
+        _check("output", out, bound)
         return out
 
-    def backward(self, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
-        """Recomputes, backpropagates; the input's gradient (None for token ids)."""
+    def backward(
+        self, x: torch.Tensor, grad_out: torch.Tensor, bound: float = math.inf
+    ) -> torch.Tensor | None:
+        """Recomputes, backpropagates; the input's gradient (None for token ids). Nothing is
+        accumulated unless every gradient is finite (and the input's within `bound`): one bad
+        micro-batch must not poison the round's sum."""
         x = x if self.first else x.detach().requires_grad_(True)
-        out = self.module(x)
-        if out.shape != grad_out.shape:
-            raise ValueError(f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}")
-        out.backward(grad_out)
-        self.pending += 1
-        return None if self.first else x.grad
+        with self._lock:
+            out = self.module(x)
+            if out.shape != grad_out.shape:
+                raise ValueError(
+                    f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}"
+                )
+            return self._accumulate(out, grad_out, x, bound)
 
-    def last(self, x: torch.Tensor, targets: torch.Tensor) -> tuple[float, torch.Tensor | None]:
-        """The last stage: loss and the input's gradient, parameters' gradients accumulated."""
+    def last(
+        self, x: torch.Tensor, targets: torch.Tensor, bound: float = math.inf
+    ) -> tuple[float, torch.Tensor | None]:
+        """The last stage: loss and the input's gradient, parameters' gradients accumulated
+        (only if all is finite, as in `backward`)."""
         x = x if self.first else x.detach().requires_grad_(True)
-        loss = self._loss(self.module(x), targets)
-        loss.backward()  # type: ignore[no-untyped-call]
+        with self._lock:
+            loss = self._loss(self.module(x), targets)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise ValueError("loss is not finite")
+            grad = self._accumulate(loss, None, x, bound)
+            self._loss_sum += value
+        return value, grad
+
+    def _accumulate(
+        self, out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor, bound: float
+    ) -> torch.Tensor | None:
+        inputs = self.params if self.first else [*self.params, x]
+        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+        for name, g in zip(self.names, grads, strict=False):
+            if g is not None and not bool(torch.isfinite(g).all()):
+                raise ValueError(f"the gradient of {name} is not finite")
+        g_x = None if self.first else grads[-1]
+        if g_x is not None:
+            _check("input gradient", g_x, bound)
+        for p, g in zip(self.params, grads, strict=False):
+            if g is not None:
+                p.grad.add_(g)  # type: ignore[union-attr]
         self.pending += 1
-        value = float(loss.detach())
-        self._loss_sum += value
-        return value, None if self.first else x.grad
+        return g_x
 
     # -- a round ---------------------------------------------------------------------------
 
@@ -133,6 +174,10 @@ class StageTrainer:
         """The gradients accumulated since the last `take` as one flat vector (their sum over
         micro-batches divided by count + 1, see `weight`), and the micro-batch count; the
         accumulators start again from zero."""
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> tuple[torch.Tensor, int]:
         count = self.pending
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])  # type: ignore[union-attr]
         flat.div_(count + 1)
@@ -152,6 +197,10 @@ class StageTrainer:
     def apply(self, grad: torch.Tensor) -> None:
         """One AdamW step on the stage's averaged gradient; the gradients accumulating for the
         next round are kept aside meanwhile."""
+        with self._lock:
+            self._apply(grad)
+
+    def _apply(self, grad: torch.Tensor) -> None:
         if grad.shape != (self.numel,) or not bool(torch.isfinite(grad).all()):
             raise ValueError("averaged gradient has the wrong size or is not finite")
         kept = [p.grad for p in self.params]
@@ -170,12 +219,17 @@ class StageTrainer:
     def skip(self) -> None:
         """A round in which the stage had no micro-batch: no step, only the round moves on
         (so the state's hash, which keys the next round's matchmaking, is a new one)."""
-        self.round += 1
+        with self._lock:
+            self.round += 1
 
     # -- shared state (statesync) ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """What the stage's servers hold in common: round, parameters, AdamW moments."""
+        with self._lock:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {ROUND_KEY: torch.tensor(self.round, dtype=torch.int64)}
         state = self.opt.state
         step = 0.0
@@ -189,9 +243,15 @@ class StageTrainer:
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Takes a stage state (a joiner's download); raises ValueError if it is another
-        stage's or model's layout."""
-        want = set(self.state_dict())
+        """Takes a stage state (a joiner's download, a server following its stage); raises
+        ValueError if it is another stage's or model's layout. Gradients accumulated for the
+        next round are kept: they are this stage's, computed on a state a round or so off,
+        as stale as any of SWARM's."""
+        with self._lock:
+            self._load(state)
+
+    def _load(self, state: Mapping[str, torch.Tensor]) -> None:
+        want = set(self._state_dict())
         if set(state) != want:
             raise ValueError("state does not match this stage's layout")
         step = float(state[STEP_KEY])
@@ -210,9 +270,6 @@ class StageTrainer:
                 else:
                     self.opt.state.pop(p, None)
         self.round = int(state[ROUND_KEY])
-        self.pending, self._loss_sum = 0, 0.0
-        for p in self.params:
-            p.grad = torch.zeros_like(p)
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """Nothing of a stage is this server's own (its accumulated gradients are not kept)."""

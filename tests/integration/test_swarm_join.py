@@ -200,6 +200,9 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
     cases: list[tuple[str, str, bytes, rpc.StatusCode]] = [
         ("1", FORWARD, b"garbage", rpc.StatusCode.INVALID_ARGUMENT),
         ("1", FORWARD, _bundle(nan, codec="fp32"), rpc.StatusCode.INVALID_ARGUMENT),
+        ("1", FORWARD, _bundle(good * 1e5, codec="fp32"), rpc.StatusCode.INVALID_ARGUMENT),
+        ("1", BACKWARD, _bundle(good, good * 1e30, codec="fp32"),
+         rpc.StatusCode.INVALID_ARGUMENT),
         ("1", FORWARD, _bundle(torch.randn(2, 8, 31)), rpc.StatusCode.INVALID_ARGUMENT),
         ("1", FORWARD, _bundle(torch.randn(5, 8, 32)), rpc.StatusCode.INVALID_ARGUMENT),
         ("1", FORWARD, _bundle(torch.randn(2, 33, 32)), rpc.StatusCode.INVALID_ARGUMENT),
@@ -274,11 +277,14 @@ def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_pat
     while (e := moved.receive(timeout=60))["event"] != "stage_round" or e["group_size"] < 2:
         pass
     assert e["stage"] == 1
+    # Stage 0 kept the other two, which go on averaging together there.
+    for s in servers[:3]:
+        if s is not moved:
+            while (e := s.receive(timeout=60))["event"] != "stage_round" or e["group_size"] != 2:
+                pass
+            assert e["stage"] == 0, e
     runs = _stop([trainer, *servers])
     assert all(t.process.returncode == 0 for t in [trainer]), trainer.stderr_tail
-    # Only one server moved; stage 0 kept the others, which went on averaging together.
-    moves = [e for events in runs for e in events if e["event"] == "rebalance"]
-    assert len(moves) == 1, moves
-    stayed = [events for s, events in zip(servers[:3], runs[1:4], strict=True) if s is not moved]
-    for events in stayed:
-        assert _rounds(events)[-1]["stage"] == 0
+    # Only one server moved (the move read above; no other after it).
+    later = [e for events in runs for e in events if e["event"] == "rebalance"]
+    assert not later, later

@@ -78,3 +78,21 @@ def test_apply_refuses_a_bad_average() -> None:
         s.apply(torch.full((s.numel,), float("nan")))
     with pytest.raises(ValueError):
         s.apply(torch.zeros(s.numel + 1))
+
+
+def test_a_micro_batch_with_non_finite_gradients_is_refused_and_not_accumulated() -> None:
+    stages = _pipeline(GPT(CFG, seed=1), 2)
+    x = torch.randint(0, 256, (2, 8))
+    h = stages[0].forward(x)
+    huge = torch.full_like(h, 3e38)
+    with pytest.raises(ValueError, match="not finite"):
+        stages[0].backward(x, huge)
+    assert stages[0].pending == 0
+    grad, count = stages[0].take()
+    assert count == 0 and not bool(grad.any())
+    # Outputs and input gradients beyond what the wire carries are refused too.
+    with pytest.raises(ValueError, match="exceeds"):
+        stages[0].forward(x, bound=1e-6)
+    with pytest.raises(ValueError, match="exceeds"):
+        stages[1].last(h, torch.randint(0, 256, (2, 8)), bound=1e-12)
+    assert stages[1].pending == 0

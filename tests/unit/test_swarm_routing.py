@@ -70,34 +70,30 @@ def test_the_bottleneck_gets_one_server_of_the_best_served_stage() -> None:
         PEERS[3]: rec(1, 10),
     }
     assert stage_rates(records, 2) == [30, 10]
-    movers = [p for p in PEERS[:4] if choose_move(records, p, 2, gain=1.25, look=7) is not None]
+    movers = [p for p in PEERS[:4] if choose_move(records, p, 2, gain=1.25) is not None]
     assert len(movers) == 1 and records[movers[0]].stage == 0  # one mover, from stage 0
-    move = choose_move(records, movers[0], 2, gain=1.25, look=7)
+    move = choose_move(records, movers[0], 2, gain=1.25)
     assert move is not None and (move.source, move.target) == (0, 1)
     assert (move.before, move.after) == (10, 20)
 
 
 def test_no_move_without_enough_gain_or_from_a_lone_server() -> None:
     balanced = {PEERS[0]: rec(0, 10), PEERS[1]: rec(0, 10), PEERS[2]: rec(1, 18)}
-    assert all(
-        choose_move(balanced, p, 2, 1.25, look) is None for p in PEERS[:3] for look in range(20)
-    )
+    assert all(choose_move(balanced, p, 2, 1.25) is None for p in PEERS[:3])
     lone = {PEERS[0]: rec(0, 10), PEERS[1]: rec(1, 1)}
-    assert choose_move(lone, PEERS[0], 2, 1.25, 0) is None  # stage 0 would be left empty
+    assert choose_move(lone, PEERS[0], 2, 1.25) is None  # stage 0 would be left empty
     # A server already joining the bottleneck counts there: nobody else follows it.
     joining = {
         **{p: rec(0, 10) for p in PEERS[:3]},
         PEERS[3]: rec(1, 10, state="joining"),
         PEERS[4]: rec(1, 10),
     }
-    assert all(
-        choose_move(joining, p, 2, 1.25, look) is None for p in PEERS[:3] for look in range(20)
-    )
+    assert all(choose_move(joining, p, 2, 1.25) is None for p in PEERS[:3])
 
 
 def test_an_empty_stage_is_filled() -> None:
     records = {PEERS[0]: rec(0, 10), PEERS[1]: rec(0, 10), PEERS[2]: rec(2, 10)}
-    moves = [choose_move(records, p, 3, 1.25, 3) for p in PEERS[:2]]
+    moves = [choose_move(records, p, 3, 1.25) for p in PEERS[:2]]
     (move,) = [m for m in moves if m is not None]
     assert move.target == 1 and move.before == 0
 
@@ -132,3 +128,9 @@ def test_a_busy_server_rests_briefly_without_a_failure() -> None:
     # It was not counted as a failure: the next failure bans for the first step only.
     router.started(a)
     assert router.failed(a, now=1.0) == 2.0
+
+
+def test_the_fastest_server_is_the_mover() -> None:
+    records = {PEERS[0]: rec(0, 5), PEERS[1]: rec(0, 20), PEERS[2]: rec(0, 5), PEERS[3]: rec(1, 4)}
+    movers = [p for p in PEERS[:3] if choose_move(records, p, 2, 1.25) is not None]
+    assert movers == [PEERS[1]]  # moving it gives min(10, 24) = 10; a slow one min(25, 9)

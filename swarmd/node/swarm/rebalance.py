@@ -4,10 +4,12 @@ A pipeline's throughput is the smallest of its stages' total rates (the sum of t
 published micro-batches per second). A server of stage `a` moves to the stage `b` with the
 smallest total when, with its rate taken from `a` and added to `b`, the smallest total rises
 by at least `gain` (SWARM's rule, with Petals' balance-quality margin against noise). Stage
-`a` must keep a server, and only one server of a stage moves per look: the one whose
-(peer id, look) hash is lowest, so the servers of an over-served stage, which all read the
-same directory and come to the same conclusion, don't all leave it at once (Petals saw
-decisions reverse within minutes as servers moved together: petals#389). A server moving
+`a` must keep a server, and only one server of a stage moves: every server of the stage names
+the same mover from the same directory (the one whose move raises the slowest stage most, ties
+by a hash of the peer id; no per-server counter or clock, so two servers looking at different
+times with the same view cannot both be it), so the servers of an over-served stage don't all
+leave it at once (Petals saw decisions reverse within minutes as servers moved together:
+petals#389). A server moving
 publishes itself as `joining` its new stage at once, so the next look already counts it
 there. Pure functions of the directory: the strategy does the move.
 """
@@ -39,27 +41,35 @@ def stage_rates(records: dict[PeerId, StageRecord], stages: int) -> list[float]:
     return totals
 
 
-def _lot(peer: PeerId, look: int) -> bytes:
-    return hashlib.blake2b(peer.raw + look.to_bytes(8, "little"), digest_size=8).digest()
+def _lot(peer: PeerId) -> bytes:
+    return hashlib.blake2b(peer.raw, digest_size=8).digest()
 
 
 def choose_move(
-    records: dict[PeerId, StageRecord], me: PeerId, stages: int, gain: float, look: int
+    records: dict[PeerId, StageRecord], me: PeerId, stages: int, gain: float
 ) -> Move | None:
     """Where `me` should move now, or None (see the module's docstring)."""
     mine = records.get(me)
-    if mine is None or mine.state != "serving" or mine.rate <= 0 or stages < 2:
+    if mine is None or mine.state != "serving" or stages < 2:
         return None
     peers = [p for p, r in records.items() if r.stage == mine.stage and r.state == "serving"]
-    if len(peers) < 2 or min(peers, key=lambda p: _lot(p, look)) != me:
+    if len(peers) < 2:
         return None
     totals = stage_rates(records, stages)
     before = min(totals)
     target = min((s for s in range(stages) if s != mine.stage), key=lambda s: (totals[s], s))
-    after_totals = list(totals)
-    after_totals[mine.stage] -= mine.rate
-    after_totals[target] += mine.rate
-    after = min(after_totals)
-    if after > before * gain and after > before:
-        return Move(mine.stage, target, before, after)
-    return None
+
+    def after(peer: PeerId) -> float:
+        rate = records[peer].rate
+        moved = list(totals)
+        moved[mine.stage] -= rate
+        moved[target] += rate
+        return min(moved)
+
+    # Every server of the stage reads the same directory and names the same mover: the one
+    # whose move helps most (ties: the lowest hash of its peer id).
+    mover = max(peers, key=lambda p: (after(p), _lot(p)))
+    best = after(mover)
+    if mover != me or mine.rate <= 0 or not (best > before * gain and best > before):
+        return None
+    return Move(mine.stage, target, before, best)

@@ -91,6 +91,10 @@ class Router:
         s.failures = 0
         s.seconds = seconds if s.seconds is None else s.seconds + EMA_ALPHA * (seconds - s.seconds)
 
+    def released(self, peer: PeerId) -> None:
+        """A call ended without telling anything of the server (it refused the input)."""
+        self._of(peer).inflight -= 1
+
     def busy(self, peer: PeerId, now: float | None = None) -> None:
         """The server refused a call for load or rate (nothing computed): it is passed over
         for BUSY_BAN_S, without counting as a failure."""

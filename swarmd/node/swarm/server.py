@@ -22,7 +22,6 @@ trainer goes elsewhere instead of queueing behind a slow server. Answers not fet
 from __future__ import annotations
 
 import collections
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,13 +70,21 @@ class StageJob:
     trainer: StageTrainer
     shape: StageShape
     activations: str = "fp16"
-    #: >= 1: each compute of d seconds is followed by (slowdown - 1) * d seconds of holding
-    #: the device idle (benchmarks emulate unequal GPUs on a few CPU cores this way).
+    #: >= 1: emulates a device this many times slower than this machine: each compute holds
+    #: the device for `slowdown` times the fastest this kind of compute has taken here
+    #: (benchmarks emulate unequal GPUs on a few CPU cores this way; a fixed time, not a
+    #: multiple of each compute's own, so contention on the real cores is not amplified).
     slowdown: float = 1.0
     #: Seconds per call of each kind (EMA), once measured.
     seconds: dict[str, float] = field(default_factory=dict)
-    #: (micro-batch id, op) of each backward applied: what the tests audit.
+    #: The fastest each kind of compute took (what `slowdown` multiplies).
+    fastest: dict[str, float] = field(default_factory=dict)
+    #: Called with each applied micro-batch's call id (--swarm-audit: tests check exactly-once).
     on_applied: Callable[[str], None] | None = None
+    #: Longest a call should wait for the device: beyond it, refused before compute
+    #: (RESOURCE_EXHAUSTED), so that a trainer never times out on a call this server will
+    #: still compute (and apply) after it went elsewhere.
+    max_wait_s: float = 10.0
 
     @property
     def index(self) -> int:
@@ -86,6 +93,19 @@ class StageJob:
     def observe(self, kind: str, seconds: float) -> None:
         old = self.seconds.get(kind)
         self.seconds[kind] = seconds if old is None else old + EMA_ALPHA * (seconds - old)
+
+    def emulated_s(self, kind: str, took: float) -> float:
+        """How long this compute holds the device (see `slowdown`)."""
+        if self.slowdown <= 1:
+            return took
+        fastest = self.fastest[kind] = min(self.fastest.get(kind, took), took)
+        return max(took, self.slowdown * fastest)
+
+    @property
+    def per_call_s(self) -> float:
+        """Mean seconds of one call's compute (0 before any was measured)."""
+        known = [self.seconds[k] for k in ("forward", "backward", "last") if k in self.seconds]
+        return sum(known) / len(known) if known else 0.0
 
     @property
     def rate(self) -> float:
@@ -122,19 +142,30 @@ class StageHost:
         """Calls waiting for or holding this peer's compute."""
         return self._waiting
 
-    async def compute(self, kind: str, fn: Callable[[], T], job: StageJob | None = None) -> T:
+    async def compute(
+        self,
+        kind: str,
+        fn: Callable[[], T],
+        job: StageJob | None = None,
+        then: Callable[[T], None] | None = None,
+    ) -> T:
         """Runs `fn` on the device (one at a time), timing it for `job`'s rate (default: the
         served one's); used for calls and for the strategy's own work on a stage (take,
-        apply)."""
+        apply). `then` runs right after `fn`, before anything that can be cancelled: what a
+        call computed (and applied) is answered even if its caller's deadline passes while
+        an emulated slow device still holds it."""
         job = job or self.job
         async with self._device:
             t0 = time.perf_counter()
             out = await trio.to_thread.run_sync(fn)
             took = time.perf_counter() - t0
-            if job is not None and job.slowdown > 1:
-                await trio.sleep((job.slowdown - 1.0) * took)
-            if job is not None and kind in ("forward", "backward", "last"):
-                job.observe(kind, time.perf_counter() - t0)
+            if then is not None:
+                then(out)
+            if job is not None:
+                held = job.emulated_s(kind, took)
+                if kind in ("forward", "backward", "last"):
+                    job.observe(kind, held)
+                await trio.sleep(held - took)
         return out
 
     # -- the service -----------------------------------------------------------------------
@@ -173,7 +204,7 @@ class StageHost:
             )
         if not 0 < len(meta.info) <= MAX_CALL_ID:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "a stage call names its call id")
-        if self._waiting >= MAX_WAITING:
+        if self._waiting >= MAX_WAITING or (self._waiting + 1) * job.per_call_s > job.max_wait_s:
             raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "stage server busy")
 
     def _inputs(self, job: StageJob, tensors: list[torch.Tensor], n: int, what: str) -> None:
@@ -205,44 +236,57 @@ class StageHost:
 
     async def _run(
         self,
+        job: StageJob,
         meta: TensorMeta,
         ctx: CallContext,
         kind: str,
         fn: Callable[[], torch.Tensor | list[torch.Tensor] | None],
+        applies: bool,
     ) -> None:
+        """Computes a call on `job` (the stage it was admitted for, even if the peer switched
+        stage meanwhile); a failure of the micro-batch itself (non-finite, out of range, a
+        shape the stage's layers refuse) is INVALID_ARGUMENT and nothing of it is applied."""
+
+        def guarded() -> torch.Tensor | list[torch.Tensor] | None:
+            try:
+                return fn()
+            except (ValueError, RuntimeError) as exc:
+                raise RpcError(StatusCode.INVALID_ARGUMENT, f"{kind}: {exc}"[:300]) from None
+
+        def answer(out: torch.Tensor | list[torch.Tensor] | None) -> None:
+            if out is not None:
+                tensors = out if isinstance(out, list) else [out]
+                self._post(ctx, meta.info, wire.encode(tensors, job.activations))
+            if applies and job.on_applied is not None:
+                job.on_applied(meta.info.decode(errors="replace"))
+
         self._waiting += 1
         try:
-            out = await self.compute(kind, fn)
+            await self.compute(kind, guarded, job, then=answer)
         finally:
             self._waiting -= 1
         self.calls[kind] += 1
-        job = self.job
-        if out is not None and job is not None:
-            answer = out if isinstance(out, list) else [out]
-            self._post(ctx, meta.info, wire.encode(answer, job.activations))
 
     async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         job = self._job_for(meta)
         if job.trainer.last_stage:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Forward")
         (x,) = self._decode(job, data, 1, "Forward")
-        await self._run(meta, ctx, "forward", lambda: job.trainer.forward(x))
+        await self._run(
+            job, meta, ctx, "forward", lambda: job.trainer.forward(x, wire.MAX_ABS), False
+        )
         return pb.TensorAck(received_bytes=len(data))
 
     async def _backward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         job = self._job_for(meta)
+        if job.trainer.last_stage:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Backward")
         x, grad = self._decode(job, data, 2, "Backward")
         if grad.dtype != torch.float32 or grad.dim() != 3 or grad.shape[:2] != x.shape[:2]:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Backward: gradient does not fit input")
-
-        def step() -> torch.Tensor | None:
-            try:
-                return job.trainer.backward(x, grad)
-            except ValueError as exc:
-                raise RpcError(StatusCode.INVALID_ARGUMENT, f"Backward: {exc}") from None
-
-        await self._run(meta, ctx, "backward", step)
-        self._applied(job, meta)
+        await self._run(
+            job, meta, ctx, "backward", lambda: job.trainer.backward(x, grad, wire.MAX_ABS), True
+        )
         return pb.TensorAck(received_bytes=len(data))
 
     async def _last(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
@@ -255,19 +299,12 @@ class StageHost:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: targets must match the input")
 
         def step() -> list[torch.Tensor]:
-            loss, grad = job.trainer.last(x, targets)
-            if not math.isfinite(loss):
-                raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: loss is not finite")
+            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS)
             out = [torch.tensor(loss, dtype=torch.float32)]
             return out if grad is None else [*out, grad]
 
-        await self._run(meta, ctx, "last", step)
-        self._applied(job, meta)
+        await self._run(job, meta, ctx, "last", step, True)
         return pb.TensorAck(received_bytes=len(data))
-
-    def _applied(self, job: StageJob, meta: TensorMeta) -> None:
-        if job.on_applied is not None:
-            job.on_applied(meta.info.decode(errors="replace"))
 
     # -- the outbox --------------------------------------------------------------------------
 
@@ -279,6 +316,9 @@ class StageHost:
             _, (_, old) = self._outbox.popitem(last=False)
             self._outbox_bytes -= sum(v.nbytes for v in old)
         key = (str(ctx.peer_id), call.hex())
+        replaced = self._outbox.pop(key, None)
+        if replaced is not None:  # a call id used again: its old answer goes
+            self._outbox_bytes -= sum(v.nbytes for v in replaced[1])
         self._outbox[key] = (now + OUTBOX_TTL_S, answer)
         self._outbox_bytes += sum(v.nbytes for v in answer)
 
@@ -287,6 +327,6 @@ class StageHost:
         if entry is None:
             raise RpcError(StatusCode.NOT_FOUND, "no answer for that call (expired or taken)")
         answer = entry[1]
-        self._outbox_bytes -= sum(v.nbytes for v in answer)
         nbytes = sum(v.nbytes for v in answer)
+        self._outbox_bytes -= nbytes
         return TensorMeta("uint8", (nbytes,), name="answer"), answer

@@ -34,6 +34,7 @@ from swarmd.node.swarm.router import Choice, Router
 from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.framing import TensorMeta
 from swarmd.protocol.identity import PeerId
 
@@ -44,6 +45,10 @@ DIRECTORY_TTL_S = 2.0
 WAIT_POLL_S = 1.0
 #: How long a trainer waits after a server refused a call for load or rate.
 BUSY_S = 0.05
+#: Servers one hop may fail on before its micro-batch is given up.
+MAX_ATTEMPTS = 8
+#: The least a trainer accepts an answer to be (more: 8x the request's bytes).
+ANSWER_LIMIT = 64 << 20
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: (event kind, text, fields): the peer's progress output.
@@ -54,6 +59,8 @@ Say = Callable[..., None]
 class TrainerStats:
     done: int = 0
     retries: int = 0
+    #: Micro-batches given up (MicroBatchFailed).
+    failed: int = 0
     tokens: int = 0
     loss: float = math.nan
     #: Completed micro-batch sequence numbers (each exactly once), kept only when asked
@@ -61,8 +68,10 @@ class TrainerStats:
     completed: list[int] = field(default_factory=list)
 
 
-class StageUnavailable(Exception):
-    """No server of a stage answered; raised only when the trainer is stopping."""
+class MicroBatchFailed(Exception):
+    """A micro-batch that no server can train: refused as malformed (INVALID_ARGUMENT: out of
+    range, not finite) or failed by MAX_ATTEMPTS servers in a row. It is dropped, counted and
+    reported; the trainer goes on with the next."""
 
 
 class SwarmTrainer:
@@ -142,6 +151,8 @@ class SwarmTrainer:
         nbytes = sum(v.nbytes for v in payload)
         attempt = 0
         while True:
+            if attempt >= MAX_ATTEMPTS:
+                raise MicroBatchFailed(f"stage {stage}: {attempt} servers in a row failed it")
             servers = await self.servers(stage, fresh=attempt > 0)
             choice = self.router.pick(servers)
             if choice is None:
@@ -159,7 +170,8 @@ class SwarmTrainer:
                     await self.client.put_tensor(
                         choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
                     )
-                    out = await self._fetch(choice, call_id, answer) if answer else []
+                    limit = max(ANSWER_LIMIT, 8 * nbytes)
+                    out = await self._fetch(choice, call_id, limit) if answer else []
                     _check_answer(out, answer, like, stage)
             except rpc.RpcError as exc:
                 if exc.code is rpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -168,17 +180,22 @@ class SwarmTrainer:
                     self.router.busy(choice.peer)
                     await trio.sleep(BUSY_S)
                     continue
+                if exc.code is rpc.StatusCode.INVALID_ARGUMENT:
+                    # The server refused the micro-batch itself (out of range, not finite):
+                    # every server of the stage would. Nothing of it was applied there.
+                    self.router.released(choice.peer)
+                    raise MicroBatchFailed(f"stage {stage} refused it: {exc.details}") from None
                 attempt += 1
                 self._failed(stage, choice.peer, exc)
                 continue
-            except (wire.WireError, trio.TooSlowError) as exc:
+            except (wire.WireError, trio.TooSlowError, ProtocolError) as exc:
                 attempt += 1
                 self._failed(stage, choice.peer, exc)
                 continue
             self.router.succeeded(choice.peer, time.monotonic() - t0)
             return out
 
-    async def _fetch(self, choice: Choice, call_id: bytes, count: int) -> list[torch.Tensor]:
+    async def _fetch(self, choice: Choice, call_id: bytes, limit: int) -> list[torch.Tensor]:
         """The answer of a call the server took. A refusal for rate is waited out at the same
         server: only it holds the answer, and asking another would apply the micro-batch's
         gradients twice (a server that is gone took its gradients with it)."""
@@ -186,7 +203,11 @@ class SwarmTrainer:
         while True:
             try:
                 _, data = await self.client.get_tensor(
-                    choice.address, FETCH, pb.TensorRequest(name=call_id.hex()), expect=choice.peer
+                    choice.address,
+                    FETCH,
+                    pb.TensorRequest(name=call_id.hex()),
+                    expect=choice.peer,
+                    max_bytes=limit,
                 )
                 return wire.decode(data)
             except rpc.RpcError as exc:

@@ -25,6 +25,10 @@ MAGIC = b"SWB1"
 MAX_ENTRIES = 4
 MAX_DIMS = 4
 MAX_DIM = 1 << 24
+#: The largest magnitude a float may have on the wire, whatever its format: fp16's largest.
+#: Activations and gradients beyond it are a diverged or hostile micro-batch, and fp16 would
+#: carry them as infinities.
+MAX_ABS = 65504.0
 
 #: codec number -> (name, element bytes of the stored dtype)
 _F32, _F16, _BF16, _I64, _Q8 = range(5)
@@ -129,6 +133,8 @@ def decode(payload: bytes | bytearray | memoryview) -> list[torch.Tensor]:
                 t = t.float()
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise WireError("bundle carries NaN or infinite values")
+        if t.is_floating_point() and t.numel() and float(t.abs().max()) > MAX_ABS:
+            raise WireError(f"bundle carries values beyond {MAX_ABS:g}")
         out.append(t)
     return out
 

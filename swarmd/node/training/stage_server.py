@@ -11,9 +11,11 @@ servers and steps (`_round`); now and then it looks whether to move to the bottl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import torch
@@ -35,6 +37,8 @@ from swarmd.node.training.sharedstate import SharedState
 from swarmd.optim.stage import StageOptConfig, StageTrainer
 from swarmd.protocol.identity import PeerId
 from swarmd.workloads import lm_loss
+
+log = logging.getLogger("swarmd.swarm")
 
 
 def cut_stages(model: nn.Module, count: int) -> list[nn.Module]:
@@ -74,7 +78,6 @@ class StageServer:
         self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
         #: Stage rounds this server took part in (its steps, for --max-steps of a server).
         self.rounds = 0
-        self._look = 0
         #: The run's stage servers as last read, and whether a read was made yet.
         self._directory: dict[PeerId, StageRecord] = {}
         self._directory_read = trio.Event()
@@ -85,6 +88,8 @@ class StageServer:
         self._me = str(peer.identity.peer_id)
         self._nursery: trio.Nursery | None = None
         self._audit = audit
+        #: The stage this server is moving to while it downloads that stage's state.
+        self._moving_to: int | None = None
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
@@ -131,6 +136,9 @@ class StageServer:
             activations=self.swarm.activations,
             slowdown=self.peer.opts.slowdown,
             on_applied=self._log_applied if self._audit else None,
+            # A trainer gives up a call after call_timeout_s: a server must not compute
+            # (and apply) one after its caller went elsewhere.
+            max_wait_s=self.swarm.call_timeout_s / 3,
         )
         await self._warm_up(job)
         await state.publish(0)
@@ -185,6 +193,16 @@ class StageServer:
 
     def _record(self, state: str = "serving") -> StageRecord:
         assert self.job is not None
+        if self._moving_to is not None and state == "serving":
+            # Counted at the stage it moves to while it downloads (see rebalance.py).
+            return StageRecord(
+                stage=self._moving_to,
+                address=self.peer.address,
+                rate=min(self.job.rate, 1e6),
+                queue=self.peer.stages.queue,
+                state="joining",
+                round=0,
+            )
         return StageRecord(
             stage=self.job.index,
             address=self.peer.address,
@@ -220,10 +238,30 @@ class StageServer:
             while True:
                 r = math.floor(time.time() / period) + 1
                 await trio.sleep(max(0.0, r * period - time.time()))
-                await self._round()
+                await self._guarded(self._round)
+                if self._unsure:
+                    # Between rounds, when the others' adverts of this one are in, with half
+                    # a period for the download before the next round's matchmaking.
+                    await trio.sleep(max(0.0, (r + 0.5) * period - time.time()))
+                    await self._guarded(self._follow_stage)
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
-                    await self._maybe_move()
+                    await self._guarded(self._maybe_move)
                     next_look = time.monotonic() + self._look_after()
+
+    async def _guarded(self, step: Callable[[], Awaitable[object]]) -> None:
+        """One step of the loop; what fails in it is said, and the server goes on (unsure of
+        its state) rather than take the peer down."""
+        try:
+            await step()
+        except Exception as exc:
+            log.exception("stage server: %s failed", step.__name__)
+            self._unsure = True
+            self.peer.out.event(
+                "stage_error",
+                f"stage server: {step.__name__.strip('_')} failed: {exc}",
+                what=step.__name__.strip("_"),
+                error=str(exc)[:300],
+            )
 
     def _look_after(self) -> float:
         return self.swarm.rebalance_s * random.uniform(0.5, 1.5)
@@ -260,9 +298,6 @@ class StageServer:
         grad, count = await host.compute("take", job.trainer.take, job)
         peers = self._stage_peers()
         target = len(set(peers) | {self._me})
-        # Before matchmaking: the others' adverts of the last round are in by now, and the
-        # key carries the state's hash, so a server that takes theirs meets them this round.
-        took_over = self._unsure and await self._follow_stage(peers)
         key = f"swarmd/{self.peer.config.name}/stage{job.index}/{state.last_hash.hex()[:32]}"
         group_size, dropped, avg, whole = 1, 0, grad, True
         if target > 1:
@@ -302,14 +337,13 @@ class StageServer:
             f"stage {job.index} round {job.trainer.round}: {count} micro-batches"
             f"{f', loss {loss:.4f}' if math.isfinite(loss) else ''}, group of "
             f"{group_size}{f', {dropped} dropped' if dropped else ''}, "
-            f"{job.rate:.1f} micro-batches/s{' (took the stage state first)' if took_over else ''}",
+            f"{job.rate:.1f} micro-batches/s",
             stage=job.index,
             round=job.trainer.round,
             micro_batches=count,
             loss=round(loss, 5) if math.isfinite(loss) else None,
             group_size=group_size,
             dropped=dropped,
-            synced=took_over,
             rate=round(job.rate, 3),
             state_hash=snap.state_hash.hex(),
             seconds=round(time.monotonic() - t0, 3),
@@ -321,10 +355,10 @@ class StageServer:
         codec = self.peer.config.codec
         return "fp16" if codec == "fp16" else "fp32" if codec == "fp32" else "int8"
 
-    async def _follow_stage(self, peers: dict[str, StageRecord]) -> bool:
+    async def _follow_stage(self) -> bool:
         """Takes the state most of the stage's servers hold when this server's is another
         (it missed a round: no group, a late join); True if it did."""
-        state = self.state
+        state, peers = self.state, self._stage_peers()
         assert state is not None and self.job is not None
         mine, my_round = state.last_hash, self.job.trainer.round
         assert mine is not None
@@ -351,16 +385,23 @@ class StageServer:
         if not await state.sync_to([a for a in adverts if a.state_hash == best]):
             return False
         self._unsure = False
-        await state.publish(self.job.trainer.round, background=self._nursery)
+        snap = await state.publish(self.job.trainer.round, background=self._nursery)
+        self.peer.out.event(
+            "stage_sync",
+            f"stage {self.job.index}: took the state of the stage's servers, round "
+            f"{self.job.trainer.round}",
+            stage=self.job.index,
+            round=self.job.trainer.round,
+            state_hash=snap.state_hash.hex(),
+        )
         return True
 
     async def _maybe_move(self) -> None:
         assert self.job is not None
-        self._look += 1
         records = dict(self._directory)
         me = self.peer.identity.peer_id
         records[me] = self._record()
-        move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain, self._look)
+        move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain)
         if move is not None:
             await self._move(move)
 
@@ -369,8 +410,8 @@ class StageServer:
         switched (the old stage keeps its other servers)."""
         assert self.job is not None
         peer = self.peer
-        joining = dataclasses.replace(self._record("joining"), stage=move.target)
-        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, joining)
+        self._moving_to = move.target
+        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())
         peer.out.event(
             "rebalance",
             f"moving from stage {move.source} to stage {move.target}: the slowest stage's "
@@ -380,7 +421,12 @@ class StageServer:
             before=round(move.before, 3),
             after=round(move.after, 3),
         )
-        job, state = await self._take_stage(move.target)
+        try:
+            job, state = await self._take_stage(move.target)
+        finally:
+            self._moving_to = None
+        # The old stage's gradients of the micro-batches since its last round (a move follows
+        # a round at once, so few) are dropped with it.
         self.job, self.state, self._unsure = job, state, True
         peer.stages.attach(job)
         await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())

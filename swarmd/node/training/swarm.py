@@ -22,7 +22,7 @@ import time
 
 import trio
 
-from swarmd.node.swarm.trainer import SwarmTrainer
+from swarmd.node.swarm.trainer import MicroBatchFailed, SwarmTrainer
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.outer import choose_shard
 from swarmd.node.training.stage_server import StageServer
@@ -127,7 +127,17 @@ class SwarmStrategy(Strategy):
                     self.shard, config.data_shards, config.batch_size, config.block_size,
                     config.seed, seq,
                 )  # fmt: skip
-                loss = await trainer.micro_batch(seq, batch)
+                try:
+                    loss = await trainer.micro_batch(seq, batch)
+                except MicroBatchFailed as exc:
+                    trainer.stats.failed += 1
+                    self.peer.out.event(
+                        "micro_batch_failed",
+                        f"micro-batch {seq} given up: {exc}",
+                        seq=seq,
+                        why=str(exc),
+                    )
+                    continue
                 stats.step, stats.loss = trainer.stats.done, loss
                 stats.tokens = trainer.stats.tokens
 
@@ -146,9 +156,11 @@ class SwarmStrategy(Strategy):
         self.peer.out.event(
             "trainer_done",
             f"trained {trainer.stats.done} micro-batches ({trainer.stats.retries} hops "
-            f"retried), last loss {trainer.stats.loss:.4f}",
+            f"retried, {trainer.stats.failed} micro-batches given up), last loss "
+            f"{trainer.stats.loss:.4f}",
             micro_batches=trainer.stats.done,
             retries=trainer.stats.retries,
+            failed=trainer.stats.failed,
             loss=trainer.stats.loss,
         )
         if self._audit is not None:
