@@ -6,9 +6,10 @@ deliberately unbalanced (all but one on stage 0, one on stage 1), so stage 1 is 
 bottleneck until rebalancing moves a server there.
 
 Unequal devices on a few CPU cores: each server runs with `--slowdown X` (its own factor from
-the list): after every compute of d seconds it holds its device idle for (X - 1) d, so it
-serves at 1/X of its CPU speed while using only 1/X of a core, and the servers do not compete
-for the machine's 2 cores the way X full-speed processes would.
+the list): each compute holds the server's device X times the fastest that kind of compute
+took on this machine, so it serves at 1/X of its CPU speed while its real compute uses about
+1/X of a core (a fixed emulated time, not X times each compute's own, which contention on the
+shared cores would have inflated X-fold).
 
 Figures:
 - `throughput_tokens_s`: tokens the trainers completed per second before the first move

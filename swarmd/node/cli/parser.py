@@ -278,8 +278,8 @@ def _add_swarm_options(p: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         metavar="X",
-        help="emulate a device X times slower: hold the device idle (X-1) times each "
-        "compute's time (benchmarks; default 1)",
+        help="emulate a device X times slower: each compute holds the device X times the "
+        "fastest it took on this machine (benchmarks; default 1)",
     )
     g.add_argument(
         "--swarm-audit",

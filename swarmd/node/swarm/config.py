@@ -21,8 +21,8 @@ class SwarmConfig:
     #: first) the servers of each stage average their gradients and take one AdamW step.
     round_s: float = 5.0
     #: How often a server looks whether moving to another stage raises the pipeline's
-    #: throughput (each look at a random time in [0.5, 1.5] x this, so servers don't move
-    #: together); 0: never.
+    #: throughput (each look at a random time in [0.5, 1.5] x this, the first after at least
+    #: one whole period, on rates measured on real traffic); 0: never.
     rebalance_s: float = 30.0
     #: A move must raise the slowest stage's throughput by this factor (Petals' balance
     #: quality: 0.75 there, i.e. 1.33x); measured throughputs are noisy.

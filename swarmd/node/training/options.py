@@ -71,8 +71,8 @@ class JoinOptions:
     #: (--stage; None: the one with the least throughput).
     role: str = "auto"
     stage: int | None = None
-    #: SWARM servers: hold the device idle (slowdown - 1) x each compute's time after it, to
-    #: emulate a slower GPU (--slowdown; benchmarks/swarm.py).
+    #: SWARM servers: each compute holds the device `slowdown` times the fastest it took here,
+    #: to emulate a slower GPU (--slowdown; benchmarks/swarm.py).
     slowdown: float = 1.0
     #: SWARM servers: append the id of every micro-batch whose backward this peer applied to
     #: <state-dir>/stage-applied.log (--swarm-audit; tests check exactly-once with it).
