@@ -149,3 +149,53 @@ def test_hostile_values_are_text_in_a_browser(
     # Nothing published became an element or ran.
     assert browser.execute_script("return window.__xss === undefined;")
     assert browser.find_elements(By.CSS_SELECTOR, "main img, header img, main b, main script") == []
+
+
+def stage_rows(driver: webdriver.Chrome) -> list[list[str]]:
+    """The stages table: [class, stage cell, servers cell] per row."""
+    found: list[list[str]] = driver.execute_script(
+        "return [...document.querySelectorAll('#stages tbody tr')]"
+        ".map(r => [r.className, r.cells[0].textContent, r.cells[2].textContent]);"
+    )
+    return found
+
+
+def test_swarm_stages_in_a_browser(
+    processes: ProcessGroup, tmp_path: Path, browser: webdriver.Chrome
+) -> None:
+    """A SWARM run's stages: one server each, then stage 1's server is SIGKILLed: the table
+    shows stage 1 with no server as the bottleneck, and the events say so."""
+    run = TINY_RUN.replace("n_layer = 1", "n_layer = 2") + 'algo = "swarm"\nswarm_stages = 2\n'
+    (tmp_path / "run.toml").write_text(run)
+    boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp_path / "boot"))).address
+    common = ("--run", "s", "--peers", boot, "--log-format", "json", "--duration", "600")
+    create = ("--create-run", str(tmp_path / "run.toml"))
+    servers = processes.start_many(
+        [
+            swarmd_cmd(
+                "join", *common, "--state-dir", str(tmp_path / f"s{i}"), "--role", "server",
+                "--stage", str(i), *(create if i == 0 else ()),
+            )
+            for i in range(2)
+        ],
+        timeout=90,
+    )  # fmt: skip
+    browser.get(start_dashboard(processes, boot, "s"))
+
+    def served() -> bool:
+        found = stage_rows(browser)
+        return len(found) == 2 and all("none" not in r[2] for r in found)
+
+    until(served, 90, "2 stages, each served")
+    os.kill(servers[1].pid, signal.SIGKILL)
+    # The dead server's record lapses (12 s) and stage 1 shows unserved, the bottleneck.
+    until(
+        lambda: (
+            stage_rows(browser)[1][0] == "stage bottleneck" and "none" in stage_rows(browser)[1][2]
+        ),
+        40,
+        "stage 1 unserved",
+    )
+    assert "stage 1 has no server" in browser.find_element(By.ID, "events").text
+    screenshot = tmp_path / "stages.png"
+    assert browser.save_screenshot(str(screenshot)) and screenshot.stat().st_size > 10_000

@@ -21,7 +21,13 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from swarmd.node.dashboard.board import Board
-from swarmd.node.dashboard.views import events_view, history_view, peers_view, run_view
+from swarmd.node.dashboard.views import (
+    events_view,
+    history_view,
+    peers_view,
+    run_view,
+    stages_view,
+)
 
 STATIC = Path(__file__).parent / "static"
 _HEADERS = {
@@ -67,6 +73,7 @@ def make_app(board: Board) -> ASGIApp:
         Route("/api/peers", _json(peers_view, board)),
         Route("/api/events", _json(events_view, board)),
         Route("/api/history", _json(history_view, board)),
+        Route("/api/stages", _json(stages_view, board)),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     return _SecurityHeaders(Starlette(routes=routes))

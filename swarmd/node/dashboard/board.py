@@ -68,6 +68,9 @@ class Board:
         #: the same model by as many peers would send a step).
         self.bytes: deque[tuple[float, float, float]] = deque(maxlen=MAX_TIME_POINTS)
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        #: SWARM: the stage each server was last seen serving, and the stages seen unserved.
+        self.stage_of: dict[str, int] = {}
+        self.unserved: set[int] = set()
 
     def event(self, kind: str, text: str, peer: str | None = None, at: float | None = None) -> None:
         self.events.append(
@@ -94,10 +97,48 @@ class Board:
                 view.live = False
                 self.event("left", f"{self.label(view)} left (no heartbeat)", view.peer_id, now)
         self._forget_oldest()
+        self._see_stages(reading, now)
         live = [v.record for v in self.peers.values() if v.live and v.record is not None]
         if live:
             self.tokens.append((round(now, 3), round(sum(r.tokens_per_s for r in live), 1)))
         self._sample_bytes(now)
+
+    def stage_count(self) -> int:
+        """A SWARM run's stages: its config's, else as many as its servers name."""
+        info = self.reading.run
+        configured = info.fields.get("swarm_stages") if info is not None else None
+        named = max((r.stage + 1 for r in self.reading.stages.values()), default=0)
+        algo = info.fields.get("algo") if info is not None else None
+        if isinstance(configured, int) and algo == "swarm":
+            return max(1, min(configured, 64))
+        return named
+
+    def _see_stages(self, reading: Reading, now: float) -> None:
+        """Events for SWARM's moves, and for a stage left with no server (a stage with none
+        stops every trainer) and served again (its recovery)."""
+        for peer_id, record in reading.stages.items():
+            old = self.stage_of.get(peer_id)
+            if old is not None and old != record.stage:
+                label = self.label_of(
+                    peer_id, self.peers[peer_id].record if peer_id in self.peers else None
+                )
+                self.event(
+                    "moved", f"{label} moved from stage {old} to stage {record.stage}", peer_id, now
+                )
+            self.stage_of[peer_id] = record.stage
+        for peer_id in list(self.stage_of):
+            if peer_id not in reading.stages and peer_id not in self.peers:
+                del self.stage_of[peer_id]  # bounded by the peers remembered
+        if not reading.stages:
+            return
+        served = {r.stage for r in reading.stages.values() if r.state == "serving"}
+        for stage in range(self.stage_count()):
+            if stage not in served and stage not in self.unserved:
+                self.unserved.add(stage)
+                self.event("stage", f"stage {stage} has no server: trainers wait", at=now)
+            elif stage in served and stage in self.unserved:
+                self.unserved.discard(stage)
+                self.event("stage", f"stage {stage} is served again", at=now)
 
     def _sample_bytes(self, now: float) -> None:
         live = [v for v in self.peers.values() if v.live and v.record is not None]

@@ -1,4 +1,5 @@
-"""One read of a run from the DHT: its config, heartbeats, progress records and state adverts.
+"""One read of a run from the DHT: its config, heartbeats, progress records, state adverts
+and (SWARM) stage servers' records.
 
 Everything here was published by strangers, so each value is validated before it is kept:
 the config is read as plain JSON (not through RunConfig, which imports torch) and only the
@@ -18,7 +19,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from swarmd.node.dht import DHTNode, Value
-from swarmd.node.runkeys import CONFIG_TTL_S, advert_key, config_key, peers_key, progress_key
+from swarmd.node.runkeys import (
+    CONFIG_TTL_S,
+    advert_key,
+    config_key,
+    peers_key,
+    progress_key,
+    stages_key,
+)
+from swarmd.node.swarm.directory import StageRecord
 from swarmd.node.training.progress_record import (
     ProgressRecord,
     ProgressRecordError,
@@ -41,10 +50,13 @@ _CONFIG_FIELDS: dict[str, type] = {
     "codec": str,
     "target_group_size": int,
     "min_group_size": int,
+    "swarm_stages": int,
     "version": str,
 }
 #: The longest text shown from a config field or a heartbeat's address.
 _MAX_SHOWN = 256
+#: The most stages a run has (SwarmConfig.stages); a record naming a later one is not shown.
+MAX_STAGES = 64
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ class Reading:
     heartbeats: dict[str, str] = field(default_factory=dict)
     progress: dict[str, ProgressRecord] = field(default_factory=dict)
     adverts: dict[str, Advert] = field(default_factory=dict)
+    #: SWARM runs: stage servers' records (swarm/directory.py), by peer.
+    stages: dict[str, StageRecord] = field(default_factory=dict)
     #: Published values refused as malformed.
     refused: int = 0
 
@@ -137,7 +151,7 @@ def parse_address(raw: bytes) -> str | None:
 
 
 async def read_run(dht: DHTNode, run: str) -> Reading:
-    """One exhaustive read of the run's four keys; validates every value it keeps."""
+    """One exhaustive read of the run's five keys; validates every value it keeps."""
     reading = Reading()
     reading.run, reading.run_error = parse_config(
         await dht.peers(config_key(run), exhaustive=True), dht.now()
@@ -157,4 +171,13 @@ async def read_run(dht: DHTNode, run: str) -> Reading:
             reading.refused += 1
         else:
             reading.adverts[str(peer)] = advert
+    for peer, value in (await dht.peers(stages_key(run), exhaustive=True)).items():
+        try:
+            record = StageRecord.from_bytes(value.value)
+            check_text("address", record.address, _MAX_SHOWN)
+        except (ValueError, ProgressRecordError):
+            reading.refused += 1
+            continue
+        if record.stage < MAX_STAGES and record.state != "leaving":
+            reading.stages[str(peer)] = record
     return reading

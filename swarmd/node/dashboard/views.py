@@ -1,4 +1,5 @@
-"""The JSON API's bodies, built from the Board: /api/run, /api/peers, /api/events, /api/history.
+"""The JSON API's bodies, built from the Board: /api/run, /api/peers, /api/events, /api/history,
+/api/stages.
 
 Plain dicts of str, int, finite float, bool and None (every number was validated finite when
 read), so any JSON encoder that refuses NaN can send them. Field names are a contract with
@@ -113,4 +114,41 @@ def history_view(board: Board) -> dict[str, Any]:
             "swarm": [b for _, b, _ in board.bytes],
             "ddp": [d for _, _, d in board.bytes],
         },
+    }
+
+
+def stages_view(board: Board) -> dict[str, Any]:
+    """A SWARM run's stages: each one's servers and total rate (micro-batches/s), and the
+    bottleneck (the stage with the least: the pipeline runs at its speed)."""
+    count = board.stage_count()
+    servers: list[list[dict[str, Any]]] = [[] for _ in range(count)]
+    for peer_id, r in sorted(board.reading.stages.items()):
+        if r.stage >= count:
+            continue
+        view = board.peers.get(peer_id)
+        servers[r.stage].append(
+            {
+                "peer_id": peer_id,
+                "label": Board.label_of(peer_id, view.record if view else None),
+                "address": r.address,
+                "rate": round(r.rate, 3),
+                "queue": r.queue,
+                "state": r.state,
+                "round": r.round,
+            }
+        )
+    totals = [round(sum(s["rate"] for s in group), 3) for group in servers]
+    bottleneck = min(range(count), key=lambda i: (totals[i], i)) if count else None
+    return {
+        "stages": [
+            {
+                "stage": i,
+                "rate": totals[i],
+                "servers": servers[i],
+                "bottleneck": i == bottleneck,
+            }
+            for i in range(count)
+        ],
+        "bottleneck": bottleneck,
+        "pipeline_rate": totals[bottleneck] if bottleneck is not None else None,
     }

@@ -112,6 +112,24 @@ function renderPeers() {
   }
 }
 
+function renderStages(view) {
+  const section = document.getElementById("stages-section");
+  section.hidden = view.stages.length === 0;
+  text("pipeline-rate", fmtNumber(view.pipeline_rate, 1));
+  const body = document.querySelector("#stages tbody");
+  body.replaceChildren(...view.stages.map((stage) => {
+    const row = document.createElement("tr");
+    row.className = stage.bottleneck ? "stage bottleneck" : "stage";
+    row.dataset.stage = String(stage.stage);
+    cell(row, String(stage.stage) + (stage.bottleneck ? " (bottleneck)" : ""), "text");
+    cell(row, fmtNumber(stage.rate, 1));
+    const names = stage.servers.map((s) =>
+      s.label + (s.state === "serving" ? "" : " (" + s.state + ")") + " " + fmtNumber(s.rate, 1) + "/s");
+    cell(row, names.length ? names.join(", ") : "none: trainers wait", "text");
+    return row;
+  }));
+}
+
 function renderEvents(events) {
   const list = document.getElementById("events");
   list.replaceChildren(...events.map((event) => {
@@ -163,11 +181,12 @@ function renderHistory(history) {
 
 async function refresh() {
   try {
-    const [run, peers, events, history] = await Promise.all(
-      ["/api/run", "/api/peers", "/api/events", "/api/history"].map(getJson));
+    const [run, peers, events, history, stages] = await Promise.all(
+      ["/api/run", "/api/peers", "/api/events", "/api/history", "/api/stages"].map(getJson));
     renderRun(run);
     state.peers = peers.peers;
     renderPeers();
+    renderStages(stages);
     renderEvents(events.events);
     renderHistory(history);
     state.updates += 1;
