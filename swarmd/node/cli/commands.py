@@ -187,7 +187,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.algo == "swarm":
         from swarmd.node.cli.demo_swarm import run_swarm_demo
 
-        return run_swarm_demo(duration_s=args.duration)
+        return run_swarm_demo(
+            duration_s=args.duration,
+            dashboard=None if args.no_dashboard else str(args.dashboard),
+        )
     from swarmd.node.cli.demo import run_demo
 
     return run_demo(

@@ -6,7 +6,8 @@ server is slowed (`--slowdown 3`, an emulated slower GPU), so stage 1 is the bot
 server of stage 0 moves there (it downloads stage 1's state first). Midway one stage-0 server
 is SIGKILLed: the trainers retry its calls on the others. The summary is read from the peers'
 own JSON events: loss at the last stage, micro-batches trained, retries, moves, and whether
-each stage's servers held identical states after every round they averaged together.
+each stage's servers held identical states after every round they averaged together. A
+`swarmd dashboard` shows the run, its stages included, while it lasts (its URL is printed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from swarmd.node.cli.demo import _start_dashboard
 from swarmd.node.runtime.children import EventChild, stop_all
 
 SWARM_RUN = """\
@@ -38,7 +40,9 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_swarm_demo(duration_s: float = 150.0, trainers: int = 2) -> int:
+def run_swarm_demo(
+    duration_s: float = 150.0, trainers: int = 2, dashboard: str | None = "127.0.0.1:8080"
+) -> int:
     _say(
         f"swarmd demo: a real SWARM pipeline on this machine for ~{duration_s:.0f}s: the model "
         "cut into 2 stages,\n4 stage servers (3 on stage 0, 1 slowed 3x on stage 1: the "
@@ -57,6 +61,8 @@ def run_swarm_demo(duration_s: float = 150.0, trainers: int = 2) -> int:
         try:
             boot = spawn("bootstrap", ["dht", "--state-dir", str(root / "boot")])
             address = boot.first("listening", 30)["address"]
+            board = _start_dashboard(address, dashboard, root) if dashboard else None
+            started += [board] if board else []
 
             def join(name: str, *extra: str, seconds: float = duration_s) -> EventChild:
                 return spawn(
