@@ -43,7 +43,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _start_dashboard(address: str, listen: str, root: Path) -> EventChild | None:
+def start_dashboard(address: str, listen: str, root: Path) -> EventChild | None:
     """`swarmd dashboard` of the demo run on ``listen``; its URL is printed. The demo goes on
     without it if it cannot serve there (the port is taken, say)."""
     dashboard = _spawn(
@@ -86,7 +86,7 @@ def run_demo(
             started.append(boot)
             address = boot.first("listening", 30)["address"]
             _say(f"bootstrap DHT node on {address}")
-            board = _start_dashboard(address, dashboard, root) if dashboard else None
+            board = start_dashboard(address, dashboard, root) if dashboard else None
             started += [board] if board else []
 
             def join(name: str, extra: list[str], seconds: float) -> EventChild:

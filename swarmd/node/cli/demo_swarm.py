@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from swarmd.node.cli.demo import _start_dashboard
+from swarmd.node.cli.demo import start_dashboard
 from swarmd.node.runtime.children import EventChild, stop_all
 
 SWARM_RUN = """\
@@ -61,7 +61,7 @@ def run_swarm_demo(
         try:
             boot = spawn("bootstrap", ["dht", "--state-dir", str(root / "boot")])
             address = boot.first("listening", 30)["address"]
-            board = _start_dashboard(address, dashboard, root) if dashboard else None
+            board = start_dashboard(address, dashboard, root) if dashboard else None
             started += [board] if board else []
 
             def join(name: str, *extra: str, seconds: float = duration_s) -> EventChild:
