@@ -167,6 +167,12 @@ class Metrics:
         self.banned_peers = Gauge(
             "swarmd_banned_peers", "Peers this one refuses right now", registry=self.registry
         )
+        self.stage_recoveries = Counter(
+            "swarmd_stage_recoveries",
+            "SWARM stages this peer rebuilt after every server of them was lost, by method",
+            ["method"],
+            registry=self.registry,
+        )
 
         self._add_gather_metrics()
 

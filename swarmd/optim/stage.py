@@ -34,6 +34,8 @@ PARAM_PREFIX = "param."
 EXP_AVG_PREFIX = "adam.exp_avg."
 EXP_AVG_SQ_PREFIX = "adam.exp_avg_sq."
 STEP_KEY = "adam.step"
+#: The stage's learning rate over the run's (1, or CheckFree's after a recovery: checkfree.py).
+LR_SCALE_KEY = "adam.lr_scale"
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,6 +74,7 @@ class StageTrainer:
         count: int,
         config: StageOptConfig,
         loss: Loss,
+        lr_scale: float = 1.0,
     ) -> None:
         if not 0 <= index < count:
             raise ValueError(f"stage index {index} out of range for {count} stages")
@@ -84,9 +87,16 @@ class StageTrainer:
         if not self.params:
             raise ValueError(f"stage {index} has no trainable parameters")
         self.numel = sum(p.numel() for p in self.params)
+        self.lr_scale = lr_scale
         self.opt = torch.optim.AdamW(
-            self.params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+            self.params,
+            lr=config.lr * lr_scale,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
         )
+        #: The L2 norm of the last averaged gradient this stage stepped on (before clipping):
+        #: what CheckFree weighs a neighbour by when it rebuilds a lost stage.
+        self.last_grad_norm = 0.0
         #: Micro-batches whose gradients are in `.grad` now, and (last stage) their summed loss.
         self.pending = 0
         self._loss_sum = 0.0
@@ -203,6 +213,7 @@ class StageTrainer:
     def _apply(self, grad: torch.Tensor) -> None:
         if grad.shape != (self.numel,) or not bool(torch.isfinite(grad).all()):
             raise ValueError("averaged gradient has the wrong size or is not finite")
+        self.last_grad_norm = float(torch.linalg.vector_norm(grad))
         kept = [p.grad for p in self.params]
         offset = 0
         for p in self.params:
@@ -240,6 +251,7 @@ class StageTrainer:
             out[EXP_AVG_SQ_PREFIX + name] = s.get("exp_avg_sq", torch.zeros_like(p)).clone()
             step = float(s["step"]) if "step" in s else step
         out[STEP_KEY] = torch.tensor(step, dtype=torch.float32)
+        out[LR_SCALE_KEY] = torch.tensor(self.lr_scale, dtype=torch.float64)
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -270,6 +282,15 @@ class StageTrainer:
                 else:
                     self.opt.state.pop(p, None)
         self.round = int(state[ROUND_KEY])
+        self.set_lr_scale(float(state[LR_SCALE_KEY]))
+
+    def set_lr_scale(self, scale: float) -> None:
+        """The stage's learning rate becomes `scale` times the run's (CheckFree's recovery)."""
+        if not (math.isfinite(scale) and 0 < scale <= 10):
+            raise ValueError(f"learning-rate scale {scale!r} out of range")
+        self.lr_scale = scale
+        for group in self.opt.param_groups:
+            group["lr"] = self.config.lr * scale
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """Nothing of a stage is this server's own (its accumulated gradients are not kept)."""

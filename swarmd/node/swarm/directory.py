@@ -11,6 +11,7 @@ then (trainers learn sooner, when its calls fail).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -42,6 +43,8 @@ class StageRecord:
     state: str = "serving"
     #: The stage's round this server has reached.
     round: int = 0
+    #: The norm of the stage's last averaged gradient (CheckFree weighs neighbours by it).
+    grad_norm: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0:
@@ -53,6 +56,9 @@ class StageRecord:
             raise ValueError("rate must be a finite number")
         if not 0 <= r <= 1e6:
             raise ValueError("rate out of range")
+        g = self.grad_norm
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g < 1e30:
+            raise ValueError("grad_norm must be a finite non-negative number")
         for name in ("queue", "round"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 40:
@@ -83,7 +89,7 @@ async def publish(dht: DHTNode, run: str, peer: PeerId, record: StageRecord) -> 
 
 async def withdraw(dht: DHTNode, run: str, peer: PeerId, record: StageRecord) -> None:
     """Says this server left (its last record would otherwise count for RECORD_TTL_S)."""
-    gone = StageRecord(record.stage, record.address, 0.0, 0, "leaving", record.round)
+    gone = dataclasses.replace(record, rate=0.0, queue=0, state="leaving")
     await publish(dht, run, peer, gone)
 
 

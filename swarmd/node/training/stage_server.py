@@ -30,13 +30,13 @@ from swarmd.node.swarm.config import SwarmConfig
 from swarmd.node.swarm.directory import StageRecord
 from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
 from swarmd.node.swarm.server import StageJob, StageShape
+from swarmd.node.training import stage_recovery
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.sharedstate import SharedState
-from swarmd.optim.stage import StageOptConfig, StageTrainer
+from swarmd.optim.stage import StageTrainer
 from swarmd.protocol.identity import PeerId
-from swarmd.workloads import lm_loss
 
 log = logging.getLogger("swarmd.swarm")
 
@@ -90,6 +90,8 @@ class StageServer:
         self._audit = audit
         #: The stage this server is moving to while it downloads that stage's state.
         self._moving_to: int | None = None
+        #: When this server began rebuilding its lost stage (until its first step).
+        self._recovered_at: float | None = None
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
@@ -117,19 +119,28 @@ class StageServer:
             counts[r.stage] += 1
         return min(range(self.swarm.stages), key=lambda s: (counts[s], totals[s], s))
 
-    def _build_stage(self, stage: int) -> tuple[StageTrainer, StageShape]:
+    def _build_stages(self) -> tuple[list[StageTrainer], StageShape]:
         config = self.peer.config
         model = build_model(config, "cpu")
         stages = cut_stages(model, self.swarm.stages)
         shape = probe_shape(stages, config.batch_size, config.block_size)
-        opt = StageOptConfig(lr=config.inner_lr, weight_decay=config.weight_decay)
-        return StageTrainer(stages[stage], stage, self.swarm.stages, opt, lm_loss), shape
+        return stage_recovery.build_all(self.peer, stages), shape
 
     async def _take_stage(self, stage: int) -> tuple[StageJob, SharedState]:
-        """Builds `stage`, takes its servers' state (or the seeded one), publishes it."""
-        trainer, shape = await trio.to_thread.run_sync(self._build_stage, stage)
+        """Builds `stage`, takes its servers' state (or rebuilds it if it was lost, or the
+        seeded one at the run's start), publishes it."""
+        trainers, shape = await trio.to_thread.run_sync(self._build_stages)
+        trainer = trainers[stage]
         state = SharedState(self.peer, trainer, scope=f"stage{stage}")
-        origin, _ = await state.take_initial()
+        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
+        if stage_recovery.lost(records, stage):
+            t0 = time.monotonic()
+            origin = await stage_recovery.take_lost_stage(
+                self.peer, stage, trainers, state, records
+            )
+            self._recovered_at = t0 if origin == "checkfree" else None
+        else:
+            origin, _ = await state.take_initial()
         job = StageJob(
             trainer,
             shape,
@@ -210,6 +221,7 @@ class StageServer:
             queue=self.peer.stages.queue,
             state=state,
             round=self.job.trainer.round,
+            grad_norm=min(self.job.trainer.last_grad_norm, 1e29),
         )
 
     async def _publish_records(self) -> None:
@@ -332,6 +344,10 @@ class StageServer:
         loss = job.trainer.taken_loss
         if math.isfinite(loss):
             self.peer.stats.loss = loss
+        recovery_s = None
+        if self._recovered_at is not None and count > 0:
+            recovery_s = round(time.monotonic() - self._recovered_at, 3)
+            self._recovered_at = None
         self.peer.out.event(
             "stage_round",
             f"stage {job.index} round {job.trainer.round}: {count} micro-batches"
@@ -347,6 +363,8 @@ class StageServer:
             rate=round(job.rate, 3),
             state_hash=snap.state_hash.hex(),
             seconds=round(time.monotonic() - t0, 3),
+            # After a rebuild: seconds from the lost stage's detection to its first step.
+            **({"recovery_s": recovery_s} if recovery_s is not None else {}),
         )
 
     def _codec(self) -> CodecName:

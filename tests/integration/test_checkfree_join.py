@@ -1,0 +1,79 @@
+"""CheckFree through `swarmd join`: every server of the middle stage of 3 is SIGKILLed, two
+new peers race to serve it: one takes the recovery lease and rebuilds the stage from its
+neighbours, the other takes that state, and the pipeline trains on."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import ProcessGroup
+from tests.integration.test_join import start_bootstrap, wait_for
+from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop, _trainer
+
+
+def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    (tmp_path / "run.toml").write_text(SWARM_RUN)
+    boot = start_bootstrap(processes, tmp_path)
+    create = ("--create-run", str(tmp_path / "run.toml"))
+    s0, s1, s2 = processes.start_many(
+        [
+            _server(tmp_path, "s0", boot, 0, *create),
+            _server(tmp_path, "s1", boot, 1),
+            _server(tmp_path, "s2", boot, 2),
+        ],
+        timeout=START_S,
+    )
+    for s in (s0, s1, s2):
+        wait_for(s, "stage", timeout=START_S)
+    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
+    # Every stage has stepped (the neighbours publish their gradient norms with their records).
+    for s in (s0, s1, s2):
+        while (e := s.receive(timeout=60))["event"] != "stage_round" or e["micro_batches"] == 0:
+            pass
+    time.sleep(4)  # a record refresh
+    s1.process.send_signal(signal.SIGKILL)
+    missing = wait_for(trainer, "stage_missing", timeout=60)
+    assert missing["stage"] == 1
+    lost_at = time.monotonic()
+    racers = processes.start_many(
+        [_server(tmp_path, "r1", boot, 1), _server(tmp_path, "r2", boot, 1)], timeout=START_S
+    )
+    before: list[list[dict[str, Any]]] = [[], []]
+    for r, seen in zip(racers, before, strict=True):
+        while (e := r.receive(timeout=START_S))["event"] != "stage":
+            seen.append(e)
+        seen.append(e)
+    origins = sorted(seen[-1]["origin"] for seen in before)
+    assert origins == ["checkfree", "group"], before  # one rebuild, one download of it
+    k = [seen[-1]["origin"] for seen in before].index("checkfree")
+    rebuilder = racers[k]
+    (rec,) = [e for e in before[k] if e["event"] == "stage_recovered"]
+    assert rec["method"] == "checkfree" and rec["neighbours"] == [0, 2], rec
+    assert abs(sum(rec["weights"]) - 1) < 1e-3 and min(rec["norms"]) > 0, rec
+    assert not [e for e in before[1 - k] if e["event"] == "stage_recovered"]
+    assert time.monotonic() - lost_at < 60
+    # The rebuilder's first trained round says how long from detection; the two average.
+    while (e := rebuilder.receive(timeout=60))["event"] != "stage_round" or e["micro_batches"] == 0:
+        pass
+    assert 0 < e["recovery_s"] < 30, e
+    for r in racers:
+        while (e := r.receive(timeout=60))["event"] != "stage_round" or e["group_size"] < 2:
+            pass
+    back = wait_for(trainer, "stage_back", timeout=30)
+    assert back["stage"] == 1
+    runs = _stop([trainer, s0, s2, *racers])
+    done = next(e for e in runs[0] if e["event"] == "trainer_done")
+    assert done["micro_batches"] > 0
+    recovered = [e for events in runs for e in events if e["event"] == "stage_recovered"]
+    assert not recovered, recovered  # the one recovery was read above; none since
+    rounds = {}
+    for events in runs[3:]:
+        for e in events:
+            if e["event"] == "stage_round":
+                rounds.setdefault(e["round"], set()).add(e["state_hash"])
+    assert rounds and all(len(h) == 1 for h in rounds.values()), rounds
