@@ -64,15 +64,15 @@ def lost(records: dict[PeerId, StageRecord], stage: int) -> bool:
     return any(r.grad_norm > 0 for r in records.values() if r.stage != stage)
 
 
-async def take_lease(dht: DHTNode, run: str, stage: int, me: PeerId) -> bool:
-    """Whether this peer holds the stage's recovery lease (it tried to take it)."""
+async def take_lease(dht: DHTNode, run: str, stage: int) -> PeerId | None:
+    """Tries to take the stage's recovery lease; who holds it (None: nobody could store it)."""
     key = recovery_key(run, stage)
     try:
         await dht.store(key, b"rebuilding", dht.now() + LEASE_S, republish=False)
     except RecordError as exc:
         log.info("stage %d recovery lease not stored: %s", stage, exc)
     holder = await dht.get_value(key)
-    return holder is not None and holder.owner == me
+    return None if holder is None else holder.owner
 
 
 @dataclass(frozen=True)
@@ -119,12 +119,15 @@ def build_all(peer: PeerContext, modules: list[nn.Module]) -> list[StageTrainer]
     return [StageTrainer(m, i, len(modules), opt, lm_loss) for i, m in enumerate(modules)]
 
 
-async def await_rebuilt(state: SharedState) -> bool:
-    """Waits (at most WAIT_S) until the stage's rebuilt state is advertised."""
+async def take_rebuilt(state: SharedState, holder: PeerId) -> bool:
+    """Waits (at most WAIT_S) for the lease holder's rebuilt state to be advertised, and
+    downloads it from the holder (the lost servers' last adverts outlive them: they are not
+    asked); whether that worked."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
-        if await state.adverts():
-            return True
+        theirs = [a for a in await state.adverts() if a.owner == str(holder)]
+        if theirs:
+            return await state.sync_to(theirs)
         await trio.sleep(POLL_S)
     return False
 
@@ -150,11 +153,15 @@ async def take_lost_stage(
         )
         origin, _ = await state.take_initial()
         return origin
-    if not await take_lease(peer.dht, peer.config.name, stage, peer.identity.peer_id):
-        if await await_rebuilt(state):
-            origin, _ = await state.take_initial()
-            return origin
-        raise JoinError(f"stage {stage} was lost and nobody rebuilt it in time; try again")
+    holder = await take_lease(peer.dht, peer.config.name, stage)
+    if holder is None:
+        raise JoinError(f"stage {stage} was lost and its recovery lease cannot be taken; try again")
+    if holder != peer.identity.peer_id:
+        if await take_rebuilt(state, holder):
+            return "group"
+        raise JoinError(
+            f"stage {stage} was lost and {holder.short()} did not rebuild it in time; try again"
+        )
     try:
         rebuilt = await rebuild(peer, stage, trainers, records)
     except RecoveryFailed as exc:
