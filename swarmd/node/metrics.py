@@ -167,20 +167,23 @@ class Metrics:
         self.banned_peers = Gauge(
             "swarmd_banned_peers", "Peers this one refuses right now", registry=self.registry
         )
-        self.stage_recoveries = Counter(
-            "swarmd_stage_recoveries",
-            "SWARM stages this peer rebuilt after every server of them was lost, by method",
-            ["method"],
-            registry=self.registry,
-        )
 
         self._add_gather_metrics()
+        self._add_swarm_metrics()
 
     def on_ban(self, offence: str) -> None:
         self.bans.labels(offence=offence).inc()
 
     def watch_bans(self, active: Callable[[], int]) -> None:
         self.banned_peers.set_function(active)
+
+    def _add_swarm_metrics(self) -> None:
+        self.stage_recoveries = Counter(
+            "swarmd_stage_recoveries",
+            "SWARM stages this peer rebuilt after every server of them was lost, by method",
+            ["method"],
+            registry=self.registry,
+        )
 
     def _add_gather_metrics(self) -> None:
         """DeMo's exchange (averaging/gather.py): steps by outcome, their time, drops."""
