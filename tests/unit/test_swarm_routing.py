@@ -134,3 +134,11 @@ def test_the_fastest_server_is_the_mover() -> None:
     records = {PEERS[0]: rec(0, 5), PEERS[1]: rec(0, 20), PEERS[2]: rec(0, 5), PEERS[3]: rec(1, 4)}
     movers = [p for p in PEERS[:3] if choose_move(records, p, 2, 1.25) is not None]
     assert movers == [PEERS[1]]  # moving it gives min(10, 24) = 10; a slow one min(25, 9)
+
+
+def test_a_server_that_fails_forever_is_banned_at_most_the_cap() -> None:
+    router = Router(random.Random(4))
+    for _ in range(5000):  # a stage whose only server is dead: retried for a long time
+        router.started(PEERS[0])
+        ban = router.failed(PEERS[0], now=0.0)
+    assert ban == MAX_BAN_S

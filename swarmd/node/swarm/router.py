@@ -82,6 +82,11 @@ class Router:
         assert best is not None
         return Choice(best, open_[best].address)
 
+    def rest_s(self, peer: PeerId, now: float | None = None) -> float:
+        """Seconds until the server's ban ends (0: not banned)."""
+        now = time.monotonic() if now is None else now
+        return max(0.0, self._of(peer).banned_until - now)
+
     def started(self, peer: PeerId) -> None:
         self._of(peer).inflight += 1
 
@@ -109,6 +114,6 @@ class Router:
         s = self._of(peer)
         s.inflight -= 1
         s.failures += 1
-        ban = min(BAN_S * 2.0 ** (s.failures - 1), MAX_BAN_S)
+        ban = min(BAN_S * 2.0 ** min(s.failures - 1, 16), MAX_BAN_S)
         s.banned_until = now + ban
         return ban

@@ -158,6 +158,12 @@ class SwarmTrainer:
             if choice is None:
                 await self._wait_for(stage)
                 continue
+            rest = self.router.rest_s(choice.peer)
+            if rest > 0:
+                # Every server of the stage rests after failures (a dead one stays in the
+                # directory until its record lapses): wait rather than spin on it.
+                await trio.sleep(min(rest, WAIT_POLL_S))
+                continue
             if stage in self._waiting_for:
                 self._waiting_for.discard(stage)
                 self.say("stage_back", f"stage {stage} is served again", stage=stage)

@@ -8,10 +8,9 @@ states, as a joiner of those stages would) and averages their layers weighted by
 their last gradients, which every server publishes in its directory record, so nothing is
 stored or sent for recovery while nothing fails.
 
-Two peers must not rebuild one stage with different weights: the rebuilder first takes a lease,
-a plain DHT key (`swarmd/<run>/stage<i>/recovery`) whose slot only its first owner can write
-until it expires; everyone reads back who holds it. The others wait for the holder's state to
-be advertised and download it like any joiner.
+Two peers must not rebuild one stage with different weights: the rebuilder first takes a lease
+(`swarmd/<run>/stage<i>/recovery`, an entry per asker; the earliest asker holds it, see
+`take_lease`). The others wait for the holder's state to be advertised and download it.
 
 Not built: CheckFree+ (the first and last stages, rebuilt from copies of the embedding and
 head kept by their neighbours, trained to stand in by swapping neighbouring stages on half
@@ -42,6 +41,8 @@ log = logging.getLogger("swarmd.swarm")
 
 #: How long a rebuilder's lease holds the stage (a rebuild downloads two stages' states).
 LEASE_S = 120.0
+#: How long an asker waits for other askers' lease entries before it reads who holds it.
+LEASE_SETTLE_S = 2.0
 #: How long a peer that lost the lease waits for the holder's rebuilt state to be advertised.
 WAIT_S = 90.0
 POLL_S = 1.0
@@ -64,15 +65,23 @@ def lost(records: dict[PeerId, StageRecord], stage: int) -> bool:
     return any(r.grad_norm > 0 for r in records.values() if r.stage != stage)
 
 
-async def take_lease(dht: DHTNode, run: str, stage: int) -> PeerId | None:
-    """Tries to take the stage's recovery lease; who holds it (None: nobody could store it)."""
+async def take_lease(dht: DHTNode, run: str, stage: int, me: PeerId) -> PeerId | None:
+    """Who holds the stage's recovery lease, this peer having asked for it (None: no entry
+    could be read). Each asker stores an entry under its own peer id; after LEASE_SETTLE_S
+    (for racers' entries to land) the holder is the earliest asker (the entry that expires
+    first, ties by peer id), which every asker that reads both entries names alike. (A plain
+    key held by its first owner was tried first: each asker's own node kept its own record,
+    the newest expiry won every read, and two racers both rebuilt the stage in CI.)"""
     key = recovery_key(run, stage)
     try:
-        await dht.store(key, b"rebuilding", dht.now() + LEASE_S, republish=False)
+        await dht.store(key, b"rebuilding", dht.now() + LEASE_S, subkey=str(me), republish=False)
     except RecordError as exc:
         log.info("stage %d recovery lease not stored: %s", stage, exc)
-    holder = await dht.get_value(key)
-    return None if holder is None else holder.owner
+    await trio.sleep(LEASE_SETTLE_S)
+    entries = await dht.peers(key, exhaustive=True)
+    if not entries:
+        return None
+    return min(entries, key=lambda p: (entries[p].expires, str(p)))
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,7 @@ async def take_lost_stage(
         )
         origin, _ = await state.take_initial()
         return origin
-    holder = await take_lease(peer.dht, peer.config.name, stage)
+    holder = await take_lease(peer.dht, peer.config.name, stage, peer.identity.peer_id)
     if holder is None:
         raise JoinError(f"stage {stage} was lost and its recovery lease cannot be taken; try again")
     if holder != peer.identity.peer_id:
