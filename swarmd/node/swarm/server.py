@@ -128,8 +128,6 @@ class StageHost:
         self._outbox: collections.OrderedDict[tuple[str, str], tuple[float, list[memoryview]]]
         self._outbox = collections.OrderedDict()
         self._outbox_bytes = 0
-        #: Micro-batches computed since start, by kind.
-        self.calls: collections.Counter[str] = collections.Counter()
 
     # -- what the strategy does ------------------------------------------------------------
 
@@ -265,7 +263,6 @@ class StageHost:
             await self.compute(kind, guarded, job, then=answer)
         finally:
             self._waiting -= 1
-        self.calls[kind] += 1
 
     async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         job = self._job_for(meta)

@@ -83,12 +83,10 @@ class SwarmTrainer:
         config: SwarmConfig,
         say: Say,
         *,
-        me: PeerId,
         keep_completed: bool = False,
     ) -> None:
         self.client, self.dht, self.run, self.config = client, dht, run, config
         self.say = say
-        self.me = me
         self.router = Router()
         self.stats = TrainerStats()
         self._keep_completed = keep_completed

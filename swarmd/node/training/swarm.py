@@ -71,7 +71,6 @@ class SwarmStrategy(Strategy):
                 config.name,
                 self.swarm,
                 self.peer.out.event,
-                me=self.peer.identity.peer_id,
                 keep_completed=self._audit is not None,
             )
         if self.serving:
