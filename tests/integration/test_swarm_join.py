@@ -98,9 +98,7 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
         done = next(e for e in events if e["event"] == "trainer_done")
         assert done["micro_batches"] == STEPS, done
     runs = _stop([*servers, joiner])
-    import json
 
-    Path("/tmp/runs.json").write_text(json.dumps(runs))
     by_stage: dict[int, list[list[dict[str, Any]]]] = collections.defaultdict(list)
     for events in runs:
         rounds = _rounds(events)

@@ -28,6 +28,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.swarm import directory
 from swarmd.node.swarm.config import SwarmConfig
 from swarmd.node.swarm.directory import StageRecord
+from swarmd.node.swarm.follow import state_to_follow
 from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
 from swarmd.node.swarm.server import StageJob, StageShape
 from swarmd.node.training import stage_recovery
@@ -250,12 +251,13 @@ class StageServer:
             while True:
                 r = math.floor(time.time() / period) + 1
                 await trio.sleep(max(0.0, r * period - time.time()))
-                await self._guarded(self._round)
                 if self._unsure:
-                    # Between rounds, when the others' adverts of this one are in, with half
-                    # a period for the download before the next round's matchmaking.
-                    await trio.sleep(max(0.0, (r + 0.5) * period - time.time()))
-                    await self._guarded(self._follow_stage)
+                    # At the boundary, before this round's matchmaking: the stage's servers
+                    # have published the state they now matchmake under (the gather waits
+                    # for a late member while the download runs).
+                    with trio.move_on_after(period):
+                        await self._guarded(self._follow_stage)
+                await self._guarded(self._round)
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
                     await self._guarded(self._maybe_move)
                     next_look = time.monotonic() + self._look_after()
@@ -381,24 +383,13 @@ class StageServer:
         mine, my_round = state.last_hash, self.job.trainer.round
         assert mine is not None
         # Only servers this one met (averaged with, or downloaded from) once it has met any:
-        # a stranger's advert of a far later round must not pull the stage to its state. A
-        # state older than this server's is one it has passed (a slow server's last advert).
-        adverts = [
-            a
-            for a in await state.adverts(known_only=True)
-            if a.owner in peers and a.round >= my_round
-        ]
-        # Holders and round of each state, this server's own included: every server of the
-        # stage counts the same, so all of them follow the same state (ties: the later
-        # round, then the higher hash; two servers that drifted apart meet again).
-        holders: dict[bytes, tuple[int, int]] = {mine: (1, my_round)}
-        for a in adverts:
-            n, r = holders.get(a.state_hash, (0, 0))
-            holders[a.state_hash] = (n + 1, max(r, a.round))
-        best = max(holders, key=lambda h: (*holders[h], h))
+        # a stranger's advert of a far later round must not pull the stage to its state.
+        adverts = [a for a in await state.adverts(known_only=True) if a.owner in peers]
+        best = state_to_follow(mine, my_round, ((a.state_hash, a.round) for a in adverts))
         if best == mine:
             # Sure again once another server holds this state too (or there is none).
-            self._unsure = holders[mine][0] < 2 and len(set(peers) - {self._me}) > 0
+            shared = any(a.state_hash == mine for a in adverts)
+            self._unsure = not shared and len(set(peers) - {self._me}) > 0
             return False
         if not await state.sync_to([a for a in adverts if a.state_hash == best]):
             return False
