@@ -118,3 +118,25 @@ def test_soak(tmp_path: Path) -> None:
     out = tmp_path / "soak"
     done = run_chaos(out, "--peers", "6", "--duration", "600", "--seed", "7", timeout=1150)
     check_outputs(done, out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_swarm_chaos_loses_a_stage_and_rebuilds_it(tmp_path: Path) -> None:
+    """`swarmd chaos --algo swarm`: six peers (five stage servers, a trainer) under seeded
+    degrading faults; every server of the middle stage is SIGKILLed and new machines take
+    it: one rebuilds it (CheckFree), training goes on, the loss recovers. The CI version of
+    the lost stage is test_checkfree_join.py (this run takes ~4 minutes)."""
+    out = tmp_path / "chaos"
+    done = run_chaos(
+        out, "--peers", "6", "--duration", "120", "--seed", "1", "--algo", "swarm", timeout=560
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    figures = dict(item.split("=", 1) for item in last.split())
+    assert figures["invariants_ok"] == "true" and figures["survived"] == "6"
+    assert 0 < float(figures["recovery_s"]) < 60
+    assert (out / "report.txt").read_text().count("[ok]") == 5
+    records = [json.loads(line) for line in (out / "chaos.jsonl").read_text().splitlines()]
+    rebuilt = [r for r in records if r["type"] == "peer" and r["event"] == "stage_recovered"]
+    assert [(r["stage"], r["method"]) for r in rebuilt] == [(1, "checkfree")]

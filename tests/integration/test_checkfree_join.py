@@ -4,12 +4,14 @@ neighbours, the other takes that state, and the pipeline trains on."""
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ProcessGroup
+from tests.helpers import ProcessGroup, swarmd_cmd
 from tests.integration.test_join import start_bootstrap, wait_for
 from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop, _trainer
 
@@ -61,6 +63,19 @@ def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
     while (e := rebuilder.receive(timeout=60))["event"] != "stage_round" or e["micro_batches"] == 0:
         pass
     assert 0 < e["recovery_s"] < 30, e
+    # `swarmd status` shows the recovery (the rebuilder's progress record carries it).
+    status = subprocess.run(
+        swarmd_cmd("status", "--run", "t", "--peers", boot, "--json"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    notices = json.loads(status.stdout)["notices"]
+    assert [(n["kind"], n["peer_id"]) for n in notices] == [
+        ("recovery", rebuilder.info["peer_id"])
+    ], notices
+    assert notices[0]["text"].startswith("stage 1 lost: rebuilt from stages 0 and 2 by CheckFree")
     seen: list[list[dict[str, Any]]] = [[], []]
     for r, rounds_of in zip(racers, seen, strict=True):
         while (e := r.receive(timeout=60))["event"] != "stage_round" or e["group_size"] < 2:

@@ -163,23 +163,26 @@ def stage_rows(driver: webdriver.Chrome) -> list[list[str]]:
 def test_swarm_stages_in_a_browser(
     processes: ProcessGroup, tmp_path: Path, browser: webdriver.Chrome
 ) -> None:
-    """A SWARM run's stages: one server each, then stage 1's server is SIGKILLed: the table
-    shows stage 1 with no server as the bottleneck, and the events say so."""
+    """A SWARM run's stages: one server each and a trainer, then stage 1's server is
+    SIGKILLed: the table shows stage 1 with no server as the bottleneck, and the events say
+    so; a new server takes the lost stage and its recovery is listed (its own notice)."""
     run = TINY_RUN.replace("n_layer = 1", "n_layer = 2") + 'algo = "swarm"\nswarm_stages = 2\n'
     (tmp_path / "run.toml").write_text(run)
     boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp_path / "boot"))).address
     common = ("--run", "s", "--peers", boot, "--log-format", "json", "--duration", "600")
     create = ("--create-run", str(tmp_path / "run.toml"))
-    servers = processes.start_many(
-        [
-            swarmd_cmd(
-                "join", *common, "--state-dir", str(tmp_path / f"s{i}"), "--role", "server",
-                "--stage", str(i), *(create if i == 0 else ()),
-            )
-            for i in range(2)
-        ],
+
+    def server(name: str, stage: int, *extra: str) -> list[str]:
+        return swarmd_cmd(
+            "join", *common, "--state-dir", str(tmp_path / name), "--role", "server",
+            "--stage", str(stage), "--progress-interval", "1", *extra,
+        )  # fmt: skip
+
+    servers = processes.start_many([server("s0", 0, *create), server("s1", 1)], timeout=90)
+    processes.start_many(
+        [swarmd_cmd("join", *common, "--state-dir", str(tmp_path / "t"), "--role", "trainer")],
         timeout=90,
-    )  # fmt: skip
+    )
     browser.get(start_dashboard(processes, boot, "s"))
 
     def served() -> bool:
@@ -187,6 +190,11 @@ def test_swarm_stages_in_a_browser(
         return len(found) == 2 and all("none" not in r[2] for r in found)
 
     until(served, 90, "2 stages, each served")
+    # The run has trained (stage 0 stepped on a gradient) before its last stage is lost.
+    while not (
+        (e := servers[0].receive(timeout=90))["event"] == "stage_round" and e["micro_batches"]
+    ):
+        pass
     os.kill(servers[1].pid, signal.SIGKILL)
     # The dead server's record lapses (12 s) and stage 1 shows unserved, the bottleneck.
     until(
@@ -197,5 +205,12 @@ def test_swarm_stages_in_a_browser(
         "stage 1 unserved",
     )
     assert "stage 1 has no server" in browser.find_element(By.ID, "events").text
+    processes.start_many([server("s1b", 1)], timeout=90)
+    until(
+        lambda: "stage 1 lost" in browser.find_element(By.ID, "recoveries").text,
+        60,
+        "the recovery listed",
+    )
+    assert "stage 1 is served again" in browser.find_element(By.ID, "events").text
     screenshot = tmp_path / "stages.png"
     assert browser.save_screenshot(str(screenshot)) and screenshot.stat().st_size > 10_000

@@ -352,9 +352,18 @@ def test_find_answers_many_targets_in_one_call() -> None:
 def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
     async def main() -> None:
         async with swarm(6) as s:
-            for node in s.nodes[:3]:
-                await node.store("round", b"me", time.time() + 60, subkey=str(node.peer_id))
-            held = s.nodes[0].storage.get(b"round")
+            # Node 0 must hold all three (what is measured is its answer). A store that timed
+            # out on a loaded machine is redone, as its owner's republishing would (seen in
+            # CI: 2 of 3, a join's rebootstrap timed out under load).
+            with trio.fail_after(20):
+                while len(held := s.nodes[0].storage.get(b"round")) < 3:
+                    mine = {r.subkey for r in held}
+                    for node in s.nodes[:3]:
+                        if str(node.peer_id).encode() not in mine:
+                            await node.store(
+                                "round", b"me", time.time() + 60, subkey=str(node.peer_id)
+                            )
+                    await trio.sleep(0.05)
             assert len(held) == 3
             client = rpc.RpcClient(Identity.generate())
 

@@ -48,7 +48,7 @@ def test_generated_schedules_respect_the_run(seed: int) -> None:
 def test_many_seeds_cover_every_kind() -> None:
     params = ScheduleParams(peers=6, duration_s=300)
     seen = {e.kind for seed in range(10) for e in generate(params, seed).events}
-    assert seen == set(KINDS)
+    assert seen == set(KINDS) - {"kill_stage"}  # placed by swarm_schedule, never drawn
 
 
 def test_validate_refuses_what_cannot_be_applied() -> None:

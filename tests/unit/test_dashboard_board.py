@@ -14,7 +14,7 @@ from swarmd.node.dashboard.reading import Advert, Reading, parse_advert, parse_c
 from swarmd.node.dashboard.views import events_view, history_view, peers_view, run_view
 from swarmd.node.dht import Value
 from swarmd.node.runkeys import CONFIG_TTL_S
-from swarmd.node.training.progress_record import ProgressRecord
+from swarmd.node.training.progress_record import Notice, ProgressRecord
 from swarmd.protocol import statesync_pb2
 from swarmd.protocol.identity import Identity
 
@@ -138,3 +138,29 @@ def test_bytes_a_step_against_data_parallel() -> None:
     later.progress["a" * 52] = restarted
     board.update(later, 3.0)
     assert board.peers["a" * 52].bytes_per_step == 1000.0
+
+
+def test_a_peers_bans_and_recoveries_are_events_once_and_fragments_in_flight_counted() -> None:
+    board = Board("r")
+    a, b = "a" * 52, "b" * 52
+    ban = Notice(100.0, "peer_banned", "banned c for 60 s (false_data): <script>x</script>")
+    found = reading({a: (1, 3.0, "averaged"), b: (1, 3.0, "averaged")})
+    found.progress[a] = dataclasses.replace(found.progress[a], notices=(ban,), in_flight=2)
+    found.progress[b] = dataclasses.replace(found.progress[b], in_flight=2)
+    board.update(found, 1.0)
+    rebuilt = Notice(101.0, "stage_recovered", "stage 1 rebuilt by CheckFree")
+    other = Notice(102.0, "some_future_kind", "not shown")
+    again = reading({a: (2, 3.0, "averaged"), b: (2, 3.0, "averaged")})
+    again.progress[a] = dataclasses.replace(
+        again.progress[a], notices=(ban, rebuilt, other), in_flight=0
+    )
+    board.update(again, 2.0)
+    board.update(again, 3.0)
+    notices = [(e["kind"], e["text"]) for e in board.events if e["kind"] in {"ban", "recovery"}]
+    assert notices == [
+        ("ban", "a" * 10 + ": banned c for 60 s (false_data): <script>x</script>"),
+        ("recovery", "a" * 10 + ": stage 1 rebuilt by CheckFree"),
+    ]
+    assert run_view(board)["fragments_in_flight"] == {"0": 1}
+    rows = {row["peer_id"][0]: row["in_flight"] for row in peers_view(board)["peers"]}
+    assert rows == {"a": 0, "b": None}

@@ -49,4 +49,9 @@ def test_a_move_and_a_recovery_are_events() -> None:
 def test_a_run_that_is_not_swarm_has_no_stages() -> None:
     board = Board("r")
     board.update(Reading(run=RunInfo({"algo": "diloco"}, "h" * 16, "c", 1.0)), 1.0)
-    assert stages_view(board) == {"stages": [], "bottleneck": None, "pipeline_rate": None}
+    assert stages_view(board) == {
+        "stages": [],
+        "bottleneck": None,
+        "pipeline_rate": None,
+        "recoveries": [],
+    }

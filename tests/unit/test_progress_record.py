@@ -9,10 +9,14 @@ import json
 import pytest
 
 from swarmd.node.metrics import Metrics
-from swarmd.node.training.progress import TrainStats
+from swarmd.node.training.progress import Progress, TrainStats
 from swarmd.node.training.progress_publish import PeerFacts, make_record, progress_ttl
 from swarmd.node.training.progress_record import (
+    MAX_NOTICE_TEXT,
+    MAX_NOTICES,
     MAX_RECORD_BYTES,
+    MAX_TEXT,
+    Notice,
     ProgressRecord,
     ProgressRecordError,
 )
@@ -74,6 +78,15 @@ def test_unknown_fields_are_ignored_missing_ones_refused() -> None:
         _raw(algo="a\nb"),
         _raw(last_outer=None),
         b'{"name": "' + b"y" * 2000 + b'"}',
+        _raw(in_flight=-1),
+        _raw(in_flight="0"),
+        _raw(notices={"time": 1.0}),
+        _raw(notices=[{"time": 1.0, "kind": "peer_banned"}]),
+        _raw(notices=[{"time": 1.0, "kind": "peer_banned", "text": "x", "more": 1}]),
+        _raw(notices=[{"time": float("nan"), "kind": "k", "text": "x"}]),
+        _raw(notices=[{"time": 1.0, "kind": "k", "text": "x" * (MAX_NOTICE_TEXT + 1)}]),
+        _raw(notices=[{"time": 1.0, "kind": "k", "text": "a\x1b[2Jb"}]),
+        _raw(notices=[{"time": 1.0, "kind": "k", "text": "x"}] * (MAX_NOTICES + 1)),
     ],
 )
 def test_malformed_records_are_refused(raw: bytes) -> None:
@@ -94,3 +107,46 @@ def test_make_record_from_a_fresh_peer() -> None:
     assert record.loss is None and record.val_loss is None
     assert ProgressRecord.from_bytes(record.to_bytes()) == record
     assert progress_ttl(1.0) == 15.0 and progress_ttl(10.0) == 30.0
+
+
+def test_records_of_peers_before_the_optional_fields_still_read() -> None:
+    values = dataclasses.asdict(GOOD)
+    del values["in_flight"], values["notices"]
+    assert ProgressRecord.from_bytes(json.dumps(values).encode()) == GOOD
+
+
+def test_the_longest_record_fits() -> None:
+    """Every text at its longest, in 4-byte characters, notices included: under the limit."""
+    wide = "\U0001f600"
+    notices = tuple(Notice(1e10, wide * 32, wide * MAX_NOTICE_TEXT) for _ in range(MAX_NOTICES))
+    record = dataclasses.replace(
+        GOOD,
+        name=wide * MAX_TEXT,
+        device=wide * MAX_TEXT,
+        algo=wide * MAX_TEXT,
+        last_outer=wide * MAX_TEXT,
+        in_flight=1024,
+        notices=notices,
+    )
+    raw = record.to_bytes()
+    assert len(raw) <= MAX_RECORD_BYTES and ProgressRecord.from_bytes(raw) == record
+
+
+def test_bans_and_recoveries_become_notices_in_the_record() -> None:
+    out = Progress("json")
+    out.event("peer_banned", "banned abc for 60 s (false_data): " + "x" * 500, peer_id="abc")
+    out.event("progress", "step 1")
+    for n in range(MAX_NOTICES + 2):
+        out.event("stage_recovered", f"stage 1 rebuilt #{n}")
+    stats = TrainStats(in_flight=2)
+    facts = PeerFacts(run="r", algo="streaming-diloco", device="cpu", name="")
+    record = make_record(facts, stats, Metrics(), 0.0, out.notices)
+    assert [n.text for n in record.notices] == [
+        f"stage 1 rebuilt #{n}" for n in range(2, MAX_NOTICES + 2)
+    ]
+    assert record.in_flight == 2
+    assert ProgressRecord.from_bytes(record.to_bytes()) == record
+    out = Progress("json")
+    out.event("peer_banned", "banned abc for 60 s (false_data): " + "x" * 500, peer_id="abc")
+    (notice,) = out.notices
+    assert notice.kind == "peer_banned" and len(notice.text) == MAX_NOTICE_TEXT

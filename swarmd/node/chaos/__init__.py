@@ -17,6 +17,7 @@ from swarmd.node.chaos.harness import Harness, HarnessOptions
 from swarmd.node.chaos.invariants import Bounds, check_all, live_at_end
 from swarmd.node.chaos.report import figures, text_report, timeline_png
 from swarmd.node.chaos.schedule import Schedule, ScheduleParams, generate
+from swarmd.node.chaos.swarm import check_swarm, roles, swarm_schedule
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class ChaosOptions:
             raise ValueError("min_group_size must be below the number of peers")
         if not self.duration_s >= 30:
             raise ValueError("--duration must be at least 30 seconds")
+        if self.algo == "swarm":
+            roles(self.peers)  # raises when there are too few peers for the stages
+
+    @property
+    def swarm(self) -> bool:
+        return self.algo == "swarm"
 
 
 def build_schedule(opts: ChaosOptions) -> Schedule:
@@ -54,8 +61,9 @@ def build_schedule(opts: ChaosOptions) -> Schedule:
             warmup_s=min(40.0, 0.15 * d),
             quiet_s=min(60.0, max(25.0, 0.2 * d)),
         )
-        schedule = generate(params, opts.seed)
-    schedule.validate(opts.peers, opts.min_group_size, opts.duration_s)
+        schedule = swarm_schedule(params, opts.seed) if opts.swarm else generate(params, opts.seed)
+    # A SWARM run has no group to keep: a stage's servers may all be out (that is the test).
+    schedule.validate(opts.peers, 1 if opts.swarm else opts.min_group_size, opts.duration_s)
     return schedule
 
 
@@ -100,7 +108,7 @@ def run_chaos(opts: ChaosOptions) -> int:
         resume_s=opts.resume_bound_s,
         liveness_s=opts.liveness_bound_s,
     )
-    checks = check_all(records, bounds)
+    checks = check_swarm(records) if opts.swarm else check_all(records, bounds)
     report = text_report(records, checks)
     if not started:
         report += "\n\nSTARTUP FAILED: not every peer was training in time (see logs/)"
@@ -120,5 +128,6 @@ def run_chaos(opts: ChaosOptions) -> int:
         f"invariants_ok={str(ok).lower()} loss_start={fig.get('loss_start', float('nan')):.4f} "
         f"loss_end={fig.get('loss_end', float('nan')):.4f} "
         f"max_resume_s={fig.get('max_resume_s', 0.0):.1f}"
+        + (f" recovery_s={fig.get('recovery_s', float('nan')):.1f}" if opts.swarm else "")
     )
     return 0 if ok else 1

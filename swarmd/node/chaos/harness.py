@@ -31,7 +31,8 @@ from typing import IO, Any
 
 import trio
 
-from swarmd.node.chaos.schedule import FaultEvent, Schedule
+from swarmd.node.chaos import swarm as chaos_swarm
+from swarmd.node.chaos.schedule import KILL_STAGE, FaultEvent, Schedule
 from swarmd.protocol.faults import ENV_VAR, FaultPlan
 
 RUN_NAME = "chaos"
@@ -39,7 +40,7 @@ BOOTSTRAP = -1
 
 #: A model small enough that six peers train on two shared cores, big enough to learn.
 CHAOS_RUN = """\
-n_layer = 1
+n_layer = {n_layer}
 n_head = 2
 n_embd = 64
 block_size = 32
@@ -146,12 +147,17 @@ class Harness:
         self.boot = self._slot(BOOTSTRAP)
         self.boot_address = ""
         self.run_file = out / "run.toml"
+        swarm = options.algo == "swarm"
+        #: SWARM: each slot's role (stage server or trainer); None for other algorithms.
+        self.roles = chaos_swarm.roles(options.peers) if swarm else None
         self.run_file.write_text(
             CHAOS_RUN.format(
                 inner_steps=options.inner_steps,
                 min_group_size=options.min_group_size,
                 algo=options.algo,
+                n_layer=chaos_swarm.STAGES if swarm else 1,
             )
+            + (chaos_swarm.SWARM_RUN_EXTRA if swarm else "")
         )
         self.training = trio.Event()
         self.boot_ready = trio.Event()
@@ -249,6 +255,8 @@ class Harness:
                 "--join-timeout", "120"]  # fmt: skip
         if create:
             args += ["--create-run", str(self.run_file)]
+        if self.roles is not None:
+            args += self.roles[slot.index].join_args()
         return args
 
     # -- faults ------------------------------------------------------------------------------
@@ -283,7 +291,7 @@ class Harness:
         victims = [self.slots[i] for i in event.peers]
         self.faults_applied += 1
         self.rec.record("fault", **event.to_dict())
-        if event.kind == "kill":
+        if event.kind in ("kill", KILL_STAGE):
             for s in victims:
                 self._signal(s, signal.SIGKILL)
         elif event.kind == "pause":
@@ -309,12 +317,14 @@ class Harness:
         if self.stopping:
             return
         self.rec.record("heal", kind=event.kind, peers=list(event.peers))
-        if event.kind == "kill":
+        if event.kind in ("kill", KILL_STAGE):
             for i in event.peers:
                 slot = self.slots[i]
                 if slot.process is not None:  # not yet reaped: wait for the corpse
                     with trio.move_on_after(10):
                         await slot.process.wait()
+                if event.kind == KILL_STAGE:  # a new machine: no saved state, a new identity
+                    slot.state_dir = slot.state_dir.with_name(f"{slot.name}-{slot.incarnation + 1}")
                 await self._spawn(nursery, slot, self._join_args(slot, create=False))
         elif event.kind == "pause":
             for i in event.peers:

@@ -59,18 +59,18 @@ class Check:
     figures: tuple[tuple[str, float], ...] = ()
 
 
-def _peer_events(records: Iterable[Record], event: str) -> list[Record]:
+def peer_events(records: Iterable[Record], event: str) -> list[Record]:
     return [r for r in records if r["type"] == "peer" and r.get("event") == event]
 
 
-def _stop_time(records: list[Record]) -> float:
+def stop_time(records: list[Record]) -> float:
     return next((r["t"] for r in records if r["type"] == "stop"), math.inf)
 
 
 def live_at_end(records: list[Record]) -> list[int]:
     """Peers whose process was running when the harness began the final stop."""
     running: set[int] = set()
-    stop = _stop_time(records)
+    stop = stop_time(records)
     for r in records:
         if r["t"] > stop:
             break
@@ -91,9 +91,9 @@ def _final_round(records: list[Record]) -> tuple[int | None, dict[int, dict[int,
     live = live_at_end(records)
     if not live:
         return None, {}, "no peer was alive at the end"
-    stop = _stop_time(records)
+    stop = stop_time(records)
     steps: dict[int, dict[int, Record]] = {p: {} for p in live}
-    for r in _peer_events(records, "outer_step"):
+    for r in peer_events(records, "outer_step"):
         if r["peer"] in steps and r["t"] < stop:
             steps[r["peer"]][int(r["round"])] = r
     idle = [p for p in live if not steps[p]]
@@ -128,7 +128,7 @@ def final_agreement(records: list[Record]) -> Check:
 def loss_fell(records: list[Record]) -> Check:
     """Validation loss after the final round is below the loss of the initial weights."""
     name = "validation loss fell"
-    first = next((r for r in _peer_events(records, "validation") if r.get("round") == 0), None)
+    first = next((r for r in peer_events(records, "validation") if r.get("round") == 0), None)
     if first is None:
         return Check(name, False, "no validation of the initial weights was logged")
     start = float(first["val_loss"])
@@ -149,12 +149,12 @@ def no_unexpected_exits(records: list[Record]) -> Check:
     """No process ended except peers SIGKILLed by a fault, and everyone at the final stop
     (which must exit 0: a clean leave, not a crash or a hang that needed SIGKILL)."""
     name = "no unintended deaths"
-    stop = _stop_time(records)
+    stop = stop_time(records)
     doomed: set[int] = set()
     bad: list[str] = []
     exits = 0
     for r in records:
-        if r["type"] == "fault" and r["kind"] == "kill":
+        if r["type"] == "fault" and r["kind"] in ("kill", "kill_stage"):
             doomed.update(r["peers"])
         elif r["type"] == "spawn":
             doomed.discard(r["peer"])
@@ -251,7 +251,7 @@ def liveness(records: list[Record], bounds: Bounds) -> Check:
     up: set[int] = set()
     paused: set[int] = set()
     minority: set[int] | None = None
-    stop = _stop_time(records)
+    stop = stop_time(records)
     since: float | None = None  # start of the current window without a completed round
     worst, worst_at = 0.0, 0.0
     eligible_s = 0.0

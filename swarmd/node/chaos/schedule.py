@@ -24,10 +24,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-FaultKind = Literal["kill", "pause", "partition", "latency", "bandwidth", "clock_skew"]
+FaultKind = Literal[
+    "kill", "pause", "partition", "latency", "bandwidth", "clock_skew", "kill_stage"
+]
 DISRUPTIVE: tuple[FaultKind, ...] = ("kill", "pause", "partition")
 DEGRADING: tuple[FaultKind, ...] = ("latency", "bandwidth", "clock_skew")
-KINDS: tuple[FaultKind, ...] = DISRUPTIVE + DEGRADING
+#: SWARM runs (chaos/swarm.py): every server of a stage killed at once, replaced by new
+#: machines after ``duration_s``. Never drawn at random; swarm_schedule places it.
+KILL_STAGE: FaultKind = "kill_stage"
+KINDS: tuple[FaultKind, ...] = DISRUPTIVE + DEGRADING + (KILL_STAGE,)
 
 
 class ScheduleError(ValueError):
@@ -71,7 +76,7 @@ class FaultEvent:
 
     @property
     def disruptive(self) -> bool:
-        return self.kind in DISRUPTIVE
+        return self.kind in DISRUPTIVE or self.kind == KILL_STAGE
 
     def describe(self) -> str:
         who = ",".join(f"peer{i}" for i in self.peers)
@@ -80,6 +85,7 @@ class FaultEvent:
             "bandwidth": f" {self.bandwidth_bytes_s / 1e3:.0f} kB/s",
             "clock_skew": f" {self.clock_skew_s:+.1f} s",
             "partition": " cut off from the rest",
+            "kill_stage": " (every server of a stage; replaced by new peers)",
         }.get(self.kind, "")
         return f"{self.kind} {who}{extra} for {self.duration_s:.0f}s"
 

@@ -434,7 +434,11 @@ def _add_chaos(sub: Subparsers) -> None:
         "traceback in any log, restarted peers resumed within --resume-bound, and while a "
         "group could form an outer round completed at least every --liveness-bound seconds. "
         "Prints a report, writes OUT/report.txt and OUT/timeline.png; the last line is "
-        "key=value figures. Exit code 1 if an invariant fails. --duration 600 is the soak.",
+        "key=value figures. Exit code 1 if an invariant fails. --duration 600 is the soak. "
+        "With --algo swarm the peers are stage servers of 3 stages and a trainer, and the "
+        "schedule also kills every server of the middle stage, replaced by new peers: the "
+        "invariants are then that the pipeline trains on, the stage is rebuilt once "
+        "(CheckFree) and the loss recovers, nobody died unkilled, no traceback.",
     )
     p.add_argument("--peers", type=positive_int, default=6, help="peer processes (default: 6)")
     p.add_argument(

@@ -1,7 +1,8 @@
 """`swarmd status`: what the DHT knows of a run — its config, live peers, their states.
 
 It joins the DHT as a client-only node (port 0: nobody adds it to their routing table), reads
-three keys, prints, and leaves; it never trains and never serves.
+the run's keys (config, heartbeats, state adverts, stage directory, progress records), prints,
+and leaves; it never trains and never serves.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from typing import Any
 
 import trio
 
-from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.dht import BootstrapError, DHTNode, Value
+from swarmd.node.runkeys import progress_key
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.statesync.donor import StateAdvert, advert_key
 from swarmd.node.swarm import directory
 from swarmd.node.swarm.directory import StageRecord, by_stage
 from swarmd.node.swarm.rebalance import stage_rates
+from swarmd.node.training.progress_record import ProgressRecord, ProgressRecordError
 from swarmd.node.training.runconfig import RunConfig, RunConfigError, peers_key
 from swarmd.node.training.runrecord import claims
 from swarmd.protocol import rpc
@@ -40,6 +43,7 @@ async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
             live = await dht.peers(peers_key(run), exhaustive=True)
             adverts = await dht.get_map(advert_key(run), exhaustive=True)
             servers = await directory.read(dht, run, MAX_STAGES)
+            progress = await dht.get_map(progress_key(run), exhaustive=True)
             nursery.cancel_scope.cancel()
     finally:
         client.close()
@@ -78,7 +82,27 @@ async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
     rounds = [a.round for a in states.values()]
     report["round"] = max(rounds) if rounds else None
     report["stages"] = _stages(servers)
+    report["notices"] = _notices(progress)
     return report
+
+
+#: The notices `status` prints (what peers published of their own: progress_record.Notice).
+_SHOWN_NOTICES = {"stage_recovered": "recovery", "peer_banned": "ban"}
+
+
+def _notices(progress: dict[str, Value]) -> list[dict[str, Any]]:
+    """Stage recoveries and bans the live peers' progress records carry, oldest first."""
+    found = []
+    for peer_id, value in progress.items():
+        try:
+            record = ProgressRecord.from_bytes(value.value)
+        except ProgressRecordError:
+            continue
+        for n in record.notices:
+            if n.kind in _SHOWN_NOTICES:
+                kind = _SHOWN_NOTICES[n.kind]
+                found.append({"peer_id": peer_id, "time": n.time, "kind": kind, "text": n.text})
+    return sorted(found, key=lambda n: n["time"])
 
 
 def _stages(servers: dict[PeerId, StageRecord]) -> list[dict[str, Any]]:
@@ -144,4 +168,7 @@ def status(run: str, peers: Sequence[str], as_json: bool) -> int:
                 f"  {srv['peer_id'][:10]}  {srv['address']:<21}  {srv['state']}, round "
                 f"{srv['round']}, {srv['rate']:.1f} micro-batches/s, queue {srv['queue']}"
             )
+    for n in report["notices"]:
+        when = time.strftime("%H:%M:%S", time.localtime(n["time"]))
+        print(f"{n['kind']} {when} by {n['peer_id'][:10]}: {n['text']}")
     return 0

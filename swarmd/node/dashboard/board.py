@@ -23,6 +23,8 @@ MAX_TIME_POINTS = 900
 MAX_EVENTS = 200
 #: Outer-round outcomes worth an event (an averaged round is the normal case).
 _NOTABLE = frozenset({"local", "alone", "partial", "deferred", "failed"})
+#: The event kind on the board of each notice kind a peer publishes (others are not shown).
+_NOTICE_EVENTS = {"peer_banned": "ban", "stage_recovered": "recovery"}
 
 
 @dataclass
@@ -39,6 +41,8 @@ class PeerView:
     state_hash: str | None = None
     #: Bytes this peer sent per inner step between its last two records (None: not yet).
     bytes_per_step: float | None = None
+    #: The time of the newest notice of this peer already on the board.
+    notice_seen: float = 0.0
 
 
 def ddp_bytes_per_step(params: int, peers: int) -> float:
@@ -170,6 +174,7 @@ class Board:
 
     def _record(self, view: PeerView, record: ProgressRecord, now: float) -> None:
         old, view.record = view.record, record
+        self._notices(view, record, now)
         if old is not None and record.step > old.step and record.sent_bytes >= old.sent_bytes:
             view.bytes_per_step = (record.sent_bytes - old.sent_bytes) / (record.step - old.step)
         if record.val_loss is not None:
@@ -190,6 +195,16 @@ class Board:
                 view.peer_id,
                 now,
             )
+
+    def _notices(self, view: PeerView, record: ProgressRecord, now: float) -> None:
+        """The peer's notices not yet on the board, as events at the time they were read (the
+        peer's clock orders its own notices only)."""
+        for notice in record.notices:
+            kind = _NOTICE_EVENTS.get(notice.kind)
+            if notice.time <= view.notice_seen or kind is None:
+                continue
+            view.notice_seen = notice.time
+            self.event(kind, f"{self.label(view)}: {notice.text}", view.peer_id, now)
 
     def _forget_oldest(self) -> None:
         if len(self.peers) <= MAX_PEERS:

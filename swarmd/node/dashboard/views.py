@@ -9,6 +9,7 @@ the page (static/dashboard.js) and with scripts.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from swarmd.node.dashboard.board import Board, PeerView
@@ -19,6 +20,7 @@ def run_view(board: Board) -> dict[str, Any]:
     info = reading.run
     records = [v.record for v in board.peers.values() if v.live and v.record is not None]
     rounds = [r.round for r in records] + [a.round for a in reading.adverts.values()]
+    flights = Counter(r.in_flight for r in records if r.in_flight is not None)
     return {
         "run": board.run,
         "found": info is not None,
@@ -40,6 +42,8 @@ def run_view(board: Board) -> dict[str, Any]:
         "bytes_ratio": round(board.bytes[-1][2] / board.bytes[-1][1], 1)
         if board.bytes and board.bytes[-1][1] > 0
         else None,
+        # Streaming DiLoCo: fragment -> live peers with its round on the wire now.
+        "fragments_in_flight": {str(f): n for f, n in sorted(flights.items())},
         "refused_values": reading.refused,
         "polls": board.polls,
         "updated_s_ago": None if board.updated_at is None else round(now - board.updated_at, 1),
@@ -62,6 +66,7 @@ def _peer_row(view: PeerView, agreed: str | None, now: float) -> dict[str, Any]:
         "step": record.step if record else None,
         "round": record.round if record else view.advert_round,
         "group_size": record.group_size if record else None,
+        "in_flight": record.in_flight if record else None,
         "last_outer": record.last_outer if record else None,
         "algo": record.algo if record else None,
         "sent_bytes": record.sent_bytes if record else None,
@@ -151,4 +156,6 @@ def stages_view(board: Board) -> dict[str, Any]:
         ],
         "bottleneck": bottleneck,
         "pipeline_rate": totals[bottleneck] if bottleneck is not None else None,
+        # Rebuilt stages, as their rebuilders' notices said (newest first).
+        "recoveries": [e for e in reversed(board.events) if e["kind"] == "recovery"],
     }

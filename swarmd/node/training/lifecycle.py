@@ -286,6 +286,7 @@ class Peer:
             peer.stats,
             self.metrics,
             self.opts.progress_interval_s,
+            self.out.notices,
         )
         start = time.monotonic()
         step = await strategy.train(nursery)

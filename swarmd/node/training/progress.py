@@ -10,12 +10,18 @@ import json
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from swarmd.node.metrics import Metrics, TrainingFigures
+from swarmd.node.training.progress_record import MAX_NOTICE_TEXT, MAX_NOTICES, Notice
+
+#: Events a peer also publishes in its progress record, for the dashboard's event list (the
+#: page's own readings show joins, leaves, moves and rounds; these only the peer knows).
+NOTICE_KINDS = frozenset({"peer_banned", "stage_recovered"})
 
 
 class Progress:
@@ -23,8 +29,12 @@ class Progress:
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
+        #: The latest events of NOTICE_KINDS, oldest first.
+        self.notices: deque[Notice] = deque(maxlen=MAX_NOTICES)
 
     def event(self, kind: str, text: str, **fields: Any) -> None:
+        if kind in NOTICE_KINDS:
+            self.notices.append(Notice(round(time.time(), 3), kind, text[:MAX_NOTICE_TEXT]))
         if self.fmt == "json":
             print(json.dumps({"event": kind, "time": round(time.time(), 3), **fields}), flush=True)
         else:
@@ -50,6 +60,8 @@ class TrainStats:
     #: The model's parameter count (0 until the strategy has built it): what data-parallel
     #: training would all-reduce every step, for the dashboard's bytes comparison.
     params: int = 0
+    #: Streaming DiLoCo: the fragment whose round is on the wire now (None: none).
+    in_flight: int | None = None
 
     def outer_done(self, round_no: int, group_size: int, status: str, val: float | None) -> None:
         """A finished outer round (or fragment round): its number, group, status and the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import trio
@@ -18,7 +19,12 @@ from swarmd.node.dht import DHTNode, RecordError
 from swarmd.node.metrics import Metrics
 from swarmd.node.runkeys import progress_key
 from swarmd.node.training.progress import TrainStats
-from swarmd.node.training.progress_record import ProgressRecord, optional_loss
+from swarmd.node.training.progress_record import (
+    MAX_NOTICES,
+    Notice,
+    ProgressRecord,
+    optional_loss,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +49,11 @@ class PeerFacts:
 
 
 def make_record(
-    facts: PeerFacts, stats: TrainStats, metrics: Metrics, tokens_per_s: float
+    facts: PeerFacts,
+    stats: TrainStats,
+    metrics: Metrics,
+    tokens_per_s: float,
+    notices: Iterable[Notice] = (),
 ) -> ProgressRecord:
     return ProgressRecord(
         step=stats.step,
@@ -59,11 +69,18 @@ def make_record(
         last_outer=stats.last_outer[:64],
         algo=facts.algo,
         params=stats.params,
+        in_flight=stats.in_flight,
+        notices=tuple(notices)[-MAX_NOTICES:],
     )
 
 
 async def publish_progress(
-    dht: DHTNode, facts: PeerFacts, stats: TrainStats, metrics: Metrics, interval_s: float
+    dht: DHTNode,
+    facts: PeerFacts,
+    stats: TrainStats,
+    metrics: Metrics,
+    interval_s: float,
+    notices: Iterable[Notice] = (),
 ) -> None:
     """Stores this peer's record now and every ``interval_s`` until cancelled."""
     ttl = progress_ttl(interval_s)
@@ -72,7 +89,7 @@ async def publish_progress(
         now = time.monotonic()
         rate = (stats.tokens - last_tokens) / max(now - last_time, 1e-9)
         last_tokens, last_time = stats.tokens, now
-        record = make_record(facts, stats, metrics, rate)
+        record = make_record(facts, stats, metrics, rate, notices)
         # Bounded: a store that hangs on unreachable nodes is skipped, not queued behind.
         with trio.move_on_after(max(interval_s, 5.0)):
             try:

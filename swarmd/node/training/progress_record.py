@@ -17,14 +17,19 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-#: A record's encoded size limit (a typical one is ~300 B).
-MAX_RECORD_BYTES = 1024
+#: A record's encoded size limit (a typical one is ~300 B; every text at its longest in
+#: 4-byte characters, notices included, stays under it).
+MAX_RECORD_BYTES = 8192
 #: The longest --public-name, device or algorithm name accepted.
 MAX_TEXT = 64
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _MAX_INT = (1 << 63) - 1
 #: Tokens per second beyond this are not a claim worth drawing (a petaflop peer does ~1e8).
 _MAX_RATE = 1e12
+#: Notices a record carries at most, the longest notice text, and the most fragments a run has.
+MAX_NOTICES = 6
+MAX_NOTICE_TEXT = 160
+MAX_FRAGMENTS = 1024
 
 
 class ProgressRecordError(ValueError):
@@ -60,6 +65,27 @@ def _check_float(name: str, value: object, limit: float, *, optional: bool) -> f
 
 
 @dataclass(frozen=True)
+class Notice:
+    """A notable event of the peer (a ban it made, a stage it rebuilt) for the dashboard's
+    event list: what only that peer knows."""
+
+    time: float
+    kind: str
+    text: str
+
+    def __post_init__(self) -> None:
+        _check_float("notice time", self.time, 1e11, optional=False)
+        check_text("notice kind", self.kind, 32)
+        check_text("notice text", self.text, MAX_NOTICE_TEXT)
+
+    @classmethod
+    def parse(cls, value: object) -> Notice:
+        if not isinstance(value, dict) or set(value) != {"time", "kind", "text"}:
+            raise ProgressRecordError("a notice must be an object of time, kind and text")
+        return cls(value["time"], value["kind"], value["text"])
+
+
+@dataclass(frozen=True)
 class ProgressRecord:
     """What one peer says about its training; every field validated on construction."""
 
@@ -83,6 +109,11 @@ class ProgressRecord:
     algo: str
     #: The model's parameter count (0 before the model is built).
     params: int
+    #: Streaming DiLoCo: the fragment whose round is on the wire (None: none). Optional in
+    #: the encoding, as are the fields below (records of peers before they were added).
+    in_flight: int | None = None
+    #: The peer's latest notices, oldest first.
+    notices: tuple[Notice, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("step", "round", "sent_bytes", "received_bytes", "params"):
@@ -93,6 +124,10 @@ class ProgressRecord:
         _check_float("tokens_per_s", self.tokens_per_s, _MAX_RATE, optional=False)
         for name in ("device", "name", "last_outer", "algo"):
             check_text(name, getattr(self, name))
+        if self.in_flight is not None:
+            _check_int("in_flight", self.in_flight, MAX_FRAGMENTS)
+        if len(self.notices) > MAX_NOTICES or not all(isinstance(n, Notice) for n in self.notices):
+            raise ProgressRecordError(f"at most {MAX_NOTICES} notices")
 
     def to_bytes(self) -> bytes:
         raw = json.dumps(
@@ -114,11 +149,18 @@ class ProgressRecord:
             raise ProgressRecordError(f"progress record is not JSON: {exc}") from None
         if not isinstance(values, dict):
             raise ProgressRecordError("progress record must be a JSON object")
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing = [n for n in names if n not in values]
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields if f.default is dataclasses.MISSING]
+        missing = [n for n in required if n not in values]
         if missing:
             raise ProgressRecordError(f"progress record lacks {', '.join(missing)}")
-        return cls(**{n: values[n] for n in names})
+        given = {f.name: values[f.name] for f in fields if f.name in values}
+        if "notices" in given:
+            notices = given["notices"]
+            if not isinstance(notices, list) or len(notices) > MAX_NOTICES:
+                raise ProgressRecordError(f"notices must be a list of at most {MAX_NOTICES}")
+            given["notices"] = tuple(Notice.parse(n) for n in notices)
+        return cls(**given)
 
 
 def _refuse_constant(name: str) -> float:

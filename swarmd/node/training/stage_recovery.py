@@ -28,6 +28,7 @@ from torch import nn
 
 from swarmd.node.dht import DHTNode
 from swarmd.node.dht.records import RecordError
+from swarmd.node.swarm import directory
 from swarmd.node.swarm.directory import StageRecord
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.options import JoinError
@@ -56,13 +57,47 @@ def recovery_key(run: str, stage: int) -> str:
     return f"swarmd/{run}/stage{stage}/recovery"
 
 
+def trained(records: dict[PeerId, StageRecord], stage: int) -> bool:
+    """Whether the run has trained: another stage than `stage` stepped on a gradient (its
+    round counter alone moves in idle rounds too)."""
+    return any(r.grad_norm > 0 for r in records.values() if r.stage != stage)
+
+
 def lost(records: dict[PeerId, StageRecord], stage: int) -> bool:
-    """Whether `stage` has no server left while the run has trained: another stage has
-    stepped on a gradient (its round counter alone moves in idle rounds too, and at a run's
-    start a stage's first server must take the seed, not its neighbours' average)."""
+    """Whether `stage` has no server left while the run has trained (at a run's start a
+    stage's first server must take the seed, not its neighbours' average)."""
     if any(r.stage == stage and r.state in ("serving", "joining") for r in records.values()):
         return False
-    return any(r.grad_norm > 0 for r in records.values() if r.stage != stage)
+    return trained(records, stage)
+
+
+async def take_stage_state(
+    peer: PeerContext, stage: int, trainers: list[StageTrainer], state: SharedState
+) -> tuple[str, bool]:
+    """The stage's state for a server taking it: its servers', or rebuilt when it was lost.
+    Returns the origin and whether it was rebuilt by CheckFree.
+
+    A stage whose servers all died a moment ago still has their records (they lapse within
+    RECORD_TTL_S): the download from them fails, and the seed is no state for a stage of a
+    run that has trained. Then this server waits for the records to lapse (the stage is lost)
+    or a server to answer, at most a record lifetime and two refreshes, before it takes the
+    seed."""
+    deadline = time.monotonic() + directory.RECORD_TTL_S + 2 * directory.REFRESH_S
+    while True:
+        records = await directory.read(peer.dht, peer.config.name, len(trainers))
+        if lost(records, stage):
+            origin = await take_lost_stage(peer, stage, trainers, state, records)
+            return origin, origin == "checkfree"
+        origin, _ = await state.take_initial()
+        if origin != "fresh" or not trained(records, stage) or time.monotonic() > deadline:
+            return origin, False
+        peer.out.event(
+            "stage_wait",
+            f"stage {stage}: no server of it answered; waiting for their records to lapse "
+            "(then the stage is rebuilt)",
+            stage=stage,
+        )
+        await trio.sleep(directory.REFRESH_S)
 
 
 async def take_lease(dht: DHTNode, run: str, stage: int, me: PeerId) -> PeerId | None:
@@ -153,9 +188,10 @@ async def take_lost_stage(
     seed's "fresh" for a first or last stage). Raises JoinError when it cannot be had."""
     t0, count = time.monotonic(), len(trainers)
     if not 0 < stage < count - 1:
+        peer.metrics.stage_recoveries.labels(method="seed").inc()
         peer.out.event(
             "stage_recovered",
-            f"stage {stage} was lost; it restarts from the run's seed (CheckFree+, which "
+            f"stage {stage} lost: it restarts from the run's seed (CheckFree+, which "
             "rebuilds a first or last stage, is not built)",
             stage=stage,
             method="seed",
@@ -179,10 +215,10 @@ async def take_lost_stage(
     peer.metrics.stage_recoveries.labels(method="checkfree").inc()
     peer.out.event(
         "stage_recovered",
-        f"stage {stage} was lost: rebuilt from stages {stage - 1} and {stage + 1} (CheckFree: "
-        f"weights {rec.weight_before:.3f}/{rec.weight_after:.3f} from gradient norms "
+        f"stage {stage} lost: rebuilt from stages {stage - 1} and {stage + 1} by CheckFree "
+        f"(weights {rec.weight_before:.3f}/{rec.weight_after:.3f}, gradient norms "
         f"{rec.norm_before:.3g}/{rec.norm_after:.3g}), fresh AdamW at "
-        f"{trainers[stage].lr_scale:g}x the run's learning rate, in {took:.1f} s",
+        f"{trainers[stage].lr_scale:g}x lr, in {took:.1f} s",
         stage=stage,
         method="checkfree",
         neighbours=[stage - 1, stage + 1],

@@ -133,15 +133,9 @@ class StageServer:
         trainers, shape = await trio.to_thread.run_sync(self._build_stages)
         trainer = trainers[stage]
         state = SharedState(self.peer, trainer, scope=f"stage{stage}")
-        records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
-        if stage_recovery.lost(records, stage):
-            t0 = time.monotonic()
-            origin = await stage_recovery.take_lost_stage(
-                self.peer, stage, trainers, state, records
-            )
-            self._recovered_at = t0 if origin == "checkfree" else None
-        else:
-            origin, _ = await state.take_initial()
+        t0 = time.monotonic()
+        origin, rebuilt = await stage_recovery.take_stage_state(self.peer, stage, trainers, state)
+        self._recovered_at = t0 if rebuilt else None
         job = StageJob(
             trainer,
             shape,

@@ -121,6 +121,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         self.peer.clock.wait_s += time.monotonic() - t0
         rnd = await trio.to_thread.run_sync(self.opt.begin_round)
         self._flight = _Flight(rnd)
+        self.peer.stats.in_flight = rnd.fragment
         nursery.start_soon(
             self._fragment_round, self._flight, self.round_key(rnd.turn, rnd.fragment)
         )
@@ -209,6 +210,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
     async def _finish(self, flight: _Flight, step: int, waited: float) -> None:
         """Applies a finished round's result, publishes the state and reports the step."""
         self._flight = None
+        self.peer.stats.in_flight = None
         t0 = time.monotonic()
         report = await trio.to_thread.run_sync(self.opt.finish_round, flight.result)
         self.state.averaged(report.status, flight.group_size, flight.dropped)

@@ -60,6 +60,12 @@ function renderRun(run) {
   text("peer-count", run.live_peers + " live, " + run.gone_peers + " gone");
   text("tokens", fmtNumber(run.tokens_per_s, 0));
   text("bytes-ratio", typeof run.bytes_ratio === "number" ? fmtNumber(run.bytes_ratio, 1) + "× fewer" : null);
+  // Streaming DiLoCo: which fragments' rounds are on the wire, and on how many peers.
+  const flights = Object.entries(run.fragments_in_flight || {});
+  document.getElementById("fragments-fact").hidden = config.algo !== "streaming-diloco";
+  text("fragments", flights.length
+    ? flights.map(([fragment, peers]) => "#" + fragment + " (" + peers + " peer" + (peers === 1 ? "" : "s") + ")").join(", ")
+    : "none");
 }
 
 function sortValue(peer, key) {
@@ -128,10 +134,17 @@ function renderStages(view) {
     cell(row, names.length ? names.join(", ") : "none: trainers wait", "text");
     return row;
   }));
+  renderEvents(view.recoveries || [], "recoveries", "none");
 }
 
-function renderEvents(events) {
-  const list = document.getElementById("events");
+function renderEvents(events, id = "events", empty = null) {
+  const list = document.getElementById(id);
+  if (!events.length && empty !== null) {
+    const item = document.createElement("li");
+    item.textContent = empty;
+    list.replaceChildren(item);
+    return;
+  }
   list.replaceChildren(...events.map((event) => {
     const item = document.createElement("li");
     item.className = event.kind;
