@@ -53,10 +53,20 @@ def text_report(records: list[Record], checks: list[Check]) -> str:
     by_status: dict[str, int] = {}
     for r in steps:
         by_status[r["status"]] = by_status.get(r["status"], 0) + 1
+    stage_rounds: dict[int, int] = {}
+    for r in records:
+        if r["type"] == "peer" and r.get("event") == "stage_round" and r.get("micro_batches"):
+            stage_rounds[int(r["stage"])] = stage_rounds.get(int(r["stage"]), 0) + 1
     lines += [
         "",
         "outer steps by status: "
-        + (", ".join(f"{k} {v}" for k, v in sorted(by_status.items())) or "none"),
+        + (", ".join(f"{k} {v}" for k, v in sorted(by_status.items())) or "none")
+        + (
+            "; stage rounds that trained, by stage: "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(stage_rounds.items()))
+            if stage_rounds
+            else ""
+        ),
         "",
         "invariants:",
     ]
@@ -97,6 +107,15 @@ def timeline_png(records: list[Record], path: Path) -> str | None:
             and r["peer"] == p
             and r.get("event") in ("validation", "outer_step")
             and isinstance(r.get("val_loss"), int | float)
+        ] + [  # SWARM: the last stage's training loss of each round
+            (r["t"] - t0, r["loss"])
+            for r in records
+            if r["type"] == "peer"
+            and r["peer"] == p
+            and r.get("event") == "stage_round"
+            and r.get("micro_batches")
+            and isinstance(r.get("loss"), int | float)
+            and r["loss"] > 0
         ]
         if pts:
             xs, ys = zip(*pts, strict=True)
@@ -105,9 +124,10 @@ def timeline_png(records: list[Record], path: Path) -> str | None:
             if r["type"] == "exit" and r["peer"] == p:
                 ax.axvline(r["t"] - t0, color="black", lw=0.5, ls=":")
     ax.set_xlabel("seconds since chaos began (faults shaded; dotted: a process exited)")
-    ax.set_ylabel("validation loss")
-    ax.set_title("swarmd chaos: validation loss per peer")
-    ax.legend(loc="upper right", fontsize=8, ncol=2)
+    ax.set_ylabel("validation loss (SWARM: the last stage's training loss)")
+    ax.set_title("swarmd chaos: loss per peer")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
