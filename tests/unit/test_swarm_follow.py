@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from swarmd.node.swarm.follow import state_to_follow
+from dataclasses import dataclass
+
+from swarmd.node.swarm.follow import countable, state_to_follow
 
 X, Y, Z = b"x" * 32, b"y" * 32, b"z" * 32
 
@@ -33,3 +35,25 @@ def test_a_server_with_no_other_advert_keeps_its_own() -> None:
 def test_three_states_the_most_held_wins() -> None:
     others = [(X, 4), (Y, 9), (Z, 4), (Z, 4)]
     assert state_to_follow(X, 4, others) == Z
+
+
+@dataclass(frozen=True)
+class Ad:
+    owner: str
+    state_hash: bytes
+    round: int
+
+
+def test_a_strangers_advert_counts_only_for_a_state_a_met_server_holds() -> None:
+    # The joiner c grouped with b; a met only b. c's advert of b's state counts for it, so a
+    # (alone on Y) takes X instead of keeping Y on a hash tie-break.
+    ads = [Ad("b", X, 7), Ad("c", X, 7)]
+    counted = countable(ads, {"b"}, Y)
+    assert counted == ads and state_to_follow(Y, 7, ((a.state_hash, a.round) for a in counted)) == X
+    # Strangers agreeing on a state nobody met holds do not count, however many.
+    sybils = [Ad(f"s{i}", Z, 99) for i in range(5)]
+    assert countable([Ad("b", X, 7), *sybils], {"b"}, Y) == [Ad("b", X, 7)]
+    # A stranger holding this server's own state counts for it.
+    assert countable([Ad("s", Y, 7)], {"b"}, Y) == [Ad("s", Y, 7)]
+    # A server that has met nobody (a joiner before its first round) counts every advert.
+    assert countable(sybils, set(), Y) == sybils

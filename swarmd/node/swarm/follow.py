@@ -7,6 +7,37 @@ adverts picks the same state, and so it can be tested without a stage.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+
+class Advert(Protocol):
+    """What the rule reads of a state advert (statesync's StateAdvert)."""
+
+    @property
+    def owner(self) -> str: ...
+    @property
+    def state_hash(self) -> bytes: ...
+    @property
+    def round(self) -> int: ...
+
+
+A = TypeVar("A", bound=Advert)
+
+
+def countable(adverts: Iterable[A], known: set[str], mine: bytes) -> list[A]:
+    """The adverts an unsure server counts: those of servers it has met (averaged with or
+    downloaded from; all of them while it has met nobody), and a stranger's only when it
+    holds a state a met server holds, or this server's own.
+
+    Met servers alone was the first rule: a joiner that grouped with one of two servers was
+    a stranger to the other, which then saw one holder against its own one and kept its
+    state whenever its hash sorted higher (seen: 6 rounds split). A stranger can now add
+    weight to a state an honest server holds, never pull the stage to a state of its own."""
+    adverts = list(adverts)
+    if not known:
+        return adverts
+    held = {a.state_hash for a in adverts if a.owner in known} | {mine}
+    return [a for a in adverts if a.owner in known or a.state_hash in held]
 
 
 def state_to_follow(mine: bytes, my_round: int, others: Iterable[tuple[bytes, int]]) -> bytes:

@@ -28,7 +28,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.swarm import directory
 from swarmd.node.swarm.config import SwarmConfig
 from swarmd.node.swarm.directory import StageRecord
-from swarmd.node.swarm.follow import state_to_follow
+from swarmd.node.swarm.follow import countable, state_to_follow
 from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
 from swarmd.node.swarm.server import StageJob, StageShape
 from swarmd.node.training import stage_recovery
@@ -232,8 +232,8 @@ class StageServer:
             await trio.sleep(directory.REFRESH_S)
 
     async def serve(self) -> None:
-        """Stage rounds on the wall clock's `round_s` boundaries (the next one after the
-        last round ended: a round that overran skips a boundary)."""
+        """Stage rounds on the wall clock's `round_s` boundaries (`_next_boundary`: a round
+        that overran by much skips a boundary)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._publish_records)
@@ -241,9 +241,10 @@ class StageServer:
             # The first look after a whole period at least: rates measured on real traffic,
             # not the warm-up's alone.
             next_look = time.monotonic() + self._look_after() + 0.5 * self.swarm.rebalance_s
-            period = self.swarm.round_s
+            period, last = self.swarm.round_s, -1
             while True:
-                r = math.floor(time.time() / period) + 1
+                r = self._next_boundary(period, last)
+                last = r
                 await trio.sleep(max(0.0, r * period - time.time()))
                 if self._unsure:
                     # At the boundary, before this round's matchmaking: the stage's servers
@@ -255,6 +256,18 @@ class StageServer:
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
                     await self._guarded(self._maybe_move)
                     next_look = time.monotonic() + self._look_after()
+
+    def _next_boundary(self, period: float, last: int) -> int:
+        """The boundary (in periods since the epoch) of this server's next round: the one
+        just passed if it passed less than a third of the gather ago (a round that overran
+        its period by a little still meets the others, whose gather waits for it; measured:
+        under load, rounds that overran split 2-server stages for a round each), else the
+        next one; never a boundary already used."""
+        now = time.time()
+        r = math.floor(now / period)
+        if now - r * period > self._mm(2).gather_s / 3:
+            r += 1
+        return max(r, last + 1)
 
     async def _guarded(self, step: Callable[[], Awaitable[object]]) -> None:
         """One step of the loop; what fails in it is said, and the server goes on (unsure of
@@ -376,9 +389,11 @@ class StageServer:
         assert state is not None and self.job is not None
         mine, my_round = state.last_hash, self.job.trainer.round
         assert mine is not None
-        # Only servers this one met (averaged with, or downloaded from) once it has met any:
-        # a stranger's advert of a far later round must not pull the stage to its state.
-        adverts = [a for a in await state.adverts(known_only=True) if a.owner in peers]
+        # A stranger's advert of a far later round must not pull the stage to its state.
+        # Met servers and the run's creator, once this one has met any (until then: all).
+        known = state.met | ({state.creator} if state.creator and state.met else set())
+        stage = [a for a in await state.adverts() if a.owner in peers]
+        adverts = countable(stage, known, mine)
         best = state_to_follow(mine, my_round, ((a.state_hash, a.round) for a in adverts))
         if best == mine:
             # Sure again once another server holds this state too (or there is none).
