@@ -1,0 +1,493 @@
+"""CheckFree: a SWARM pipeline loses every server of one stage; what each way back costs.
+
+CheckFree (Blagoev et al. 2025, "All is Not Lost: LLM Recovery without Checkpoints"; code:
+gensyn-ai/CheckFree) rebuilds a lost intermediate stage from its two neighbours, their layers
+averaged with weights from their last gradient norms, and trains on with a fresh optimiser at
+a slightly higher learning rate; nothing is stored while nothing fails. swarmd builds it
+(optim/checkfree.py, node/training/stage_recovery.py); this measures it, in two parts.
+
+1. Loss, in one process, deterministic. The run's model is built by the daemon's own code
+   (`build_model` of a `RunConfig` with `algo = "swarm"`, `swarm_stages = 4`, `cut_stages`, a
+   `StageTrainer` per stage from `stage_recovery.build_all`) and driven synchronously: a
+   round is `--micro-batches` micro-batches (forward through stages 0-2, `last` on stage 3,
+   the stateless backward through stages 2-0), then `take` and `apply` on every stage (one
+   server per stage: what it took is its stage's average). Micro-batch j of round r is the
+   trainer's batch r*k + j (`TokenSource.train_batch`, addressed by seed and step): every arm
+   sees the same tokens in the same round. Validation loss: `evaluate` on the first
+   `--val-batches` batches of the held-out split. After round T every server of stage 1 is
+   gone, and the arms go on from that same state to round N:
+   (a) nofail: nothing is lost.
+   (b) checkfree: stage 1 rebuilt as the daemon's rebuilder does: a freshly built trainer
+       (fresh AdamW) set to `checkfree.recover` of stages 0 and 2 with their
+       `last_grad_norm`s, at `checkfree.LR_SCALE` times the run's learning rate.
+   (c) random: stage 1 from a model built with another seed (seed + 1000), fresh AdamW (the
+       run's own seeded init, the pipeline's start, is reported for stage 0 below).
+   (d) checkpoint, the conventional baseline: the whole pipeline's state (every stage's
+       `state_dict`) is saved every C rounds (N/8); at the failure every stage rolls back to
+       the last one, and the rounds since are lost: the arm still spends N rounds, so it ends
+       with N - lost effective rounds (`lost_rounds`; their batches are not replayed). T is
+       N/2 + C/2, midway between checkpoints (the expected loss of a failure at a random
+       time). Writing a checkpoint costs nothing here (a real one stalls or needs storage).
+   `--stage2` loses stage 2 too, in arms of its own. `steps_to_baseline`: rounds after T until
+   the checkfree curve is first within 1% of the nofail curve at the same round (-1: never;
+   `steps_to_stay`: and stays within it to N), at the resolution of `--eval-every`.
+   The first stage lost: CheckFree+ (the paper's swap of neighbouring stages on half the
+   micro-batches, so that each can stand in for the other, and the neighbour's copy of the
+   embedding) is NOT built in swarmd, so what a user gets today is reported: the daemon
+   restarts a lost first stage from the run's seed (`first_seed`), or a random init as in (c)
+   (`first_random`); `first_checkpoint` is (d) itself (a whole-pipeline rollback does not
+   depend on which stage failed). Unlike a real run: no fp16 activations, no stale
+   gradients, no int8 averaging.
+
+2. Recovery time, `swarmd join` processes on loopback as in test_checkfree_join.py (not run
+   with `--skip-loopback`): a bootstrap, a server per stage of 4, a trainer; once every stage
+   has stepped, stage 1's server is SIGKILLed; when the trainer reports the stage missing
+   (the dead record lapsed) a spare server joins stage 1, finds it lost and rebuilds it.
+   `recovery_s`: the spare's own figure, from its detection of the loss to its first trained
+   round; `recovery_total_s`: from the SIGKILL (the record's lapse and the spare's start
+   included); `detect_s`: from the SIGKILL to the trainer's `stage_missing`.
+
+Measured (2 cores, seeds 0 and 1, defaults: N=200, T=112, 12 rounds lost): checkfree ended
++0.60% / +0.52% above nofail, random -0.45% / -0.36%, checkpoint +0.98% / +0.46%; a lost first
+stage +6.8% / +5.1% (seed restart); recovery_s 4.3 / 4.6 s (22 s from the SIGKILL). So the
+3% and 10 s targets were met, "checkfree below random" was not: in this model a fresh block is
+close to the identity (GPT-2's residual projections start at std 0.005), so a random middle
+stage costs almost nothing, while CheckFree's weights leaned 0.91-0.95 to stage 0 (its
+blocks' gradient norm 12x stage 2's at seed 0), making stage 1 a near copy of stage 0's blocks.
+
+The last line: `loss_nofail=… loss_checkfree=… loss_random=… loss_checkpoint=… recovery_s=…
+steps_to_baseline=… first_random=… first_checkpoint=… lost_rounds=…` and more; the line
+before says whether the issue's targets (checkfree below random and within 3% of nofail,
+recovery under 10 s) were met: checked, never tuned for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from swarmd.node.training import stage_recovery
+from swarmd.node.training.context import PeerContext
+from swarmd.node.training.model import build_model
+from swarmd.node.training.runconfig import RunConfig
+from swarmd.node.training.stage_server import cut_stages
+from swarmd.optim import checkfree
+from swarmd.optim.stage import StageTrainer
+from swarmd.workloads import TokenSource, evaluate, lm_loss, load_source
+from tests.helpers import Proc, ProcessGroup
+from tests.integration.test_join import join_cmd, start_bootstrap, wait_for
+
+STAGES = 4
+#: The "random" arms' init: a model built with the run's seed plus this.
+RANDOM_SEED_OFFSET = 1000
+#: Within this share of the nofail curve counts as back (the issue's 1%).
+BACK_WITHIN = 0.01
+START_S = 120.0
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Curve = dict[int, float]
+Stages = list[StageTrainer]
+_T0 = time.monotonic()
+
+
+def log(text: str) -> None:
+    print(f"[{time.monotonic() - _T0:6.1f}s] {text}", file=sys.stderr, flush=True)
+
+
+def run_config(seed: int, lr: float) -> RunConfig:
+    """The run: the built-in GPT of 8 blocks cut into 4 stages (2 blocks each; stage 0 also
+    holds the embedding, stage 3 the head), small enough to train in minutes on 2 cores."""
+    return RunConfig(
+        name="checkfree", n_layer=8, n_head=4, n_embd=64, block_size=64, batch_size=8,
+        inner_lr=lr, seed=seed, data_shards=1, algo="swarm", swarm_stages=STAGES,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setup:
+    config: RunConfig
+    source: TokenSource
+    val: list[Batch]
+    rounds: int
+    fail_at: int
+    checkpoint_every: int
+    micro_batches: int
+    eval_every: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A whole pipeline's state: each stage's state_dict (cloned) and last gradient norm."""
+
+    round: int
+    states: list[dict[str, torch.Tensor]]
+    norms: list[float]
+
+
+class Pipeline(nn.Module):
+    """The stages composed, with the GPT's `forward(idx, targets) -> (logits, loss)`."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = idx
+        for part in self.parts:
+            h = part(h)
+        return h, None if targets is None else lm_loss(h, targets)
+
+
+# -- the in-process pipeline -------------------------------------------------------------------
+
+
+def build(config: RunConfig) -> Stages:
+    """The run's seeded model cut into its stages, a trainer each, as a stage server builds
+    them (stage_server.StageServer._build_stages; build_all reads only the peer's config)."""
+    modules = cut_stages(build_model(config, "cpu"), config.swarm_stages)
+    return stage_recovery.build_all(cast(PeerContext, SimpleNamespace(config=config)), modules)
+
+
+def snapshot(stages: Stages) -> Snapshot:
+    return Snapshot(
+        stages[0].round, [t.state_dict() for t in stages], [t.last_grad_norm for t in stages]
+    )
+
+
+def restore(setup: Setup, snap: Snapshot) -> Stages:
+    stages = build(setup.config)
+    for t, state, norm in zip(stages, snap.states, snap.norms, strict=True):
+        t.load_state_dict(state)
+        t.last_grad_norm = norm
+    return stages
+
+
+def batches(setup: Setup, r: int) -> list[Batch]:
+    """Round r's micro-batches: the trainer's r*k .. r*k + k - 1 (same in every arm)."""
+    c, k = setup.config, setup.micro_batches
+    return [
+        setup.source.train_batch(0, c.data_shards, c.batch_size, c.block_size, c.seed, r * k + j)
+        for j in range(k)
+    ]
+
+
+def train_round(stages: Stages, micro: list[Batch]) -> None:
+    """The micro-batches through the pipeline, then every stage's take + apply (one server a
+    stage: what it took is the stage's average, as in StageServer._round)."""
+    for x, y in micro:
+        inputs: list[torch.Tensor] = [x]
+        for t in stages[:-1]:
+            inputs.append(t.forward(inputs[-1]))
+        _, g = stages[-1].last(inputs[-1], y)
+        for t, h in zip(reversed(stages[:-1]), reversed(inputs[:-1]), strict=True):
+            assert g is not None
+            g = t.backward(h, g)
+    for t in stages:
+        grad, count = t.take()
+        if count and bool(grad.any()):
+            t.apply(grad)
+        else:
+            t.skip()
+
+
+def val_loss(setup: Setup, stages: Stages) -> float:
+    return evaluate(Pipeline([t.module for t in stages]), setup.val)
+
+
+def evaluated(setup: Setup, n: int) -> bool:
+    return n % setup.eval_every == 0 or n in (setup.fail_at, setup.rounds)
+
+
+def prefix(setup: Setup) -> tuple[Curve, Snapshot, Snapshot]:
+    """Rounds 0..T-1 (shared by every arm): the curve, the state at T, the last checkpoint."""
+    stages = build(setup.config)
+    curve = {0: val_loss(setup, stages)}
+    checkpoint = snapshot(stages)  # a run's init is its first checkpoint
+    for r in range(setup.fail_at):
+        train_round(stages, batches(setup, r))
+        n = r + 1
+        if n % setup.checkpoint_every == 0:
+            checkpoint = snapshot(stages)
+        if evaluated(setup, n):
+            curve[n] = val_loss(setup, stages)
+            log(f"round {n}: validation loss {curve[n]:.4f}")
+    return curve, snapshot(stages), checkpoint
+
+
+def go_on(setup: Setup, stages: Stages, name: str) -> Curve:
+    """Rounds T..N-1 from `stages` (already failed and recovered as the arm says)."""
+    curve = {setup.fail_at: val_loss(setup, stages)}
+    for r in range(setup.fail_at, setup.rounds):
+        train_round(stages, batches(setup, r))
+        if evaluated(setup, r + 1):
+            curve[r + 1] = val_loss(setup, stages)
+    log(f"{name}: loss {curve[setup.fail_at]:.4f} at round {setup.fail_at}, "
+        f"{curve[setup.rounds]:.4f} at {setup.rounds}")  # fmt: skip
+    return curve
+
+
+# -- what each arm does to the lost stage -------------------------------------------------------
+
+Failure = Callable[[Setup, Stages, int], Stages]
+
+
+def swapped(stages: Stages, i: int, fresh: StageTrainer) -> Stages:
+    fresh.round = stages[i].round
+    return [*stages[:i], fresh, *stages[i + 1 :]]
+
+
+def with_checkfree(setup: Setup, stages: Stages, i: int) -> Stages:
+    """stage_recovery.rebuild, in process: a fresh trainer set to CheckFree's average of its
+    neighbours, weighted by their last gradient norms, at LR_SCALE."""
+    fresh = build(setup.config)[i]
+    before, after = stages[i - 1], stages[i + 1]
+    rec = checkfree.recover(
+        fresh.module, before.module, after.module, before.last_grad_norm, after.last_grad_norm
+    )
+    fresh.set_lr_scale(checkfree.LR_SCALE)
+    log(f"stage {i} rebuilt: weights {rec.weight_before:.3f}/{rec.weight_after:.3f} from "
+        f"gradient norms {rec.norm_before:.3g}/{rec.norm_after:.3g}")  # fmt: skip
+    return swapped(stages, i, fresh)
+
+
+def with_random(setup: Setup, stages: Stages, i: int) -> Stages:
+    other = replace(setup.config, seed=setup.config.seed + RANDOM_SEED_OFFSET)
+    return swapped(stages, i, build(other)[i])
+
+
+def with_seed(setup: Setup, stages: Stages, i: int) -> Stages:
+    """What the daemon does for a lost first or last stage: the run's seeded init."""
+    return swapped(stages, i, build(setup.config)[i])
+
+
+def run_arms(setup: Setup, stage2: bool) -> tuple[dict[str, Curve], int]:
+    """Every arm's curve (the shared rounds before T included) and the rounds lost."""
+    before, at_failure, checkpoint = prefix(setup)
+    lost = at_failure.round - checkpoint.round
+    log(f"failure after round {setup.fail_at}; last checkpoint at round {checkpoint.round} "
+        f"({lost} rounds lost)")  # fmt: skip
+    plan: list[tuple[str, Failure | None, int]] = [
+        ("nofail", None, 0),
+        ("checkfree", with_checkfree, 1),
+        ("random", with_random, 1),
+    ]
+    if stage2:
+        plan += [("stage2_checkfree", with_checkfree, 2), ("stage2_random", with_random, 2)]
+    plan += [("first_seed", with_seed, 0), ("first_random", with_random, 0)]
+    arms: dict[str, Curve] = {}
+    for name, fail, i in plan:
+        stages = restore(setup, at_failure)
+        arms[name] = before | go_on(setup, fail(setup, stages, i) if fail else stages, name)
+    arms["checkpoint"] = before | go_on(setup, restore(setup, checkpoint), "checkpoint")
+    return arms, lost
+
+
+def steps_back(curve: Curve, baseline: Curve, fail_at: int, stay: bool = False) -> int:
+    """Rounds after the failure until `curve` is first within BACK_WITHIN of the baseline
+    (`stay`: and within it at every evaluation after); -1 if never."""
+    rounds = sorted(k for k in curve if k >= fail_at)
+    back = [curve[n] <= baseline[n] * (1 + BACK_WITHIN) for n in rounds]
+    for j, n in enumerate(rounds):
+        if back[j] and (not stay or all(back[j:])):
+            return n - fail_at
+    return -1
+
+
+# -- recovery time on loopback ------------------------------------------------------------------
+
+
+def run_toml(c: RunConfig) -> str:
+    """The run file of the same run (rounds every 2 s, no rebalancing: one server a stage)."""
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "inner_lr", "seed")
+    return "".join(f"{k} = {getattr(c, k)}\n" for k in (*keys, "data_shards", "swarm_stages")) + (
+        'algo = "swarm"\nswarm_round_s = 2.0\nswarm_rebalance_s = 0\n'
+    )
+
+
+def _server(root: Path, boot: str, name: str, stage: int, *extra: str) -> list[str]:
+    return join_cmd(root, name, boot, "--role", "server", "--stage", str(stage), *extra,
+                    steps=1_000_000)  # fmt: skip
+
+
+def loopback(config: RunConfig) -> dict[str, float]:
+    """The SIGKILL of stage 1's only server and its rebuild by a spare, as real processes
+    (the helpers of tests/integration/test_checkfree_join.py; every child stopped at the end,
+    before its state directory goes)."""
+    with tempfile.TemporaryDirectory(prefix="swarmd-checkfree-") as tmp:
+        root, processes = Path(tmp), ProcessGroup()
+        try:
+            (root / "run.toml").write_text(run_toml(config))
+            boot = start_bootstrap(processes, root)
+            commands = [_server(root, boot, f"s{i}", i) for i in range(STAGES)]
+            commands[0] += ["--create-run", str(root / "run.toml")]
+            servers = processes.start_many(commands, timeout=START_S)
+            for s in servers:
+                wait_for(s, "stage", timeout=START_S)
+            log("loopback: a server on each of the 4 stages; the trainer starts")
+            (trainer,) = processes.start_many(
+                [join_cmd(root, "t", boot, "--role", "trainer", steps=1_000_000)]
+            )
+            for s in servers:  # every stage has stepped: their records carry gradient norms
+                _first_trained_round(s, START_S)
+            time.sleep(4)  # a record refresh
+            killed = time.time()
+            servers[1].process.send_signal(signal.SIGKILL)
+            log("loopback: stage 1's server SIGKILLed")
+            missing = wait_for(trainer, "stage_missing", timeout=60)
+            log("loopback: the trainer reports stage 1 missing; the spare joins")
+            (spare,) = processes.start_many([_server(root, boot, "spare", 1)], timeout=START_S)
+            return _recovered(spare, killed, float(missing["time"]))
+        finally:
+            processes.close()
+
+
+def _event(proc: Proc, timeout: float) -> dict[str, Any]:
+    return proc.receive(timeout)
+
+
+def _first_trained_round(proc: Proc, timeout: float) -> dict[str, Any]:
+    while (e := _event(proc, timeout))["event"] != "stage_round" or not e["micro_batches"]:
+        pass
+    return e
+
+
+def _recovered(spare: Proc, killed: float, missing: float) -> dict[str, float]:
+    """The spare's recovery, from its events up to its first trained round."""
+    method, took = "none", math.nan
+    while (e := _event(spare, START_S))["event"] != "stage":
+        if e["event"] == "stage_recovered":
+            method, took = str(e["method"]), float(e.get("seconds", math.nan))
+    log(f"loopback: the spare serves stage 1 ({e['origin']} start, recovery: {method})")
+    e = _first_trained_round(spare, 60)
+    return {
+        "recovery_s": float(e.get("recovery_s", math.nan)),
+        "recovery_total_s": float(e["time"]) - killed,
+        "detect_s": missing - killed,
+        "rebuild_s": took,
+        "checkfree_rebuilt": float(method == "checkfree"),
+    }
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def table(arms: dict[str, Curve], setup: Setup, lost: int) -> None:
+    names = list(arms)
+    print(f"\nvalidation loss by round (failure after round {setup.fail_at}; checkpoint arm: "
+          f"{lost} rounds lost, its effective round is the round - {lost})")  # fmt: skip
+    print("round  " + " ".join(f"{n:>16}" for n in names))
+    for n in sorted(arms["nofail"]):
+        print(f"{n:5d}  " + " ".join(f"{arms[a][n]:16.4f}" for a in names))
+    base = arms["nofail"][setup.rounds]
+    print("\narm                at failure     final   vs nofail")
+    for a in names:
+        c = arms[a]
+        print(f"{a:17s} {c[setup.fail_at]:10.4f} {c[setup.rounds]:9.4f} "
+              f"{100 * (c[setup.rounds] / base - 1):+10.2f}%")  # fmt: skip
+
+
+def targets(report: dict[str, Any]) -> str:
+    cf, rnd, nf = report["loss_checkfree"], report["loss_random"], report["loss_nofail"]
+    rec = report.get("recovery_s", math.nan)
+    gap = 100 * (cf / nf - 1)
+
+    def yes(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    parts = [
+        f"checkfree < random: {yes(cf < rnd)}",
+        f"checkfree within 3% of nofail ({gap:+.2f}%): {yes(gap <= 3)}",
+        f"recovery_s < 10 ({rec:.2f} s): " + ("not measured" if math.isnan(rec) else yes(rec < 10)),
+    ]
+    return "targets: " + "; ".join(parts)
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    rounds = 48 if args.quick else args.rounds
+    every = args.checkpoint_every or max(1, rounds // 8)
+    fail_at = args.fail_at or rounds // 2 + every // 2
+    if not 0 < fail_at < rounds:
+        raise SystemExit(f"--fail-at must be in (0, {rounds})")
+    config = run_config(args.seed, args.lr)
+    source = load_source("builtin")
+    val = source.validation_batches(config.batch_size, config.block_size, args.val_batches)
+    return Setup(config, source, val, rounds, fail_at, every, args.micro_batches,
+                 args.eval_every or (4 if args.quick else 10))  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed: init and data order")
+    ap.add_argument("--rounds", type=int, default=200, help="N, rounds of every arm")
+    ap.add_argument("--fail-at", type=int, default=0, help="T (default N/2 + C/2)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="C (default N/8)")
+    ap.add_argument("--lr", type=float, default=0.002, help="the run's inner_lr (AdamW)")
+    ap.add_argument("--micro-batches", type=int, default=4, help="per round")
+    ap.add_argument("--eval-every", type=int, default=0, help="rounds (default 10; quick 4)")
+    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--stage2", action="store_true", help="also lose stage 2, arms of its own")
+    ap.add_argument("--skip-loopback", action="store_true", help="no recovery_s (processes)")
+    ap.add_argument("--quick", action="store_true", help="48 rounds")
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the children are stopped
+    setup = make_setup(args)
+    c = setup.config
+    log(f"S={STAGES}, n_layer={c.n_layer}, n_embd={c.n_embd}, batch {c.batch_size}x"
+        f"{c.block_size}, {setup.micro_batches} micro-batches a round, N={setup.rounds}, "
+        f"T={setup.fail_at}, C={setup.checkpoint_every}, lr {c.inner_lr:g}, seed {c.seed}, "
+        f"{torch.get_num_threads()} threads")  # fmt: skip
+    arms, lost = run_arms(setup, args.stage2)
+    n = setup.rounds
+    report: dict[str, Any] = {
+        "loss_nofail": arms["nofail"][n],
+        "loss_checkfree": arms["checkfree"][n],
+        "loss_random": arms["random"][n],
+        "loss_checkpoint": arms["checkpoint"][n],
+    }
+    if not args.skip_loopback:
+        try:
+            report.update(loopback(c))
+        except AssertionError as exc:  # a process failed or timed out: said, not hidden
+            log(f"loopback failed: {str(exc)[:2000]}")
+            report.update(recovery_s=math.nan, recovery_total_s=math.nan)
+    report["steps_to_baseline"] = steps_back(arms["checkfree"], arms["nofail"], setup.fail_at)
+    report["steps_to_stay"] = steps_back(arms["checkfree"], arms["nofail"], setup.fail_at, True)
+    report["random_steps_to_stay"] = steps_back(arms["random"], arms["nofail"], setup.fail_at, True)
+    report |= {
+        "first_seed": arms["first_seed"][n],
+        "first_random": arms["first_random"][n],
+        "first_checkpoint": arms["checkpoint"][n],
+        "lost_rounds": lost,
+        "rounds": n,
+        "fail_at": setup.fail_at,
+    }
+    if args.stage2:
+        report |= {k: arms[k][n] for k in ("stage2_checkfree", "stage2_random")}
+    report["wall_s"] = time.monotonic() - _T0
+    table(arms, setup, lost)
+    print(targets(report))
+    print(
+        " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items())
+    )
+
+
+if __name__ == "__main__":
+    main()
