@@ -259,6 +259,7 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
     trio.run(main)
 
 
+@pytest.mark.timeout(300)  # ~60 s alone; a move waits for two looks that name it
 def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_path: Path) -> None:
     """3 servers on stage 0, 1 slowed server on stage 1: one stage-0 server moves to stage 1,
     with stage 1's state, and averages there; stage 0 keeps its other two."""

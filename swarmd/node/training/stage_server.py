@@ -93,6 +93,9 @@ class StageServer:
         self._moving_to: int | None = None
         #: When this server began rebuilding its lost stage (until its first step).
         self._recovered_at: float | None = None
+        #: The move (source, target) the last look named, if any: a move is made when two
+        #: looks in a row name it.
+        self._last_move: tuple[int, int] | None = None
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
@@ -415,12 +418,19 @@ class StageServer:
         return True
 
     async def _maybe_move(self) -> None:
+        """Moves when two looks in a row name the same move: rates measured on a busy host
+        swing for a moment (seen in CI: a server moved back 1 -> 0 right after the one
+        move 0 -> 1 the setup called for), and a move costs a state download and its stage
+        a server."""
         assert self.job is not None
         records = dict(self._directory)
         me = self.peer.identity.peer_id
         records[me] = self._record()
         move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain)
-        if move is not None:
+        seen = None if move is None else (move.source, move.target)
+        confirmed, self._last_move = seen is not None and seen == self._last_move, seen
+        if move is not None and confirmed:
+            self._last_move = None
             await self._move(move)
 
     async def _move(self, move: Move) -> None:
