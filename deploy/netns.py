@@ -10,6 +10,14 @@ Bandwidth: a `tbf` qdisc on both ends of every host's veth pair limits what the 
 (``eth0`` egress) and what it receives (``p<i>`` egress), like a symmetric access line. `netem`
 is not available on these kernels, so there is no latency or loss shaping here.
 
+NAT (issue 27): with ``nated=K`` the last K hosts sit behind a home router instead, namespace
+``swd-<tag>-nat``: its ``wan0`` is a port of the public bridge holding ``<subnet>.250``, its
+bridge ``lan0`` holds ``<lan>.1`` and one port ``q<i>`` per NATed host, which gets
+``<lan>.<i+1>`` and a default route through the router. The router forwards and rewrites the
+source of everything leaving ``wan0`` (iptables MASQUERADE) and forwards nothing in: a
+connection to ``<subnet>.250`` finds no listener and the kernel refuses it, and the public hosts
+have no route to the LAN at all, which is how a volunteer behind a home router looks.
+
 Cutting a host sets its switch port ``p<i>`` down: the host's ``eth0`` loses carrier and every
 packet to or from it vanishes, so both sides see silence and time out, the way an internet
 outage looks to a peer (an administratively-down ``eth0`` would instead fail the host's own
@@ -20,7 +28,9 @@ sends at once with "network unreachable", which is a kinder failure than real ou
     python deploy/netns.py cut --tag demo 3 ; python deploy/netns.py heal --tag demo 3
     python deploy/netns.py down --tag demo
 
-Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (`ip`, `tc`).
+    python deploy/netns.py up --tag nat --hosts 4 --nated 2
+
+Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (`ip`, `tc`); NAT needs `iptables`.
 """
 
 from __future__ import annotations
@@ -74,6 +84,9 @@ class NetnsConfig:
     subnet: str = "10.77.0.0/24"
     #: None: no bandwidth limit.
     shaping: Shaping | None = Shaping()
+    #: The last `nated` hosts sit behind a NAT router, on the private `lan` /24.
+    nated: int = 0
+    lan: str = "192.168.77.0/24"
 
     def __post_init__(self) -> None:
         if not _TAG.match(self.tag):
@@ -84,6 +97,11 @@ class NetnsConfig:
         net = ipaddress.IPv4Network(self.subnet)
         if net.prefixlen != 24 or not net.is_private:
             raise ValueError(f"subnet {self.subnet!r} must be a private /24")
+        lan = ipaddress.IPv4Network(self.lan)
+        if lan.prefixlen != 24 or not lan.is_private or lan.overlaps(net):
+            raise ValueError(f"lan {self.lan!r} must be a private /24 apart from the subnet")
+        if not 0 <= self.nated < self.hosts or self.nated > 200:
+            raise ValueError("nated must be in 0..hosts-1 (someone must be reachable)")
 
 
 def _run(args: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -102,13 +120,29 @@ def check_usable() -> None:
             raise NetnsError(f"`{tool}` not found: install iproute2 (apt-get install iproute2)")
 
 
+def check_nat_usable() -> None:
+    check_usable()
+    if shutil.which("iptables") is None:
+        raise NetnsError("`iptables` not found: install it (apt-get install iptables)")
+
+
 class Network:
     """One test network; use as a context manager so it is torn down even on failure."""
 
     def __init__(self, config: NetnsConfig) -> None:
         self.config = config
         net = ipaddress.IPv4Network(config.subnet)
-        self._hosts = [str(net.network_address + i + 1) for i in range(config.hosts)]
+        lan = ipaddress.IPv4Network(config.lan)
+        self._hosts = [
+            str((lan if self.is_nated(i) else net).network_address + i + 1)
+            for i in range(config.hosts)
+        ]
+        #: The NAT router's public address (what NATed hosts' calls come from).
+        self.router_ip = str(net.network_address + 250)
+        self._lan_gateway = str(lan.network_address + 1)
+
+    def is_nated(self, i: int) -> bool:
+        return i >= self.config.hosts - self.config.nated
 
     # -- names ------------------------------------------------------------------------------
 
@@ -116,13 +150,17 @@ class Network:
     def bridge_ns(self) -> str:
         return f"{PREFIX}-{self.config.tag}-br"
 
+    @property
+    def router_ns(self) -> str:
+        return f"{PREFIX}-{self.config.tag}-nat"
+
     def ns(self, i: int) -> str:
         """The namespace of host ``i``."""
         self._check_host(i)
         return f"{PREFIX}-{self.config.tag}-{i}"
 
     def ip(self, i: int) -> str:
-        """Host ``i``'s address (no prefix length)."""
+        """Host ``i``'s address (no prefix length; a NATed host's private one)."""
         self._check_host(i)
         return self._hosts[i]
 
@@ -146,7 +184,7 @@ class Network:
 
     def up(self) -> None:
         """Creates the bridge and the hosts; on any failure removes what it made and raises."""
-        check_usable()
+        check_nat_usable() if self.config.nated else check_usable()
         taken = set(self.namespaces()) & set(list_namespaces())
         if taken:
             # Someone else's (or a leftover of a killed run: `netns.py down --tag` removes it).
@@ -163,21 +201,51 @@ class Network:
         _run(["ip", "-n", br, "link", "set", "lo", "up"])
         _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
         _run(["ip", "-n", br, "link", "set", BRIDGE, "up"])
+        if self.config.nated:
+            self._up_router()
         for i in range(self.config.hosts):
-            ns, port = self.ns(i), f"p{i}"
+            ns = self.ns(i)
+            switch, port = (self.router_ns, f"q{i}") if self.is_nated(i) else (br, f"p{i}")
             _run(["ip", "netns", "add", ns])
-            # Made inside the bridge's namespace, its other end moved straight into the host's:
+            # Made inside the switch's namespace, its other end moved straight into the host's:
             # the default namespace never holds either end, even for a moment.
-            peer = ["peer", "name", HOST_IF, "netns", ns]
-            _run(["ip", "-n", br, "link", "add", port, "type", "veth", *peer])
-            _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE])
-            _run(["ip", "-n", br, "link", "set", port, "up"])
+            self._plug(switch, port, ns, HOST_IF, "lan0" if self.is_nated(i) else BRIDGE)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self._hosts[i]}/24", "dev", HOST_IF])
             _run(["ip", "-n", ns, "link", "set", HOST_IF, "up"])
+            if self.is_nated(i):
+                _run(["ip", "-n", ns, "route", "add", "default", "via", self._lan_gateway])
             if self.config.shaping is not None:
                 self._shape(ns, HOST_IF)
-                self._shape(br, port)
+                self._shape(switch, port)
+
+    def _plug(self, switch: str, port: str, ns: str, dev: str, bridge: str) -> None:
+        """A veth pair: `port` on `bridge` in `switch`'s namespace, `dev` in `ns`."""
+        peer = ["peer", "name", dev, "netns", ns]
+        _run(["ip", "-n", switch, "link", "add", port, "type", "veth", *peer])
+        _run(["ip", "-n", switch, "link", "set", port, "master", bridge])
+        _run(["ip", "-n", switch, "link", "set", port, "up"])
+
+    def _up_router(self) -> None:
+        """The home router: wan0 on the public bridge, a LAN bridge for the NATed hosts,
+        forwarding on, MASQUERADE out of wan0, nothing forwarded in."""
+        nat, subnet_len = self.router_ns, "/24"
+        _run(["ip", "netns", "add", nat])
+        _run(["ip", "-n", nat, "link", "set", "lo", "up"])
+        self._plug(self.bridge_ns, "pnat", nat, "wan0", BRIDGE)
+        _run(["ip", "-n", nat, "addr", "add", self.router_ip + subnet_len, "dev", "wan0"])
+        _run(["ip", "-n", nat, "link", "set", "wan0", "up"])
+        _run(["ip", "-n", nat, "link", "add", "lan0", "type", "bridge"])
+        _run(["ip", "-n", nat, "addr", "add", self._lan_gateway + subnet_len, "dev", "lan0"])
+        _run(["ip", "-n", nat, "link", "set", "lan0", "up"])
+        inside = ["ip", "netns", "exec", nat]
+        _run([*inside, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        _run([*inside, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0",
+              "-j", "MASQUERADE"])  # fmt: skip
+        # Replies to connections the LAN opened pass; nothing else is forwarded in.
+        _run([*inside, "iptables", "-A", "FORWARD", "-i", "wan0", "-m", "conntrack",
+              "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"])  # fmt: skip
+        _run([*inside, "iptables", "-A", "FORWARD", "-i", "wan0", "-j", "DROP"])
 
     def _shape(self, ns: str, dev: str) -> None:
         s = self.config.shaping
@@ -186,13 +254,16 @@ class Network:
         _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf])
 
     def namespaces(self) -> list[str]:
-        return [self.bridge_ns] + [self.ns(i) for i in range(self.config.hosts)]
+        router = [self.router_ns] if self.config.nated else []
+        return [self.bridge_ns, *router] + [self.ns(i) for i in range(self.config.hosts)]
 
     def down(self) -> None:
         """Kills what still runs inside this network's namespaces, then deletes them. Safe to
         call twice, or after a partial `up`: what is already gone is skipped."""
         existing = set(list_namespaces())
-        mine = [ns for ns in self.namespaces() if ns in existing]
+        # The router's too when this Network was made without `nated` (`netns.py down`).
+        named = dict.fromkeys([*self.namespaces(), self.router_ns])
+        mine = [ns for ns in named if ns in existing]
         for ns in mine:
             kill_namespace_processes(ns)
         for ns in mine:
@@ -205,15 +276,18 @@ class Network:
 
     def cut(self, i: int) -> None:
         """Unplugs host ``i``: its switch port goes down; nothing gets in or out."""
-        _run(["ip", "-n", self.bridge_ns, "link", "set", f"p{self._index(i)}", "down"])
+        _run(["ip", "-n", *self._port(i), "down"])
 
     def heal(self, i: int) -> None:
         """Plugs host ``i`` back in."""
-        _run(["ip", "-n", self.bridge_ns, "link", "set", f"p{self._index(i)}", "up"])
+        _run(["ip", "-n", *self._port(i), "up"])
 
-    def _index(self, i: int) -> int:
+    def _port(self, i: int) -> list[str]:
+        """`NS link set PORT` of host ``i``'s switch port."""
         self._check_host(i)
-        return i
+        if self.is_nated(i):
+            return [self.router_ns, "link", "set", f"q{i}"]
+        return [self.bridge_ns, "link", "set", f"p{i}"]
 
     def qdisc(self, i: int) -> str:
         """`tc qdisc show` of host ``i``'s interface (for checks and for humans)."""
@@ -257,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--rate", default="20mbit", help="tbf rate per direction; 'none': no limit")
     up.add_argument("--burst", default="32kb")
     up.add_argument("--latency", default="100ms")
+    up.add_argument("--nated", type=int, default=0, help="the last N hosts sit behind a NAT")
     for name in ("cut", "heal"):
         p = sub.add_parser(name, help=f"{name} host I")
         p.add_argument("host", type=int)
@@ -272,9 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.command != "up" or args.rate == "none"
             else Shaping(args.rate, args.burst, args.latency)
         )
-        net = Network(
-            NetnsConfig(args.tag, hosts, getattr(args, "subnet", "10.77.0.0/24"), shaping)
-        )
+        subnet = getattr(args, "subnet", "10.77.0.0/24")
+        net = Network(NetnsConfig(args.tag, hosts, subnet, shaping, getattr(args, "nated", 0)))
         if args.command == "up":
             net.up()
             for i in range(hosts):

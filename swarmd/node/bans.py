@@ -92,8 +92,12 @@ class Bans:
         clock: Callable[[], float] = time.monotonic,
         observer: BanObserver | None = None,
         on_ban: Callable[[PeerId, float, Rejection], None] | None = None,
+        own: PeerId | None = None,
     ) -> None:
         self.config = config or BanConfig()
+        #: This peer: never banned by itself (a reducer checks its own contribution too, and
+        #: a peer whose own update is refused has nothing to refuse itself from).
+        self.own = own
         self._clock, self._observer, self._on_ban = clock, observer, on_ban
         self._records: dict[PeerId, _Record] = {}
         self._lock = threading.Lock()
@@ -118,6 +122,8 @@ class Bans:
         with the same ``episode`` (a round: its reducer and its members may all see one bad
         update) count once."""
         cfg, now = self.config, self._clock()
+        if peer == self.own:
+            return 0.0
         with self._lock:
             rec = self._records.setdefault(peer, _Record())
             if rec.until > now:

@@ -19,6 +19,19 @@ def peers_key(run: str) -> str:
     return f"swarmd/{run}/peers"
 
 
+#: What follows the address in a client-mode peer's heartbeat (nobody can dial it).
+CLIENT_MARK = " client"
+
+
+def is_client(heartbeat_value: str) -> bool:
+    return heartbeat_value.endswith(CLIENT_MARK)
+
+
+def heartbeat_address(heartbeat_value: str) -> str:
+    """The address a heartbeat names, without the client mark."""
+    return heartbeat_value.removesuffix(CLIENT_MARK)
+
+
 def progress_key(run: str) -> str:
     """Progress records: one entry per training peer, refreshed with its progress line
     (progress_record.py); what the dashboard shows."""
@@ -35,3 +48,15 @@ def stages_key(run: str) -> str:
     """SWARM stage servers: one entry per server, naming its stage, address and measured
     throughput (swarm/directory.py)."""
     return f"swarmd/{run}/stages"
+
+
+def access_key(run: str) -> str:
+    """The run's access list (allowed and denied keys), signed by its creator under its own
+    peer id; entries of other signers are not read (node/access.py)."""
+    return f"swarmd/{run}/access"
+
+
+def members_key(run: str) -> str:
+    """A secret run's member tokens: one entry per peer, an HMAC of its own peer id under the
+    run's secret, which only holders of the secret can check (node/access.py)."""
+    return f"swarmd/{run}/members"

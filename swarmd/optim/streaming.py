@@ -205,6 +205,10 @@ class StreamingDiLoCo:
     def fragment_names(self, fragment: int) -> list[str]:
         return list(self._fragments[fragment].names)
 
+    def fragment_shapes(self, fragment: int) -> list[torch.Size]:
+        """The shapes of `fragment_names`, in the order its pseudo-gradient is flattened."""
+        return list(self._fragments[fragment].shapes)
+
     def fragment_numel(self, fragment: int) -> int:
         return self._fragments[fragment].numel
 

@@ -15,14 +15,13 @@ flood of identities must not become a flood of buckets.
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarmd.protocol.address import peer_ip
+from swarmd.protocol.address import address_key
 
 
 @dataclass(frozen=True)
@@ -54,16 +53,6 @@ class _Bucket:
 
     def __init__(self, burst: float, now: float) -> None:
         self.tokens, self.stamp, self.low = burst, now, burst
-
-
-def address_key(peer: str) -> str:
-    """The rate key of a transport peer (see address.peer_ip): its IP, or its IPv6 /64."""
-    ip = peer_ip(peer)
-    if ip is None:
-        return peer
-    if isinstance(ip, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 class RateLimiter:

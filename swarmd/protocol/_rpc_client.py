@@ -121,6 +121,9 @@ class RpcClient:
         self._caller_key = CallerKey() if identity is not None else None
         #: Per peer address: its last hello.
         self._hellos: OrderedDict[str, _Hello] = OrderedDict()
+        #: (method path, request signature) -> the access tag to send with it, or b"": set
+        #: by a peer that joined a run with a secret (node/access.py).
+        self.access_tag: Callable[[str, bytes], bytes] | None = None
 
     async def _inject(self, address: str, nbytes: int) -> None:
         """Applies injected faults (chaos tests) to an outgoing call: delay, or UNAVAILABLE."""
@@ -206,6 +209,8 @@ class RpcClient:
         now = self._faults.wall_clock() if self._faults is not None else None
         kx = self._caller_key.kx_public if server_kx is not None else b""
         signed = self._identity.sign_request(path, body, recipient=to, kx=kx, now=now)
+        if self.access_tag is not None and (tag := self.access_tag(path, signed.signature)):
+            signed = dataclasses.replace(signed, access=tag)
         mac = None
         if server_kx is not None and to is not None:
             mac = self._caller_key.stream_mac(signed, to, server_kx)

@@ -30,7 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from swarmd.protocol import bulk, faults
 from swarmd.protocol import swarmd_pb2 as pb
-from swarmd.protocol._rate_limit import RateLimiter, address_key
+from swarmd.protocol._rate_limit import RateLimiter
 from swarmd.protocol._receive_budget import ReceiveBudget, Reservation
 from swarmd.protocol._rpc_config import TransportConfig
 from swarmd.protocol._rpc_service import (
@@ -41,7 +41,7 @@ from swarmd.protocol._rpc_service import (
     method_path,
     unary,
 )
-from swarmd.protocol.address import Address
+from swarmd.protocol.address import Address, address_key
 from swarmd.protocol.calls import (
     CallContext,
     NullObserver,
@@ -120,6 +120,12 @@ class RpcServer:
         self.address = Address("", 0)
         self._bulk: bulk.BulkServer | None = None
         paths = {method_path(sv.name, m.name): m for sv in services for m in sv.methods}
+        self._gates = {
+            method_path(sv.name, m.name): sv.gate
+            for sv in services
+            if sv.gate is not None
+            for m in sv.methods
+        }
         self._tensor_in = {p: m for p, m in paths.items() if m.kind == "tensor_in"}
         self.rate_limiter = RateLimiter(config.rate_limits)
         self._limited_logged = -1e9
@@ -232,7 +238,11 @@ class RpcServer:
             self._check_rate(path, "peer", str(peer_id))
             if tensor:
                 mac = self._key.stream_mac(signed)
-        return CallContext(method=path, peer_id=peer_id, peer=context.peer()), mac
+            ctx = CallContext(path, peer_id, context.peer(), signed.signature, signed.access)
+        else:
+            ctx = CallContext(method=path, peer_id=peer_id, peer=context.peer())
+        self._check_gate(ctx)
+        return ctx, mac
 
     def _authenticate_bulk(
         self, path: str, signed: SignedHeader, body: bytes, peer: str
@@ -243,7 +253,15 @@ class RpcServer:
         self._check_rate(path, "address", peer)
         peer_id = self._guard.verify(path, signed, body)
         self._check_rate(path, "peer", str(peer_id))
-        return CallContext(method=path, peer_id=peer_id, peer=peer), self._key.stream_mac(signed)
+        ctx = CallContext(path, peer_id, peer, signed.signature, signed.access)
+        self._check_gate(ctx)
+        return ctx, self._key.stream_mac(signed)
+
+    def _check_gate(self, ctx: CallContext) -> None:
+        """The service's own admission (a run's access rules), after authentication."""
+        gate = self._gates.get(ctx.method)
+        if gate is not None:
+            gate(ctx)
 
     def _check_rate(self, path: str, scope: Literal["address", "peer"], who: str) -> None:
         """The address's bucket before the signature is verified, the peer's after it."""

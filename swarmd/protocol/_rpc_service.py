@@ -49,10 +49,17 @@ def tensor_out(name: str, request_type: type[Message], handler: TensorOutHandler
     return Method(name, "tensor_out", handler, request_type)
 
 
+#: Decides, once the caller is authenticated and before the method sees anything, whether it
+#: may call this service at all; raises RpcError (PERMISSION_DENIED) to refuse. A run's
+#: services are gated by its access rules (node/access.py); the DHT and Ping are not.
+Gate = Callable[[CallContext], None]
+
+
 @dataclass(frozen=True)
 class Service:
     name: str
     methods: Sequence[Method]
+    gate: Gate | None = None
 
 
 TRANSPORT_SERVICE = "swarmd.v1.Transport"

@@ -71,3 +71,14 @@ def peer_ip(transport_peer: str) -> IPAddress | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
+
+
+def address_key(peer: str) -> str:
+    """The key a transport peer is limited by (see `peer_ip`): its IP, or its IPv6 /64, which
+    one subscriber usually holds whole."""
+    ip = peer_ip(peer)
+    if ip is None:
+        return peer
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)

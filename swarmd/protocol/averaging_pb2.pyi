@@ -37,24 +37,28 @@ class GetPartRequest(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., attempt: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("address", "bandwidth", "group")
+    __slots__ = ("address", "bandwidth", "group", "client")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     address: str
     bandwidth: float
     group: bytes
-    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ..., group: _Optional[bytes] = ...) -> None: ...
+    client: bool
+    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ..., group: _Optional[bytes] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("peer_id", "address", "bandwidth")
+    __slots__ = ("peer_id", "address", "bandwidth", "client")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     peer_id: bytes
     address: str
     bandwidth: float
-    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., bandwidth: _Optional[float] = ...) -> None: ...
+    client: bool
+    def __init__(self, peer_id: _Optional[bytes] = ..., address: _Optional[str] = ..., bandwidth: _Optional[float] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class GroupRecord(_message.Message):
     __slots__ = ("members",)
@@ -145,15 +149,29 @@ class PartServed(_message.Message):
     def __init__(self, own_commitment: _Optional[bytes] = ...) -> None: ...
 
 class GatherInfo(_message.Message):
-    __slots__ = ("group_id", "step", "state_hash")
+    __slots__ = ("group_id", "step", "state_hash", "sender_key", "signature")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    SENDER_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     group_id: bytes
     step: int
     state_hash: bytes
-    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., state_hash: _Optional[bytes] = ...) -> None: ...
+    sender_key: bytes
+    signature: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., state_hash: _Optional[bytes] = ..., sender_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class GatherAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetGatheredRequest(_message.Message):
+    __slots__ = ("group_id", "step", "sender")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    group_id: bytes
+    step: int
+    sender: bytes
+    def __init__(self, group_id: _Optional[bytes] = ..., step: _Optional[int] = ..., sender: _Optional[bytes] = ...) -> None: ...

@@ -62,7 +62,13 @@ from swarmd.protocol.framing import (
     parse_header_frame,
     payload_segments,
 )
-from swarmd.protocol.identity import NONCE_BYTES, PUBLIC_KEY_BYTES, SIGNATURE_BYTES, SignedHeader
+from swarmd.protocol.identity import (
+    ACCESS_TAG_BYTES,
+    NONCE_BYTES,
+    PUBLIC_KEY_BYTES,
+    SIGNATURE_BYTES,
+    SignedHeader,
+)
 from swarmd.protocol.session import (
     CALLER,
     KX_BYTES,
@@ -80,7 +86,11 @@ KIND_PUT = 1
 KIND_GET = 2
 _PREFIX = struct.Struct("<4sBHIIq")
 _PEER_ID_BYTES = 32
-_AUTH_BYTES = PUBLIC_KEY_BYTES + _PEER_ID_BYTES + KX_BYTES + NONCE_BYTES + SIGNATURE_BYTES
+#: The auth block ends with the access tag (SignedHeader.access), all zeros when there is none.
+_AUTH_BYTES = (
+    PUBLIC_KEY_BYTES + _PEER_ID_BYTES + KX_BYTES + NONCE_BYTES + SIGNATURE_BYTES + ACCESS_TAG_BYTES
+)
+_NO_TAG = bytes(ACCESS_TAG_BYTES)
 _RESPONSE = struct.Struct("<BI")
 MAX_PATH_BYTES = 256
 #: Header frames and request messages are small; anything larger is refused unread.
@@ -119,7 +129,8 @@ def encode_request(
     prefix = _PREFIX.pack(MAGIC, kind, len(raw_path), len(body), timeout_ms, signed.timestamp_ms)
     if len(signed.recipient) != _PEER_ID_BYTES or len(signed.kx) != KX_BYTES:
         raise ValueError("a bulk request names its recipient and carries a key share")
-    auth = (signed.public_key, signed.recipient, signed.kx, signed.nonce, signed.signature)
+    tag = signed.access or _NO_TAG
+    auth = (signed.public_key, signed.recipient, signed.kx, signed.nonce, signed.signature, tag)
     return b"".join((prefix, *auth, raw_path, body))
 
 
@@ -145,10 +156,11 @@ async def _read_request(sock: trio.socket.SocketType) -> _Request:
         raise ProtocolError(f"bulk request header too large (path {path_len} B, body {body_len} B)")
     rest = await recv_exactly(sock, _AUTH_BYTES + path_len + body_len)
     fields, pos = [], 0
-    for size in (PUBLIC_KEY_BYTES, _PEER_ID_BYTES, KX_BYTES, NONCE_BYTES, SIGNATURE_BYTES):
+    sizes = (PUBLIC_KEY_BYTES, _PEER_ID_BYTES, KX_BYTES, NONCE_BYTES, SIGNATURE_BYTES)
+    for size in (*sizes, ACCESS_TAG_BYTES):
         fields.append(rest[pos : pos + size])
         pos += size
-    key, to, kx, nonce, sig = fields
+    key, to, kx, nonce, sig, tag = fields
     try:
         path = rest[_AUTH_BYTES : _AUTH_BYTES + path_len].decode()
     except UnicodeDecodeError:
@@ -157,7 +169,7 @@ async def _read_request(sock: trio.socket.SocketType) -> _Request:
     return _Request(
         kind,
         path,
-        SignedHeader(key, ts_ms, nonce, sig, to, kx),
+        SignedHeader(key, ts_ms, nonce, sig, to, kx, b"" if tag == _NO_TAG else tag),
         body,
         timeout_ms / 1000.0,
         _PREFIX.size + len(rest),

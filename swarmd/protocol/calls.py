@@ -58,6 +58,10 @@ class CallContext:
     peer_id: PeerId | None
     #: The transport address as gRPC reports it (e.g. "ipv4:127.0.0.1:5555").
     peer: str
+    #: The request's signature and the access tag sent with it (SignedHeader.access), for a
+    #: service's gate; empty on unsigned calls.
+    signature: bytes = b""
+    access: bytes = b""
 
 
 class RpcObserver(Protocol):

@@ -40,6 +40,8 @@ _REQUEST_DOMAIN = b"swarmd/request/v2\0"
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
 NONCE_BYTES = 16
+#: A run access tag: HMAC-SHA256 (SignedHeader.access).
+ACCESS_TAG_BYTES = 32
 #: How a refusal for a request addressed to another peer begins: a caller that sees it
 #: forgets what it believed about the address (a new peer listens there now).
 MISADDRESSED = "request is addressed to peer"
@@ -205,10 +207,16 @@ class SignedHeader:
     recipient: bytes = b""
     #: The caller's X25519 share for the call's stream key (32 bytes), or empty.
     kx: bytes = b""
+    #: A run's access tag (32 bytes) or empty: an HMAC under the run's secret over
+    #: ``signature`` (node/access.py), which proves the caller knows the secret without
+    #: sending it, for this request only. Not signed: it is a function of the signature.
+    access: bytes = b""
 
     def __post_init__(self) -> None:
         if len(self.recipient) not in (0, 32) or len(self.kx) not in (0, 32):
             raise AuthError("malformed signed header (recipient or key share length)")
+        if len(self.access) not in (0, ACCESS_TAG_BYTES):
+            raise AuthError("malformed signed header (access tag length)")
 
     def to_metadata(self) -> list[tuple[str, str | bytes]]:
         metadata: list[tuple[str, str | bytes]] = [
@@ -221,6 +229,8 @@ class SignedHeader:
             metadata.append(("swarmd-to-bin", self.recipient))
         if self.kx:
             metadata.append(("swarmd-kx-bin", self.kx))
+        if self.access:
+            metadata.append(("swarmd-access-bin", self.access))
         return metadata
 
     @classmethod
@@ -247,9 +257,10 @@ class SignedHeader:
         if len(nonce) != NONCE_BYTES:
             raise AuthError(f"request nonce must be {NONCE_BYTES} bytes")
         to, kx = metadata.get("swarmd-to-bin", b""), metadata.get("swarmd-kx-bin", b"")
-        if not (isinstance(to, bytes) and isinstance(kx, bytes)):
+        access = metadata.get("swarmd-access-bin", b"")
+        if not (isinstance(to, bytes) and isinstance(kx, bytes) and isinstance(access, bytes)):
             raise AuthError("malformed signed header")
-        return cls(key, ts_ms, nonce, sig, to, kx)
+        return cls(key, ts_ms, nonce, sig, to, kx, access)
 
 
 class ReplayGuard:

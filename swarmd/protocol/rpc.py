@@ -36,6 +36,7 @@ from swarmd.protocol._rpc_server import RpcServer as RpcServer
 from swarmd.protocol._rpc_server import serve as serve
 from swarmd.protocol._rpc_service import GET_BULK_INFO as GET_BULK_INFO
 from swarmd.protocol._rpc_service import TRANSPORT_SERVICE as TRANSPORT_SERVICE
+from swarmd.protocol._rpc_service import Gate as Gate
 from swarmd.protocol._rpc_service import Method as Method
 from swarmd.protocol._rpc_service import Service as Service
 from swarmd.protocol._rpc_service import TensorAdmit as TensorAdmit

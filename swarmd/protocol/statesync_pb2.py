@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fstatesync.proto\x12\x13swarmd.statesync.v1\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xd1\x01\n\x08Manifest\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\x12\x31\n\x07tensors\x18\x06 \x03(\x0b\x32 .swarmd.statesync.v1.TensorEntry\x12+\n\x04meta\x18\x07 \x03(\x0b\x32\x1d.swarmd.statesync.v1.MetaItem\"&\n\x08MetaItem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"(\n\x12GetManifestRequest\x12\x12\n\nstate_hash\x18\x01 \x01(\x0c\"Z\n\x13GetManifestResponse\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.swarmd.statesync.v1.Manifest\x12\x12\n\nstate_hash\x18\x02 \x01(\x0c\"4\n\x0fGetChunkRequest\x12\x12\n\nstate_hash\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\"f\n\x0bStateAdvert\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x12\n\nstate_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06shared\x18\x05 \x01(\x08\"\x1e\n\rChunkFrameDoc\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c\x32\xc6\x01\n\nStateDonor\x12`\n\x0bGetManifest\x12\'.swarmd.statesync.v1.GetManifestRequest\x1a(.swarmd.statesync.v1.GetManifestResponse\x12V\n\x08GetChunk\x12$.swarmd.statesync.v1.GetChunkRequest\x1a\".swarmd.statesync.v1.ChunkFrameDoc0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fstatesync.proto\x12\x13swarmd.statesync.v1\"Y\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xd1\x01\n\x08Manifest\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x03(\x0c\x12\x31\n\x07tensors\x18\x06 \x03(\x0b\x32 .swarmd.statesync.v1.TensorEntry\x12+\n\x04meta\x18\x07 \x03(\x0b\x32\x1d.swarmd.statesync.v1.MetaItem\"&\n\x08MetaItem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"(\n\x12GetManifestRequest\x12\x12\n\nstate_hash\x18\x01 \x01(\x0c\"Z\n\x13GetManifestResponse\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.swarmd.statesync.v1.Manifest\x12\x12\n\nstate_hash\x18\x02 \x01(\x0c\"4\n\x0fGetChunkRequest\x12\x12\n\nstate_hash\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\"v\n\x0bStateAdvert\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x12\n\nstate_hash\x18\x02 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06shared\x18\x05 \x01(\x08\x12\x0e\n\x06\x63lient\x18\x06 \x01(\x08\"\x1e\n\rChunkFrameDoc\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c\x32\xc6\x01\n\nStateDonor\x12`\n\x0bGetManifest\x12\'.swarmd.statesync.v1.GetManifestRequest\x1a(.swarmd.statesync.v1.GetManifestResponse\x12V\n\x08GetChunk\x12$.swarmd.statesync.v1.GetChunkRequest\x1a\".swarmd.statesync.v1.ChunkFrameDoc0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,9 +44,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETCHUNKREQUEST']._serialized_start=517
   _globals['_GETCHUNKREQUEST']._serialized_end=569
   _globals['_STATEADVERT']._serialized_start=571
-  _globals['_STATEADVERT']._serialized_end=673
-  _globals['_CHUNKFRAMEDOC']._serialized_start=675
-  _globals['_CHUNKFRAMEDOC']._serialized_end=705
-  _globals['_STATEDONOR']._serialized_start=708
-  _globals['_STATEDONOR']._serialized_end=906
+  _globals['_STATEADVERT']._serialized_end=689
+  _globals['_CHUNKFRAMEDOC']._serialized_start=691
+  _globals['_CHUNKFRAMEDOC']._serialized_end=721
+  _globals['_STATEDONOR']._serialized_start=724
+  _globals['_STATEDONOR']._serialized_end=922
 # @@protoc_insertion_point(module_scope)

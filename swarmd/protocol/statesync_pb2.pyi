@@ -69,18 +69,20 @@ class GetChunkRequest(_message.Message):
     def __init__(self, state_hash: _Optional[bytes] = ..., index: _Optional[int] = ...) -> None: ...
 
 class StateAdvert(_message.Message):
-    __slots__ = ("round", "state_hash", "address", "total_bytes", "shared")
+    __slots__ = ("round", "state_hash", "address", "total_bytes", "shared", "client")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     state_hash: bytes
     address: str
     total_bytes: int
     shared: bool
-    def __init__(self, round: _Optional[int] = ..., state_hash: _Optional[bytes] = ..., address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., shared: _Optional[bool] = ...) -> None: ...
+    client: bool
+    def __init__(self, round: _Optional[int] = ..., state_hash: _Optional[bytes] = ..., address: _Optional[str] = ..., total_bytes: _Optional[int] = ..., shared: _Optional[bool] = ..., client: _Optional[bool] = ...) -> None: ...
 
 class ChunkFrameDoc(_message.Message):
     __slots__ = ("frame",)

@@ -75,3 +75,25 @@ class BulkInfo(_message.Message):
     kx_public: bytes
     kx_signature: bytes
     def __init__(self, port: _Optional[int] = ..., public_key: _Optional[bytes] = ..., kx_public: _Optional[bytes] = ..., kx_signature: _Optional[bytes] = ...) -> None: ...
+
+class DialBackRequest(_message.Message):
+    __slots__ = ("port", "bulk_port", "host")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    bulk_port: int
+    host: str
+    def __init__(self, port: _Optional[int] = ..., bulk_port: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+
+class DialBackResponse(_message.Message):
+    __slots__ = ("observed", "reachable", "bulk_reachable", "detail")
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    BULK_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    observed: str
+    reachable: bool
+    bulk_reachable: bool
+    detail: str
+    def __init__(self, observed: _Optional[str] = ..., reachable: _Optional[bool] = ..., bulk_reachable: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -23,11 +23,16 @@ def forged_config(name: str, **changes: Any) -> bytes:
 
 def publish_config(boot: str, key_dir: Path, run: str, raw: bytes) -> None:
     """Stores ``raw`` as run ``run``'s config, signed by the attacker's own key."""
+    publish_own(boot, key_dir, config_key(run), raw)
+
+
+def publish_own(boot: str, key_dir: Path, key: str, raw: bytes) -> None:
+    """Stores ``raw`` under ``key`` in the attacker's own sub-key, signed by its own key."""
 
     async def publish() -> None:
         identity = Identity.load_or_create(key_dir)
         async with open_dht(identity, bootstrap=[boot]) as (node, _server):
             expires = node.now() + CONFIG_TTL_S
-            await node.store(config_key(run), raw, expires, str(identity.peer_id))
+            await node.store(key, raw, expires, str(identity.peer_id))
 
     trio.run(publish)

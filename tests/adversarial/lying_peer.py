@@ -1,8 +1,10 @@
 """`swarmd join` with one lie: a real peer process running swarmd's own code, except that its
-DiLoCo optimiser misreports what it contributes to each round.
+DiLoCo optimiser misreports what it contributes to each round (swarmd/node/chaos/byzantine.py,
+the peer `swarmd chaos --byzantine` runs), or its reductions lie.
 
     SWARMD_LIE=weight   python -m tests.adversarial.lying_peer join ...   # 1e9 samples, update x -1
     SWARMD_LIE=scale100 python -m tests.adversarial.lying_peer join ...   # update x 100
+    SWARMD_LIE=signflip python -m tests.adversarial.lying_peer join ...   # update x -1
     SWARMD_LIE=reducer  python -m tests.adversarial.lying_peer join ...   # serves its part x -1
     SWARMD_LIE=forger   python -m tests.adversarial.lying_peer join ...   # ... and forges its proof
     SWARMD_LIE=equivocator ...                                # ... a different proof per member
@@ -19,17 +21,11 @@ from typing import Any
 import torch
 
 from swarmd.node.averaging import round as round_module
+from swarmd.node.chaos import byzantine
 from swarmd.node.cli.app import entry
-from swarmd.optim.diloco import DiLoCo
 from tests.adversarial import forger
 
 LIE = os.environ.get("SWARMD_LIE", "")
-honest_pseudo_gradient = DiLoCo.pseudo_gradient
-
-
-def lying_pseudo_gradient(self: DiLoCo) -> torch.Tensor:
-    pg = honest_pseudo_gradient(self)
-    return pg * (-1.0 if LIE == "weight" else 100.0)
 
 
 def lying_aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -39,7 +35,7 @@ def lying_aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
     return result.neg_()
 
 
-LIES = ("weight", "scale100", "reducer", "forger", "equivocator")
+LIES = (*byzantine.LIES, "reducer", "forger", "equivocator")
 if LIE not in LIES:
     raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
@@ -50,7 +46,5 @@ elif LIE == "equivocator":
 elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:
-    DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
-if LIE == "weight":
-    DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
+    byzantine.install(LIE)  # the update lies: the same peer `swarmd chaos --byzantine` runs
 entry()

@@ -5,7 +5,7 @@ for codec "topk" optionally "topk_density", "topk_bits", "topk_chunk"; codec "lo
 "shapes" (the vector's tensors, named t0, t1, ...) and "rank": PowerSGD in two all-reduces,
 its Q and error feedback kept from round to round.
 Prints {"address", "peer_id", "pid"} once serving. Then, for every line on stdin
-({"round": name, "members": [[peer_id, address], ...]}), runs one all-reduce and prints
+({"round": name, "members": [[peer_id, address(, client)], ...]}), runs one all-reduce and prints
 {"ok", "dropped", "failed_parts", "recovered_parts", "seconds", "file"}; the result tensor is
 saved to "file". Behaviours: "honest"; "slow" (waits 30 s before sending or serving anything:
 the test kills or stops it mid-round); "nan" and "shape" (sends NaN values / a part of the wrong
@@ -132,7 +132,11 @@ async def main(cfg: dict[str, Any]) -> None:
         )
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
-            members = tuple(Member(PeerId.from_string(p), a) for p, a in cmd["members"])
+            # [peer_id, address] or [peer_id, address, client]: a client-mode member.
+            members = tuple(
+                Member(PeerId.from_string(m[0]), m[1], client=len(m) > 2 and bool(m[2]))
+                for m in cmd["members"]
+            )
             group = Group(round_id(cmd["round"]), members)
             weight = float(cfg.get("weight", 1.0))
             if psgd is not None:

@@ -2,7 +2,7 @@
 
 argv[1] is JSON: {"index", "hash" (optional: the state hash it sends, default "same")}.
 Prints {"address", "peer_id", "pid"} once serving. Then, for a line
-{"group": name, "members": [[peer_id, address], ...], "steps": n, "payload_bytes": b},
+{"group": name, "members": [[peer_id, address, client?], ...], "steps": n, "payload_bytes": b},
 starts that group and gathers n steps, printing for each
 {"step", "senders": {peer_id: payload digest}, "late", "dropped", "agree", "seconds"}.
 Every payload is derived from (sender index, step), so the test can check each one.
@@ -57,7 +57,11 @@ async def main(cfg: dict[str, Any]) -> None:
         )
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
-            members = tuple(Member(PeerId.from_string(p), a) for p, a in cmd["members"])
+            # [peer_id, address] or [peer_id, address, client]: a client-mode member.
+            members = tuple(
+                Member(PeerId.from_string(m[0]), m[1], client=len(m) > 2 and bool(m[2]))
+                for m in cmd["members"]
+            )
             group = Group(hashlib.sha256(cmd["group"].encode()).digest(), members)
             gatherer.start(group, 0, nursery)
             for step in range(cmd["steps"]):

@@ -90,6 +90,28 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(420)
+def test_a_byzantine_peer_is_banned_and_the_honest_ones_agree(tmp_path: Path) -> None:
+    """`swarmd chaos --byzantine`'s fault on a committed schedule (deploy/chaos/byzantine.json):
+    peer 2 restarted as a liar declaring 1e9 samples for 20 s, then restarted honest."""
+    out = tmp_path / "chaos"
+    schedule = ROOT / "deploy" / "chaos" / "byzantine.json"
+    done = run_chaos(
+        out, "--peers", "3", "--duration", "45", "--schedule", str(schedule), timeout=400
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + "\n--- digest ---\n" + digest(out)
+    report = (out / "report.txt").read_text()
+    assert report.count("[ok]") == 7 and "liars banned" in report, report
+    records = [json.loads(line) for line in (out / "chaos.jsonl").read_text().splitlines()]
+    lies = [r.get("lie") for r in records if r["type"] == "spawn" and r["peer"] == 2]
+    assert lies == ["", "weight", ""]  # honest, the liar, honest again
+    liar = next(r["peer_id"] for r in records if r.get("event") == "listening" and r["peer"] == 2)
+    banned = [r for r in records if r["type"] == "peer" and r["event"] == "peer_banned"]
+    # Banned by an honest peer on its evidence; nobody else banned, nobody by itself.
+    assert banned and all(r["peer"] != 2 and r["peer_id"] == liar for r in banned), banned
+    assert all(r["offence"] == "bad_weight" for r in banned)
+
+
+@pytest.mark.timeout(420)
 def test_short_chaos_run_of_demo_keeps_every_invariant(tmp_path: Path) -> None:
     """The same faults on a DeMo run: its per-step exchange survives the kill, the lossy link
     and the pause, and the live peers end with one state.

@@ -36,10 +36,17 @@ def write_faults(path: Path, plan: dict[str, Any]) -> None:
 
 
 def averaged(events: list[Event], size: int) -> list[Event]:
+    """Outer steps averaged by `size` members with nobody dropped. A member late to a round
+    can report the group's size and still end apart: seen after the heal, the other three
+    gave up on its part and fell back, and it reduced its own part from itself alone
+    (`dropped` 3), so its state differed from theirs until its next catch-up."""
     return [
         e
         for e in events
-        if e.get("event") == "outer_step" and e["status"] == "averaged" and e["group_size"] == size
+        if e.get("event") == "outer_step"
+        and e["status"] == "averaged"
+        and e["group_size"] == size
+        and e["dropped"] == 0
     ]
 
 
@@ -98,7 +105,7 @@ def test_groups_that_formed_apart_merge_on_the_creators_state(
     while not all(sum(e["event"] == "outer_step" for e in got) >= 4 for got in events):
         assert time.monotonic() < deadline, f"the sides did not train apart:\n{timeline(events)}"
         collect(procs, events, time.monotonic() + 1)
-    assert not any(averaged(got, 4) for got in events)
+    assert not any(e.get("group_size") == 4 for got in events for e in got)
     apart = [[e["state_hash"] for e in got if e["event"] == "outer_step"] for got in events]
     assert not set(apart[0] + apart[1]) & set(apart[2] + apart[3])
 

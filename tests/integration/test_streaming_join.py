@@ -50,7 +50,7 @@ def _summary(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     ]
 
 
-@pytest.mark.parametrize("codec", ["int8", "topk"])
+@pytest.mark.parametrize("codec", ["int8", "topk", "lowrank"])
 def test_streaming_peers_overlap_and_agree(
     processes: ProcessGroup, tmp_path: Path, codec: str
 ) -> None:

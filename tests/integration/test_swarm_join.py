@@ -282,18 +282,21 @@ def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_pat
         wait_for(s, "stage", timeout=START_S)
     (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
     moved: Proc | None = None
+    seen: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     deadline = time.monotonic() + 90
     while moved is None and time.monotonic() < deadline:
-        for s in servers[:3]:
+        for i, s in enumerate(servers[:3]):
             try:
                 event = s.receive(timeout=0.5)
             except AssertionError:
                 continue
+            seen[i].append(event)
             if event["event"] == "rebalance":
                 assert (event["source"], event["target"]) == (0, 1), event
                 assert event["after"] > event["before"], event
                 moved = s
-    assert moved is not None, "no server moved to the bottleneck stage"
+    recent = {i: [(e["event"], e.get("rate")) for e in es[-8:]] for i, es in seen.items()}
+    assert moved is not None, f"no server moved to the bottleneck stage: {recent}"
     took = wait_for(moved, "stage", timeout=60)
     assert took["stage"] == 1 and took["origin"] == "group" and took["round"] >= 1, took
     while (e := moved.receive(timeout=60))["event"] != "stage_round" or e["group_size"] < 2:

@@ -100,3 +100,13 @@ def test_by_default_outliers_never_ban() -> None:
         assert bans.offence(peer, OUTLIER, episode=f"round-{k}") == 0
     assert not bans.banned(peer)
     assert bans.offence(peer, NAN) == BanConfig().first_s
+
+
+def test_a_peer_never_bans_itself() -> None:
+    """A reducer checks its own contribution too: a liar's own weight is refused, but it
+    does not log a ban of itself (seen in `swarmd chaos --byzantine`)."""
+    me, other = Identity.generate().peer_id, Identity.generate().peer_id
+    bans = Bans(own=me)
+    evidence = Rejection("weight 1e+09 > bound 2.56e+03", "bad_weight")
+    assert bans.offence(me, evidence) == 0.0 and not bans.banned(me)
+    assert bans.offence(other, evidence) > 0 and bans.banned(other)

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from swarmd.node.chaos import ChaosOptions, build_schedule
+from swarmd.node.chaos.byzantine import LIES
 from swarmd.node.chaos.schedule import (
+    DEFAULT_KINDS,
     KINDS,
     FaultEvent,
     Schedule,
@@ -48,7 +50,22 @@ def test_generated_schedules_respect_the_run(seed: int) -> None:
 def test_many_seeds_cover_every_kind() -> None:
     params = ScheduleParams(peers=6, duration_s=300)
     seen = {e.kind for seed in range(10) for e in generate(params, seed).events}
-    assert seen == set(KINDS) - {"kill_stage"}  # placed by swarm_schedule, never drawn
+    # kill_stage is placed by swarm_schedule, never drawn; byzantine only when asked for.
+    assert seen == set(KINDS) - {"kill_stage", "byzantine"}
+    asked = ScheduleParams(peers=6, duration_s=300, kinds=(*DEFAULT_KINDS, "byzantine"))
+    liars = [e for seed in range(10) for e in generate(asked, seed).events if e.kind == "byzantine"]
+    assert liars and {e.lie for e in liars} == set(LIES)
+    assert all(len(e.peers) == 1 and e.peers[0] != 0 for e in liars)  # never the creator
+
+
+def test_a_byzantine_fault_names_its_lie_and_round_trips() -> None:
+    event = FaultEvent(10, "byzantine", (2,), 20, lie="weight")
+    assert "lying (weight)" in event.describe() and event.disruptive
+    assert FaultEvent.from_dict(event.to_dict()) == event
+    with pytest.raises(ScheduleError, match="need lie"):
+        FaultEvent(10, "byzantine", (2,), 20)
+    with pytest.raises(ScheduleError, match="need lie"):
+        FaultEvent(10, "kill", (2,), 20, lie="weight")
 
 
 def test_validate_refuses_what_cannot_be_applied() -> None:

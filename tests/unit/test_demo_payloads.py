@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from swarmd.compression.sparse_wire import encode_sparse
+from swarmd.node.bans import Bans
 from swarmd.node.training.demo import decode_payloads
 from swarmd.optim.demo import DeMo, DeMoConfig
 from swarmd.protocol.identity import Identity, PeerId
@@ -81,9 +82,13 @@ def test_a_bad_payload_is_refused_logged_and_its_sender_left_out(
     (opt, good0), (_, good1), (_, good2) = (_peer_payload(SHAPES, i) for i in range(3))
     bad = _corrupt(good2, how)
     assert bad != good2
+    bans = Bans()
     with caplog.at_level(logging.WARNING, logger="swarmd.demo"):
-        got = decode_payloads({ids[0]: good0, ids[1]: good1, ids[2]: bad}, opt.layout(), LIMIT)
+        payloads = {ids[0]: good0, ids[1]: good1, ids[2]: bad}
+        got = decode_payloads(payloads, opt.layout(), LIMIT, bans)
     assert len(got) == 2
     assert f"refused DeMo payload from {ids[2].short()}" in caplog.text
+    # Bytes that do not decode are evidence: the sender is banned, nobody else.
+    assert bans.banned(ids[2]) and not bans.banned(ids[0]) and not bans.banned(ids[1])
     # What is left still applies.
     opt.apply(got)

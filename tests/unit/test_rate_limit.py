@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.protocol._rate_limit import RateLimiter, RateLimits, address_key
+from swarmd.protocol._rate_limit import RateLimiter, RateLimits
+from swarmd.protocol.address import address_key
 
 
 class _Clock:

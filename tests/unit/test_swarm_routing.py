@@ -142,3 +142,20 @@ def test_a_server_that_fails_forever_is_banned_at_most_the_cap() -> None:
         router.started(PEERS[0])
         ban = router.failed(PEERS[0], now=0.0)
     assert ban == MAX_BAN_S
+
+
+def test_a_named_mover_stays_named_while_the_rates_swing() -> None:
+    # Three equal servers whose measured rates swing by 10% from look to look: the strict
+    # best changes, but the server named at the first look is still the mover at the second.
+    first = {PEERS[0]: rec(0, 10), PEERS[1]: rec(0, 11), PEERS[2]: rec(0, 10), PEERS[3]: rec(1, 2)}
+    (named,) = [p for p in PEERS[:3] if choose_move(first, p, 2, 1.25) is not None]
+    assert named == PEERS[1]
+    second = {**first, PEERS[1]: rec(0, 9.5), PEERS[2]: rec(0, 10.5)}
+    assert choose_move(second, named, 2, 1.25) is None  # not the strict best any more
+    move = choose_move(second, named, 2, 1.25, named=True)
+    assert move is not None and (move.source, move.target) == (0, 1)
+    # The others were not named: the strict rule holds for them.
+    assert choose_move(second, PEERS[0], 2, 1.25, named=False) is None
+    # A named server that fell far behind the best (beyond the gain) is not the mover.
+    far = {**first, PEERS[1]: rec(0, 3)}
+    assert choose_move(far, named, 2, 1.25, named=True) is None

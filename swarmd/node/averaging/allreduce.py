@@ -48,7 +48,7 @@ from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throu
 from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange, Link
 from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
 from swarmd.node.averaging.proof import NONCE_BYTES
-from swarmd.node.averaging.reduction import check_contribution, l2_norm
+from swarmd.node.averaging.reduction import ReductionConfig, check_contribution, l2_norm
 from swarmd.node.averaging.round import Reduction, Round
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.metrics import Metrics
@@ -113,7 +113,10 @@ class Averager:
     def limit_weights(self, max_weight: float) -> None:
         """Bounds the weight a member may declare (the run knows how many samples a round
         can hold); a member declaring more is dropped from the part, with the evidence logged."""
-        reduction = dataclasses.replace(self.config.reduction, max_weight=max_weight)
+        self.set_reduction(dataclasses.replace(self.config.reduction, max_weight=max_weight))
+
+    def set_reduction(self, reduction: ReductionConfig) -> None:
+        """Reduces parts by ``reduction`` from the next round on (the run's aggregation)."""
         self.set_config(dataclasses.replace(self.config, reduction=reduction))
 
     def set_config(self, config: AllReduceConfig) -> None:
@@ -195,7 +198,12 @@ class Averager:
         rnd = await self._find_round(info.round_id)
         sender = self._sender_index(rnd, ctx, contributing=True)
         n = len(rnd.group.members)
-        if info.part >= n or info.attempt >= n or rnd.reducer_of(info.part, info.attempt) != rnd.me:
+        if (
+            info.part >= n
+            or info.attempt >= rnd.attempts
+            or not rnd.exchanged(info.part)
+            or rnd.reducer_of(info.part, info.attempt) != rnd.me
+        ):
             raise rpc.RpcError(
                 rpc.StatusCode.FAILED_PRECONDITION, "this peer does not reduce that part"
             )
@@ -238,8 +246,10 @@ class Averager:
         rnd = await self._find_round(req.round_id)
         self._sender_index(rnd, ctx)
         n = len(rnd.group.members)
-        if req.part >= n or req.attempt >= n:
+        if req.part >= n or req.attempt >= rnd.attempts:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "no such part")
+        if not rnd.exchanged(req.part):  # a client-mode member's: empty, nobody holds it
+            raise rpc.RpcError(rpc.StatusCode.NOT_FOUND, "a client-mode member's part is empty")
         encoded: Encoded | None
         info = b""
         if req.relay:
@@ -264,7 +274,12 @@ class Averager:
         rnd = await self._find_round(req.round_id)
         sender = self._sender_index(rnd, ctx)
         n = len(rnd.group.members)
-        if req.part >= n or req.attempt >= n or rnd.reducer_of(req.part, req.attempt) != rnd.me:
+        if (
+            req.part >= n
+            or req.attempt >= rnd.attempts
+            or not rnd.exchanged(req.part)
+            or rnd.reducer_of(req.part, req.attempt) != rnd.me
+        ):
             raise rpc.RpcError(rpc.StatusCode.FAILED_PRECONDITION, "not this peer's part")
         if len(req.nonce) != NONCE_BYTES:
             raise rpc.RpcError(

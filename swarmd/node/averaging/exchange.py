@@ -127,11 +127,12 @@ class Exchange:
         rnd = self.rnd
         async with trio.open_nursery() as nursery:
             for j in range(len(rnd.group.members)):
-                if j != rnd.me:
+                if j != rnd.me and rnd.exchanged(j):
                     nursery.start_soon(self.prepare, j)
                     nursery.start_soon(self.send_part, j, 0, j)
                     nursery.start_soon(self.obtain, j)
-            nursery.start_soon(self.reduce_own)
+            if rnd.exchanged(rnd.me):
+                nursery.start_soon(self.reduce_own)
         rnd.obtained.set()
         if self.link.config.probes:
             await verify.cross_check(self, time.monotonic() - self.started)
@@ -147,6 +148,9 @@ class Exchange:
     async def settle_own_part(self) -> None:
         """Serves this peer's reduced part to relays and writes it into the result."""
         rnd = self.rnd
+        if not rnd.exchanged(rnd.me):
+            rnd.direct[rnd.me].ready.set()
+            return  # a client-mode member reduces nothing (its part is empty)
         own = rnd.reduction(rnd.me, 0)
         rnd.direct[rnd.me].encoded = own.encoded
         rnd.direct[rnd.me].ready.set()
@@ -388,7 +392,7 @@ class Exchange:
         turn); this peer's local values when none gives a part that holds."""
         rnd = self.rnd
         s, e = rnd.bounds[j]
-        for attempt in range(1, len(rnd.group.members)):
+        for attempt in range(1, rnd.attempts):
             target = rnd.reducer_of(j, attempt)
             if target == rnd.me:
                 # The part's own value at the fallback reducer is its uncompressed local one
@@ -477,7 +481,11 @@ class Exchange:
     async def from_relays(self, j: int, timeout: float) -> bytes | bytearray | None:
         """Asks the other members for the copy of part j they got from its reducer."""
         rnd = self.rnd
-        others = [i for i in range(len(rnd.group.members)) if i not in (j, rnd.me)]
+        others = [
+            i
+            for i in range(len(rnd.group.members))
+            if i not in (j, rnd.me) and rnd.group.reachable(i)
+        ]
         found: list[bytes | bytearray] = []
         async with trio.open_nursery() as nursery:
 

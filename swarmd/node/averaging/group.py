@@ -20,6 +20,9 @@ class Member:
     address: str
     #: Announced bandwidth in bytes/s; parts are sized in proportion.
     bandwidth: float = 1e8
+    #: Cannot be dialled (behind NAT): it pushes its parts to the others and pulls the
+    #: reduced ones back, reduces no part, and nobody calls it (issue 27).
+    client: bool = False
 
     def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
@@ -41,6 +44,20 @@ class Group:
             raise ValueError("duplicate member in group")
         if not 1 <= len(self.round_id) <= 64:
             raise ValueError("round_id must be 1..64 bytes")
+        if all(m.client for m in self.members):
+            raise ValueError("a group of only unreachable (client-mode) peers cannot average")
+
+    @property
+    def servers(self) -> tuple[int, ...]:
+        """The members others can dial, in member order: they reduce the parts."""
+        return tuple(i for i, m in enumerate(self.members) if not m.client)
+
+    def reachable(self, index: int) -> bool:
+        return not self.members[index].client
+
+    def bandwidths(self) -> list[float]:
+        """What `part_bounds` splits by: a client-mode member reduces nothing."""
+        return [0.0 if m.client else m.bandwidth for m in self.members]
 
     def index_of(self, peer_id: PeerId) -> int | None:
         for i, m in enumerate(self.members):
@@ -50,8 +67,11 @@ class Group:
 
 
 def part_bounds(numel: int, bandwidths: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous spans proportional to bandwidth, covering [0, numel) exactly."""
+    """Contiguous spans proportional to bandwidth, covering [0, numel) exactly (a bandwidth
+    of 0 gets an empty span)."""
     total = sum(bandwidths)
+    if not total > 0:
+        raise ValueError("part_bounds needs a positive total bandwidth")
     bounds, start, acc = [], 0, 0.0
     for i, b in enumerate(bandwidths):
         acc += b

@@ -3,11 +3,12 @@
 1. Every ready peer announces itself (address, bandwidth) under the round's key, signed.
 2. It watches that key until ``target_group_size`` peers are visible or the gather deadline
    passes (then it goes on with whoever is there, if at least ``min_group_size``).
-3. The lowest peer id it saw is the leader. The leader publishes the member list it saw as a
-   group record inside its own announcement (re-signed, replacing it); every other peer waits
-   for a record that names it, preferring the lowest leader id, and derives the round id from
-   the record's exact bytes. A peer still gathering that reads a record naming it goes at
-   once: its leader is already waiting for it.
+3. The lowest peer id it saw among reachable peers is the leader (a client-mode peer, one
+   that nobody can dial, never leads: nobody can ping it to see that it is alive). The leader
+   publishes the member list it saw as a group record inside its own announcement (re-signed,
+   replacing it); every other peer waits for a record that names it, preferring the lowest
+   leader id, and derives the round id from the record's exact bytes. A peer still gathering
+   that reads a record naming it goes at once: its leader is already waiting for it.
 
 Peers that see different sets cannot deadlock — nobody waits on anybody's answer, only on
 the DHT, with deadlines — and they cannot silently average with the wrong peers: the round id
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -131,14 +132,17 @@ def _decode_group(leader: PeerId, raw: bytes) -> _Commitment | None:
     record = apb.GroupRecord()
     try:
         record.ParseFromString(raw)
-        members = tuple(Member(PeerId(m.peer_id), m.address, m.bandwidth) for m in record.members)
+        members = tuple(
+            Member(PeerId(m.peer_id), m.address, m.bandwidth, m.client) for m in record.members
+        )
     except Exception:
         return None
     ids = [m.peer_id for m in members]
     if not members or ids != sorted(ids) or len(set(ids)) != len(ids):
         return None
-    if members[0].peer_id != leader:
-        return None  # only the leader itself (the lowest id in it) may publish a group
+    lead = _leader_of(members)
+    if lead is None or lead.peer_id != leader:
+        return None  # only the leader itself (its lowest reachable id) may publish a group
     return _Commitment(leader, raw, members)
 
 
@@ -147,7 +151,7 @@ def _decode(peer: PeerId, value: Value) -> tuple[Member, _Commitment | None] | N
     info = apb.MemberInfo()
     try:
         info.ParseFromString(value.value)
-        member = Member(peer, info.address, info.bandwidth)
+        member = Member(peer, info.address, info.bandwidth, info.client)
     except Exception:  # a malformed announcement only costs its author the round
         return None
     return member, (_decode_group(peer, info.group) if info.group else None)
@@ -169,12 +173,24 @@ class _View:
         """Reads the key: this node's own records if a store here woke the peer, else the
         DHT (light or not, as `waits` says)."""
         found = await self._reader.peers(light=waits.light, local=waits.woken)
-        for peer, value in found.items():
-            decoded = _decode(peer, value)
-            if decoded is not None:
-                self.visible[peer] = decoded[0]
-                if decoded[1] is not None:
-                    self.groups[peer] = decoded[1]
+        decoded = [(peer, d) for peer, value in found.items() if (d := _decode(peer, value))]
+        for peer, (member, _) in decoded:
+            self.visible[peer] = member
+        for peer, (_, group) in decoded:
+            if group is not None and self._faithful(group):
+                self.groups[peer] = group
+
+    def _faithful(self, group: _Commitment) -> bool:
+        """Whether a leader's group states each member as the member announced itself (as far
+        as this peer has read): the client flags decide who reduces, and a leader that marked
+        every other reachable member a client would reduce the whole vector alone, with no
+        fallback reducer and nobody to cross-check it; bandwidths size the parts."""
+        for m in group.members:
+            seen = self.visible.get(m.peer_id)
+            if seen is not None and seen != m:
+                log.warning("ignoring %s's group: it misstates member %s", group.leader.short(), m)
+                return False
+        return True
 
     def mine(self) -> _Commitment | None:
         """The group naming this peer with the lowest leader, if any leader named it."""
@@ -188,6 +204,12 @@ class _View:
             if not group.names(self._me):
                 out |= {m.peer_id for m in group.members}
         return out
+
+
+def _leader_of(members: Sequence[Member]) -> Member | None:
+    """A group's leader: its reachable member of lowest peer id (None: nobody in it can be
+    dialled)."""
+    return min((m for m in members if not m.client), key=lambda m: m.peer_id, default=None)
 
 
 def _group(key: str, commitment: _Commitment) -> Group:
@@ -229,7 +251,9 @@ async def _lead(
     """This peer leads: it commits to ``members`` by adding the group to its announcement."""
     info.group = apb.GroupRecord(
         members=[
-            apb.GroupMember(peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth)
+            apb.GroupMember(
+                peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth, client=m.client
+            )
             for m in members
         ]
     ).SerializeToString()
@@ -240,6 +264,24 @@ async def _lead(
     return Group(round_id_of(key, info.group), tuple(members))
 
 
+async def _available(dht: DHTNode, view: _View, me: Member, cfg: MatchmakingConfig) -> list[Member]:
+    """The announced peers this one may group with: not committed elsewhere, and alive."""
+    # Announcements outlive their round: a latecomer still sees the peers that already
+    # averaged this round together. They are committed to a group that does not name us;
+    # forming a group with them would only wait for peers that will never answer.
+    committed = view.committed()
+    available = [m for m in view.visible.values() if m.peer_id not in committed]
+    # An announcement outlives its author: a peer killed or frozen after announcing must not
+    # lead the group (its followers would wait for a record that never comes, then train
+    # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for
+    # in the all-reduce. Everyone who sees it probes it, so they agree on leaving it out.
+    # Client-mode peers cannot be pinged: their fresh announcement is all there is, and a dead
+    # one costs its reducers a deadline (as a peer that dies mid-round does).
+    probed = [m for m in available if m.peer_id != me.peer_id and not m.client]
+    alive = await answering(dht, probed, cfg.probe_s)
+    return [m for m in available if m.peer_id == me.peer_id or m.client or m.peer_id in alive]
+
+
 async def form_group(
     dht: DHTNode,
     key: str,
@@ -248,7 +290,7 @@ async def form_group(
 ) -> Group | None:
     """The group this peer averages with for ``key``, or None (too few peers: skip the round)."""
     cfg = config or MatchmakingConfig()
-    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth)
+    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth, client=me.client)
     # Not republished: a round is over in seconds; the record only has to outlive it for
     # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
     announced_until = dht.now() + cfg.ttl_s
@@ -272,25 +314,35 @@ async def form_group(
             # follower that gathered for 10 s then averaged alone too, in the "same" group).
             if (mine := view.mine()) is not None:
                 return _group(key, mine)
-            if len(view.visible) >= cfg.target_group_size or not await waits.sleep(stored):
+            # Enough peers means a group can form: one of them must be reachable to lead it
+            # (a client that stopped at two clients gave up a round its reachable peer led).
+            enough = len(view.visible) >= cfg.target_group_size and _leader_of(
+                list(view.visible.values())
+            )
+            if enough or not await waits.sleep(stored):
                 break
-    # Announcements outlive their round: a latecomer still sees the peers that already
-    # averaged this round together. They are committed to a group that does not name us;
-    # forming a group with them would only wait for peers that will never answer.
-    committed = view.committed()
-    available = [m for m in view.visible.values() if m.peer_id not in committed]
-    # An announcement outlives its author: a peer killed or frozen after announcing must not
-    # lead the group (its followers would wait for a record that never comes, then train
-    # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for
-    # in the all-reduce. Everyone who sees it probes it, so they agree on leaving it out.
-    alive = await answering(dht, [m for m in available if m.peer_id != me.peer_id], cfg.probe_s)
-    available = [m for m in available if m.peer_id == me.peer_id or m.peer_id in alive]
-    candidates = sorted(available, key=lambda m: m.peer_id)[: cfg.target_group_size]
+    available = await _available(dht, view, me, cfg)
+    ordered = sorted(available, key=lambda m: m.peer_id)
+    lead = _leader_of(ordered)
+    if lead is None:
+        log.warning(
+            "round %s: the %d peers visible are all unreachable (client mode): a group needs "
+            "at least one peer that others can dial",
+            key,
+            len(ordered),
+        )
+        return None
+    # The lowest reachable peer always leads, and is always in: were the lowest ids all
+    # clients, cutting the list first would leave a group with no leader, and nobody would
+    # average that round.
+    leader = lead.peer_id
+    rest = [m for m in ordered if m.peer_id != leader][: cfg.target_group_size - 1]
+    candidates = sorted([lead, *rest], key=lambda m: m.peer_id)
     if me not in candidates or len(candidates) < cfg.min_group_size:
         log.info("round %s: %d peers visible, not enough for a group", key, len(view.visible))
         return None
 
-    if candidates[0].peer_id == me.peer_id:
+    if leader == me.peer_id:
         return await _lead(dht, key, me, info, candidates, announced_until + 0.01, cfg)
 
     fallback: _Commitment | None = None
@@ -302,7 +354,7 @@ async def form_group(
             best = view.mine()
             # Wait for the leader we expect; settle for another leader's group only if ours
             # never shows up within the deadline (handled after the loop).
-            if best is not None and best.leader <= candidates[0].peer_id:
+            if best is not None and best.leader <= leader:
                 return _group(key, best)
             fallback = best
             if not await waits.sleep(stored):

@@ -126,7 +126,9 @@ class Round:
         self.group = group
         self.me = me
         self.numel = numel
-        self.bounds = part_bounds(numel, [m.bandwidth for m in group.members])
+        self.bounds = part_bounds(numel, group.bandwidths())
+        self._servers = group.servers
+        self._server_pos = {member: i for i, member in enumerate(self._servers)}
         self.reductions: dict[tuple[int, int], Reduction] = {}
         self.direct = {j: Outcome() for j in range(len(group.members))}
         self.finished_at: float | None = None
@@ -140,8 +142,22 @@ class Round:
         start, end = self.bounds[part]
         return end - start
 
+    @property
+    def attempts(self) -> int:
+        """How many reducers a part can have: its own, then each other reachable member."""
+        return len(self._servers)
+
     def reducer_of(self, part: int, attempt: int) -> int:
-        return (part + attempt) % len(self.group.members)
+        """Part `part`'s reducer at `attempt`: its member, then the next reachable members in
+        turn. A client-mode member's part is empty and nobody reduces it (its own index)."""
+        pos = self._server_pos.get(part)
+        if pos is None:
+            return part
+        return self._servers[(pos + attempt) % len(self._servers)]
+
+    def exchanged(self, part: int) -> bool:
+        """Whether part `part` travels at all: a client-mode member's is empty."""
+        return self.group.reachable(part)
 
     def reduction(self, part: int, attempt: int) -> Reduction:
         key = (part, attempt)

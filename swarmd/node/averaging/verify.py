@@ -80,7 +80,12 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
             return  # nothing learnt; not evidence of anything
         for item in theirs.proofs[: 2 * n * n]:
             own = mine.get((item.part, item.attempt))
-            if own is None or item.digest == own.digest or item.part >= n or item.attempt >= n:
+            if (
+                own is None
+                or item.digest == own.digest
+                or item.part >= n
+                or item.attempt >= rnd.attempts
+            ):
                 continue
             if rnd.reducer_of(item.part, item.attempt) == i:
                 continue  # a reducer showing a second proof of its own would pick its accusers
@@ -92,7 +97,7 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
     # Only members that can hold a proof of a part this peer accepted: not its reducer (in a
     # pair, nobody).
     reducers = {rnd.reducer_of(j, a) for j, a in mine}
-    asked = [i for i in range(n) if i != rnd.me and reducers != {i}]
+    asked = [i for i in range(n) if i != rnd.me and reducers != {i} and rnd.group.reachable(i)]
     with trio.move_on_after(timeout + 1.0):
         async with trio.open_nursery() as nursery:
             for i in asked:

@@ -16,7 +16,13 @@ import trio
 from swarmd.node.chaos.harness import Harness, HarnessOptions
 from swarmd.node.chaos.invariants import Bounds, check_all, live_at_end
 from swarmd.node.chaos.report import figures, text_report, timeline_png
-from swarmd.node.chaos.schedule import Schedule, ScheduleParams, generate
+from swarmd.node.chaos.schedule import (
+    BYZANTINE,
+    DEFAULT_KINDS,
+    Schedule,
+    ScheduleParams,
+    generate,
+)
 from swarmd.node.chaos.swarm import check_swarm, roles, swarm_schedule
 
 
@@ -33,6 +39,8 @@ class ChaosOptions:
     min_group_size: int = 2
     resume_bound_s: float = 90.0
     liveness_bound_s: float = 90.0
+    #: Draw Byzantine faults too (chaos/byzantine.py).
+    byzantine: bool = False
 
     def __post_init__(self) -> None:
         if self.peers < 2:
@@ -43,6 +51,8 @@ class ChaosOptions:
             raise ValueError("--duration must be at least 30 seconds")
         if self.algo == "swarm":
             roles(self.peers)  # raises when there are too few peers for the stages
+        if self.byzantine and self.algo != "diloco":
+            raise ValueError("--byzantine lies about DiLoCo updates: --algo diloco only")
 
     @property
     def swarm(self) -> bool:
@@ -60,6 +70,7 @@ def build_schedule(opts: ChaosOptions) -> Schedule:
             min_group_size=opts.min_group_size,
             warmup_s=min(40.0, 0.15 * d),
             quiet_s=min(60.0, max(25.0, 0.2 * d)),
+            kinds=(*DEFAULT_KINDS, BYZANTINE) if opts.byzantine else DEFAULT_KINDS,
         )
         schedule = swarm_schedule(params, opts.seed) if opts.swarm else generate(params, opts.seed)
     # A SWARM run has no group to keep: a stage's servers may all be out (that is the test).

@@ -31,8 +31,9 @@ from typing import IO, Any
 
 import trio
 
+from swarmd.node.chaos import byzantine
 from swarmd.node.chaos import swarm as chaos_swarm
-from swarmd.node.chaos.schedule import KILL_STAGE, FaultEvent, Schedule
+from swarmd.node.chaos.schedule import BYZANTINE, KILL_STAGE, FaultEvent, Schedule
 from swarmd.protocol.faults import ENV_VAR, FaultPlan
 
 RUN_NAME = "chaos"
@@ -180,10 +181,17 @@ class Harness:
 
     # -- processes ---------------------------------------------------------------------------
 
-    async def _spawn(self, nursery: trio.Nursery, slot: Slot, args: list[str]) -> None:
+    async def _spawn(
+        self, nursery: trio.Nursery, slot: Slot, args: list[str], lie: str = ""
+    ) -> None:
+        """Starts ``slot``'s process: `swarmd` with ``args``, or the Byzantine peer telling
+        ``lie`` (chaos/byzantine.py) with the same arguments."""
         env = {**os.environ, ENV_VAR: str(slot.plan_path), "PYTHONUNBUFFERED": "1"}
+        module = "swarmd.node.cli"
+        if lie:
+            env[byzantine.ENV_VAR], module = lie, "swarmd.node.chaos.byzantine"
         proc = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "swarmd.node.cli", *args],
+            [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
@@ -191,7 +199,9 @@ class Harness:
         )
         slot.process = proc
         slot.incarnation += 1
-        self.rec.record("spawn", peer=slot.index, pid=proc.pid, incarnation=slot.incarnation)
+        self.rec.record(
+            "spawn", peer=slot.index, pid=proc.pid, incarnation=slot.incarnation, lie=lie
+        )
         nursery.start_soon(self._read_events, slot, proc)
         nursery.start_soon(self._read_log, slot, proc)
         nursery.start_soon(self._reap, slot, proc)
@@ -294,6 +304,8 @@ class Harness:
         if event.kind in ("kill", KILL_STAGE):
             for s in victims:
                 self._signal(s, signal.SIGKILL)
+        elif event.kind == BYZANTINE:
+            pass  # _swap, which waits for the corpse
         elif event.kind == "pause":
             for s in victims:
                 self._signal(s, signal.SIGSTOP)
@@ -312,12 +324,25 @@ class Harness:
                 s.network = self._network(event)
                 self._write_plan(s)
 
+    async def _swap(self, nursery: trio.Nursery, event: FaultEvent, lie: str) -> None:
+        """A Byzantine fault: the peer is SIGKILLed and started again from its own state, as
+        the liar (``lie``), or, at the heal, as itself."""
+        for i in event.peers:
+            slot = self.slots[i]
+            self._signal(slot, signal.SIGKILL)
+            with trio.move_on_after(10):
+                while slot.process is not None:  # until _reap has recorded the exit
+                    await trio.sleep(0.05)
+            await self._spawn(nursery, slot, self._join_args(slot, create=False), lie)
+
     async def _heal(self, nursery: trio.Nursery, event: FaultEvent) -> None:
         await trio.sleep(event.duration_s)
         if self.stopping:
             return
         self.rec.record("heal", kind=event.kind, peers=list(event.peers))
-        if event.kind in ("kill", KILL_STAGE):
+        if event.kind == BYZANTINE:
+            await self._swap(nursery, event, "")
+        elif event.kind in ("kill", KILL_STAGE):
             for i in event.peers:
                 slot = self.slots[i]
                 if slot.process is not None:  # not yet reaped: wait for the corpse
@@ -410,6 +435,8 @@ class Harness:
         for event in opts.schedule.events:
             await trio.sleep_until(t_ready + event.at_s)
             self._apply(event)
+            if event.kind == BYZANTINE:
+                await self._swap(nursery, event, event.lie)
             nursery.start_soon(self._heal, nursery, event)
         await trio.sleep_until(t_ready + opts.duration_s)
         return True

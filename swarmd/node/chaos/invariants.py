@@ -154,7 +154,7 @@ def no_unexpected_exits(records: list[Record]) -> Check:
     bad: list[str] = []
     exits = 0
     for r in records:
-        if r["type"] == "fault" and r["kind"] in ("kill", "kill_stage"):
+        if (r["type"] == "fault" and r["kind"] in ("kill", "kill_stage")) or _swapped(r):
             doomed.update(r["peers"])
         elif r["type"] == "spawn":
             doomed.discard(r["peer"])
@@ -209,7 +209,7 @@ def restarts_resumed(records: list[Record], bounds: Bounds) -> Check:
                 bad.append(f"peer{peer} restarted from scratch, not from its state")
             if took > bounds.resume_s:
                 bad.append(f"peer{peer} took {took:.0f}s to resume (bound {bounds.resume_s:.0f}s)")
-        elif r["type"] == "fault" and r["kind"] == "kill":
+        elif (r["type"] == "fault" and r["kind"] == "kill") or _swapped(r):
             for p in r["peers"]:
                 waiting.pop(p, None)  # killed again while starting: judged on its next restart
         elif r["type"] == "exit" and peer in waiting:
@@ -223,6 +223,42 @@ def restarts_resumed(records: list[Record], bounds: Bounds) -> Check:
     if not times:
         return Check(name, True, "no peer was restarted", figures)
     return Check(name, True, f"{len(times)} restart(s), slowest resumed in {worst:.1f}s", figures)
+
+
+def _swapped(r: Record) -> bool:
+    """A Byzantine fault or its heal: the peer is SIGKILLed and started again at once."""
+    return r["type"] in ("fault", "heal") and r["kind"] == "byzantine"
+
+
+def liars_banned(records: list[Record]) -> Check | None:
+    """Every liar that gave evidence (a declared weight beyond the run's bound) was banned by
+    some other peer while it lied; None when no such fault ran. Flipped or scaled updates are
+    not evidence: the other invariants (agreement, loss) judge those."""
+    faults = [r for r in records if r["type"] == "fault" and r.get("lie") == "weight"]
+    if not faults:
+        return None
+    ids = {
+        r["peer"]: r.get("peer_id")
+        for r in records
+        if r["type"] == "peer" and r.get("event") == "listening"
+    }
+    missed = []
+    for fault in faults:
+        liar = fault["peers"][0]
+        end = fault["t"] + fault["duration_s"] + 10.0
+        if not any(
+            r["type"] == "peer"
+            and r.get("event") == "peer_banned"
+            and r.get("peer_id") == ids.get(liar)
+            and r["peer"] != liar
+            and fault["t"] <= r["t"] <= end
+            for r in records
+        ):
+            missed.append(f"peer{liar} at {fault['t']:.0f}s")
+    name = "liars banned"
+    if missed:
+        return Check(name, False, "nobody banned " + ", ".join(missed))
+    return Check(name, True, f"{len(faults)} lying peer(s) banned on their evidence")
 
 
 def _completes_round(r: Record, min_group_size: int) -> bool:
@@ -303,4 +339,5 @@ def check_all(records: list[Record], bounds: Bounds) -> list[Check]:
         no_exceptions(records),
         restarts_resumed(records, bounds),
         liveness(records, bounds),
+        *([banned] if (banned := liars_banned(records)) is not None else []),
     ]

@@ -24,15 +24,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from swarmd.node.chaos.byzantine import LIES
+
 FaultKind = Literal[
-    "kill", "pause", "partition", "latency", "bandwidth", "clock_skew", "kill_stage"
+    "kill", "pause", "partition", "latency", "bandwidth", "clock_skew", "kill_stage", "byzantine"
 ]
 DISRUPTIVE: tuple[FaultKind, ...] = ("kill", "pause", "partition")
 DEGRADING: tuple[FaultKind, ...] = ("latency", "bandwidth", "clock_skew")
 #: SWARM runs (chaos/swarm.py): every server of a stage killed at once, replaced by new
 #: machines after ``duration_s``. Never drawn at random; swarm_schedule places it.
 KILL_STAGE: FaultKind = "kill_stage"
-KINDS: tuple[FaultKind, ...] = DISRUPTIVE + DEGRADING + (KILL_STAGE,)
+#: A peer restarted as a liar (chaos/byzantine.py: `lie`) for ``duration_s``, then restarted
+#: honest; drawn in the disruptive lane only with `swarmd chaos --byzantine`.
+BYZANTINE: FaultKind = "byzantine"
+KINDS: tuple[FaultKind, ...] = DISRUPTIVE + DEGRADING + (KILL_STAGE, BYZANTINE)
+#: What a random schedule draws unless told otherwise.
+DEFAULT_KINDS: tuple[FaultKind, ...] = DISRUPTIVE + DEGRADING
 
 
 class ScheduleError(ValueError):
@@ -53,6 +60,8 @@ class FaultEvent:
     loss: float = 0.0
     bandwidth_bytes_s: float = 0.0
     clock_skew_s: float = 0.0
+    #: byzantine: what the peer lies about (chaos/byzantine.py LIES).
+    lie: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -69,6 +78,8 @@ class FaultEvent:
             raise ScheduleError("bandwidth: needs bandwidth_bytes_s > 0")
         if self.kind == "clock_skew" and self.clock_skew_s == 0:
             raise ScheduleError("clock_skew: needs clock_skew_s != 0")
+        if (self.kind == BYZANTINE) != (self.lie in LIES):
+            raise ScheduleError(f"byzantine faults (only) need lie: one of {', '.join(LIES)}")
 
     @property
     def end_s(self) -> float:
@@ -76,7 +87,7 @@ class FaultEvent:
 
     @property
     def disruptive(self) -> bool:
-        return self.kind in DISRUPTIVE or self.kind == KILL_STAGE
+        return self.kind in DISRUPTIVE or self.kind in (KILL_STAGE, BYZANTINE)
 
     def describe(self) -> str:
         who = ",".join(f"peer{i}" for i in self.peers)
@@ -86,6 +97,7 @@ class FaultEvent:
             "clock_skew": f" {self.clock_skew_s:+.1f} s",
             "partition": " cut off from the rest",
             "kill_stage": " (every server of a stage; replaced by new peers)",
+            "byzantine": f" lying ({self.lie})",
         }.get(self.kind, "")
         return f"{self.kind} {who}{extra} for {self.duration_s:.0f}s"
 
@@ -177,7 +189,7 @@ class ScheduleParams:
     #: How long a killed peer stays down, a pause lasts, a partition holds.
     down_s: tuple[float, float] = (5.0, 25.0)
     degrade_s: tuple[float, float] = (15.0, 45.0)
-    kinds: tuple[FaultKind, ...] = field(default=KINDS)
+    kinds: tuple[FaultKind, ...] = field(default=DEFAULT_KINDS)
 
     def __post_init__(self) -> None:
         if self.peers < 2:
@@ -200,15 +212,15 @@ def generate(params: ScheduleParams, seed: int) -> Schedule:
     end = params.duration_s - params.quiet_s
     events: list[FaultEvent] = []
     spare = params.peers - params.min_group_size  # peers that may be out at once
-    for lane in (DISRUPTIVE, DEGRADING):
+    for lane in ((*DISRUPTIVE, BYZANTINE), DEGRADING):
         kinds = [k for k in lane if k in params.kinds]
-        if lane is DISRUPTIVE and spare < 1:
+        if lane is not DEGRADING and spare < 1:
             kinds = []
         t = params.warmup_s
         while kinds:
             t += rng.uniform(*params.gap_s)
             kind = rng.choice(kinds)
-            span = params.down_s if lane is DISRUPTIVE else params.degrade_s
+            span = params.degrade_s if lane is DEGRADING else params.down_s
             duration = round(rng.uniform(*span), 1)
             if t + duration > end:
                 break
@@ -225,6 +237,9 @@ def _draw(
         # Mostly one peer; sometimes two at once when the group can spare them.
         n = 2 if spare >= 2 and rng.random() < 0.25 else 1
         return FaultEvent(at, kind, tuple(sorted(rng.sample(everyone, n))), duration)
+    if kind == BYZANTINE:  # never the creator: its adverts anchor which state is the run's
+        liar = rng.randrange(1, peers)
+        return FaultEvent(at, kind, (liar,), duration, lie=rng.choice(LIES))
     if kind == "partition":
         minority = rng.randint(1, min(spare, peers // 2))
         return FaultEvent(at, kind, tuple(sorted(rng.sample(everyone, minority))), duration)

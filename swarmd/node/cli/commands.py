@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import swarmd
 from swarmd.node.cli.options import (
@@ -104,13 +105,40 @@ def cmd_dht(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def read_secret(path: Path | None) -> bytes | None:
+    """A run secret from its file (surrounding whitespace dropped), or None."""
+    if path is None:
+        return None
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as exc:
+        raise CliError(f"--secret-file: {exc}", EXIT_USAGE) from None
+    if len(secret) < 16:
+        raise CliError(
+            f"--secret-file {path}: a run secret must be at least 16 bytes; make one with "
+            "`swarmd run secret > FILE`",
+            EXIT_USAGE,
+        )
+    return secret
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     from swarmd.node.local.config import LocalConfigError, count_workers
     from swarmd.node.training.lifecycle import run_join
     from swarmd.node.training.options import JoinOptions
     from swarmd.node.training.runconfig import RunConfig, RunConfigError
+    from swarmd.protocol.identity import PeerId
     from swarmd.workloads import AllowedWorkloads
 
+    if "@" in args.run:  # NAME@CREATOR: the run id --create-run prints
+        name, _, creator = args.run.partition("@")
+        try:
+            pinned = PeerId.from_string(creator)
+        except ValueError as exc:
+            raise CliError(f"--run {args.run}: {exc}", EXIT_USAGE) from None
+        if args.creator is not None and args.creator != pinned:
+            raise CliError(f"--run {args.run} names another creator than --creator", EXIT_USAGE)
+        args.run, args.creator = name, pinned
     try:
         local_workers = count_workers(args.local_workers, args.device)
     except (LocalConfigError, ValueError) as exc:
@@ -143,6 +171,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             algo=args.algo,
             data_shard=args.data_shard,
             bulk_port=None if args.no_bulk else args.bulk_port,
+            reachable=args.reachable,
             rate_limits=rate_limits(args),
             device=args.device,
             creator=args.creator,
@@ -155,10 +184,24 @@ def cmd_join(args: argparse.Namespace) -> int:
             stage=args.stage,
             slowdown=args.slowdown,
             swarm_audit=args.swarm_audit,
+            secret=read_secret(args.secret_file),
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None
     return run_join(options)
+
+
+def cmd_run_secret(args: argparse.Namespace) -> int:
+    import secrets
+
+    print(secrets.token_hex(32))
+    return EXIT_OK
+
+
+def cmd_run_access(args: argparse.Namespace) -> int:
+    from swarmd.node.cli.runaccess import change_access
+
+    return change_access(args.run, args.peers, args.state_dir, args.action, args.key)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -215,6 +258,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             schedule_file=args.schedule,
             inner_steps=args.inner_steps,
             algo=args.algo,
+            byzantine=args.byzantine,
             resume_bound_s=args.resume_bound,
             liveness_bound_s=args.liveness_bound,
         )

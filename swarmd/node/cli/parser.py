@@ -24,8 +24,9 @@ from swarmd.node.cli.options import (
     peer_id,
     positive_float,
     positive_int,
-    usage,
 )
+from swarmd.node.cli.parser_keys import add_identity, add_run
+from swarmd.node.cli.parser_net import add_join_network
 from swarmd.protocol.address import Address
 
 #: runconfig.ALGORITHMS, spelled out so that parsing a command line imports no torch (a DHT
@@ -57,19 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add in _BUILDERS:
         add(sub)
     return parser
-
-
-def _add_identity(sub: Subparsers) -> None:
-    p = sub.add_parser("identity", help="create or show this peer's Ed25519 identity")
-    isub = p.add_subparsers(dest="identity_command", metavar="ACTION")
-    c = isub.add_parser("create", help="create a new identity key (mode 0600)")
-    add_state_dir(c)
-    c.add_argument("--force", action="store_true", help="replace an existing key")
-    c.set_defaults(func=commands.cmd_identity_create)
-    s = isub.add_parser("show", help="print the peer id of the stored identity")
-    add_state_dir(s)
-    s.set_defaults(func=commands.cmd_identity_show)
-    p.set_defaults(func=lambda args: usage(p))
 
 
 def _add_ping(sub: Subparsers) -> None:
@@ -148,39 +136,19 @@ def _add_join(sub: Subparsers) -> None:
         "until SIGINT/SIGTERM, --max-steps or --duration. Exit code 2 if the run cannot be "
         "joined, 3 if no bootstrap peer answers.",
     )
-    p.add_argument("--run", required=True, help="the run's name")
-    _add_join_network(p)
+    p.add_argument(
+        "--run",
+        required=True,
+        help="the run's name, or NAME@CREATOR_ID (what --create-run prints: the same as "
+        "--run NAME --creator CREATOR_ID)",
+    )
+    add_join_network(p)
     _add_join_run(p)
     _add_join_limits(p)
     _add_swarm_options(p)
     add_metrics(p)
     add_state_dir(p)
     p.set_defaults(func=commands.cmd_join)
-
-
-def _add_join_network(p: argparse.ArgumentParser) -> None:
-    """How `join` reaches its peers and they reach it."""
-    p.add_argument(
-        "--peers",
-        type=address_list,
-        default=(),
-        help="bootstrap peers, HOST:PORT[,HOST:PORT...] (omit only for the first peer)",
-    )
-    add_listen(p)
-    add_rate_limits(p)
-    p.add_argument(
-        "--bulk-port",
-        type=int,
-        default=0,
-        help="port of the bulk data plane: tensors (all-reduce parts, state downloads) travel "
-        "there as plain TCP beside the gRPC port, at about half gRPC's CPU cost; 0 lets the OS "
-        "choose (default). Peers learn it over gRPC and fall back to gRPC if it is unreachable",
-    )
-    p.add_argument(
-        "--no-bulk",
-        action="store_true",
-        help="send tensors over the gRPC port only (a host that can open just one port)",
-    )
 
 
 def _add_join_run(p: argparse.ArgumentParser) -> None:
@@ -207,6 +175,15 @@ def _add_join_run(p: argparse.ArgumentParser) -> None:
         metavar="PEER_ID",
         help="accept only the run config this key signed (the creator's peer id, printed when "
         "it created the run); without it, the only config published for --run is taken",
+    )
+    p.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the run's secret, for runs with access = \"secret\" (the creator's too): "
+        "peers prove they hold it with an HMAC on every request and never send it. Make "
+        "one with `swarmd run secret > FILE` and hand it to the run's volunteers",
     )
     p.add_argument(
         "--model",
@@ -462,6 +439,13 @@ def _add_chaos(sub: Subparsers) -> None:
         "--algo", choices=ALGORITHMS, default="diloco", help="the run's algorithm (default: diloco)"
     )
     p.add_argument(
+        "--byzantine",
+        action="store_true",
+        help="also swap peers for liars for a while (a declared weight of 1e9, or a flipped or "
+        "x100 update: swarmd/node/chaos/byzantine.py); a liar that gave evidence must be "
+        "banned by the others (DiLoCo runs)",
+    )
+    p.add_argument(
         "--resume-bound",
         type=positive_float,
         default=90.0,
@@ -478,11 +462,12 @@ def _add_chaos(sub: Subparsers) -> None:
 
 #: The sub-commands after `version`, in the order `swarmd --help` lists them.
 _BUILDERS: tuple[Callable[[Subparsers], None], ...] = (
-    _add_identity,
+    add_identity,
     _add_ping,
     _add_serve,
     _add_dht,
     _add_join,
+    add_run,
     _add_status,
     _add_dashboard,
     _add_demo,

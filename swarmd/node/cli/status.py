@@ -15,8 +15,9 @@ from typing import Any
 
 import trio
 
-from swarmd.node.dht import BootstrapError, DHTNode, Value
-from swarmd.node.runkeys import progress_key
+from swarmd.node.dht import BootstrapError, Value
+from swarmd.node.dht.oneshot import client_dht
+from swarmd.node.runkeys import heartbeat_address, is_client, progress_key
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.statesync.donor import StateAdvert, advert_key
 from swarmd.node.swarm import directory
@@ -25,7 +26,6 @@ from swarmd.node.swarm.rebalance import stage_rates
 from swarmd.node.training.progress_record import ProgressRecord, ProgressRecordError
 from swarmd.node.training.runconfig import RunConfig, RunConfigError, peers_key
 from swarmd.node.training.runrecord import claims
-from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 
 #: The most stages a run may have (SwarmConfig.stages): records beyond are not a run's.
@@ -33,20 +33,12 @@ MAX_STAGES = 64
 
 
 async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
-    identity = Identity.generate()
-    client = rpc.RpcClient(identity)
-    dht = DHTNode(identity, client)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(dht.run, 0, list(peers))
-            found = await claims(dht, run)
-            live = await dht.peers(peers_key(run), exhaustive=True)
-            adverts = await dht.get_map(advert_key(run), exhaustive=True)
-            servers = await directory.read(dht, run, MAX_STAGES)
-            progress = await dht.get_map(progress_key(run), exhaustive=True)
-            nursery.cancel_scope.cancel()
-    finally:
-        client.close()
+    async with client_dht(Identity.generate(), peers) as dht:
+        found = await claims(dht, run)
+        live = await dht.peers(peers_key(run), exhaustive=True)
+        adverts = await dht.get_map(advert_key(run), exhaustive=True)
+        servers = await directory.read(dht, run, MAX_STAGES)
+        progress = await dht.get_map(progress_key(run), exhaustive=True)
     report: dict[str, Any] = {"run": run, "config": None, "peers": [], "round": None}
     if len(found) > 1:
         keys = ", ".join(str(c.creator) for c in found)
@@ -70,13 +62,16 @@ async def collect(run: str, peers: Sequence[str]) -> dict[str, Any]:
     now = time.time()
     for peer_id, value in sorted(live.items()):
         advert = states.get(str(peer_id))
+        beat = value.value.decode("utf-8", "replace")
         report["peers"].append(
             {
                 "peer_id": str(peer_id),
-                "address": value.value.decode("utf-8", "replace"),
+                "address": heartbeat_address(beat),
                 "heartbeat_expires_in_s": round(value.expires - now, 1),
                 "round": advert.round if advert else None,
                 "state_hash": advert.state_hash.hex()[:16] if advert else None,
+                # From the peer's signed state advert: client = others cannot dial it.
+                "mode": "client" if (advert and advert.client) or is_client(beat) else "server",
             }
         )
     rounds = [a.round for a in states.values()]
@@ -156,7 +151,8 @@ def status(run: str, peers: Sequence[str], as_json: bool) -> int:
             if p["round"] is not None
             else "no state yet"
         )
-        print(f"  {p['peer_id'][:10]}  {p['address']:<21}  {state}")
+        mode = "  (client mode: unreachable)" if p["mode"] == "client" else ""
+        print(f"  {p['peer_id'][:10]}  {p['address']:<21}  {state}{mode}")
     for stage in report["stages"]:
         servers = stage["servers"]
         print(

@@ -23,6 +23,7 @@ from swarmd.node.runkeys import (
     CONFIG_TTL_S,
     advert_key,
     config_key,
+    heartbeat_address,
     peers_key,
     progress_key,
     stages_key,
@@ -158,6 +159,7 @@ async def read_run(dht: DHTNode, run: str) -> Reading:
     )
     for peer, value in (await dht.peers(peers_key(run), exhaustive=True)).items():
         address = parse_address(value.value)
+        address = heartbeat_address(address) if address is not None else None
         reading.heartbeats[str(peer)] = address if address is not None else "?"
         reading.refused += address is None
     for peer, value in (await dht.peers(progress_key(run), exhaustive=True)).items():

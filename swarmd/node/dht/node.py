@@ -13,6 +13,7 @@ wall-clock seconds (``time.time()`` scale, or the injected clock's).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -24,6 +25,7 @@ import trio
 from swarmd.node.dht.admission import Admission
 from swarmd.node.dht.caller import Caller
 from swarmd.node.dht.config import DHTConfig as DHTConfig
+from swarmd.node.dht.dialback import DialBacker
 from swarmd.node.dht.ids import key_id, random_id_in_bucket
 from swarmd.node.dht.lookup import LookupParams, LookupResult, lookup
 from swarmd.node.dht.records import (
@@ -43,7 +45,7 @@ from swarmd.node.dht.values import Value as Value
 from swarmd.node.dht.values import announced_peers as announced_peers
 from swarmd.node.dht.values import key_bytes
 from swarmd.node.dht.values import merge as merge
-from swarmd.protocol import rpc
+from swarmd.protocol import rpc, swarmd_pb2
 from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import Identity, PeerId
 
@@ -75,6 +77,7 @@ class DHTNode:
         self.storage = Storage(self.config.storage, clock=clock, verifier=self.verifier)
         self.caller = Caller(identity, client, self.table, self.config.timeouts)
         self.admission = Admission(self.caller, self.table)
+        self.dial_back = DialBacker(self.caller)
         self._service = DHTService(
             identity, self.table, self.storage, self.admission, self.config.service
         )
@@ -87,10 +90,15 @@ class DHTNode:
         self._due: dict[tuple[bytes, bytes | None], float] = {}
         self._own_changed = trio.Event()
         self._bootstrap: list[str] = []
+        #: (key, signer) -> whether reads of sub-key maps show the signer's entry (None: all).
+        self.owner_filter: Callable[[bytes, PeerId], bool] | None = None
 
     def service(self) -> rpc.Service:
-        """The gRPC service to add to the daemon's rpc.serve."""
-        return self._service.service()
+        """The gRPC service to add to the daemon's rpc.serve (with the reachability check
+        every DHT node answers, dialback.py)."""
+        svc = self._service.service()
+        dial_back = rpc.unary("DialBack", swarmd_pb2.DialBackRequest, self.dial_back.handle)
+        return dataclasses.replace(svc, methods=[*svc.methods, dial_back])
 
     def now(self) -> float:
         return self._clock()
@@ -308,7 +316,16 @@ class DHTNode:
 
     async def get_map(self, key: str | bytes, *, exhaustive: bool = False) -> dict[str, Value]:
         found = await self.get(key, exhaustive=exhaustive)
-        return found if isinstance(found, dict) else {}
+        return self.admitted(key_bytes(key), found) if isinstance(found, dict) else {}
+
+    def admitted(self, key: bytes, entries: dict[str, Value]) -> dict[str, Value]:
+        """The sub-key map's entries whose signers ``owner_filter`` admits under ``key``: a
+        run with access rules (node/access.py) reads none of an outsider's announcements,
+        adverts or heartbeats, so no outsider enters its groups or serves it a state."""
+        keep = self.owner_filter
+        if keep is None:
+            return entries
+        return {k: v for k, v in entries.items() if keep(key, v.owner)}
 
     # -- announce / watch ------------------------------------------------------------------
 
@@ -461,7 +478,7 @@ class KeyReader:
 
     async def get_map(self, *, light: bool = False, local: bool = False) -> dict[str, Value]:
         found = merge(await self.records(light=light, local=local), self._node.now())
-        return found if isinstance(found, dict) else {}
+        return self._node.admitted(self._key, found) if isinstance(found, dict) else {}
 
     async def peers(self, *, light: bool = False, local: bool = False) -> dict[PeerId, Value]:
         return announced_peers(await self.get_map(light=light, local=local))

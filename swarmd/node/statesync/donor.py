@@ -226,6 +226,9 @@ class StateAdvert:
     #: downloaded), not one it made alone; only the run creator's word is acted on
     #: (`statesync/catchup.py`).
     shared: bool = False
+    #: The advertiser cannot be dialled (client mode): its state counts as held by it, but
+    #: it is not a donor.
+    client: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.round < 1 << 63:
@@ -240,9 +243,16 @@ class StateAdvert:
             raise AdvertError(f"advert address: {exc}") from None
 
     @classmethod
-    def of(cls, snapshot: StateSnapshot, address: str, *, shared: bool = False) -> StateAdvert:
+    def of(
+        cls, snapshot: StateSnapshot, address: str, *, shared: bool = False, client: bool = False
+    ) -> StateAdvert:
         return cls(
-            snapshot.round, snapshot.state_hash, address, snapshot.total_bytes, shared=shared
+            snapshot.round,
+            snapshot.state_hash,
+            address,
+            snapshot.total_bytes,
+            shared=shared,
+            client=client,
         )
 
     def to_bytes(self) -> bytes:
@@ -252,6 +262,7 @@ class StateAdvert:
             address=self.address,
             total_bytes=self.total_bytes,
             shared=self.shared,
+            client=self.client,
         )
         return msg.SerializeToString()
 
@@ -265,16 +276,25 @@ class StateAdvert:
             msg.ParseFromString(raw)
         except DecodeError as exc:
             raise AdvertError(f"state advert is not a StateAdvert message: {exc}") from None
-        return cls(msg.round, msg.state_hash, msg.address, msg.total_bytes, shared=msg.shared)
+        return cls(
+            msg.round,
+            msg.state_hash,
+            msg.address,
+            msg.total_bytes,
+            shared=msg.shared,
+            client=msg.client,
+        )
 
 
 def choose_donors(adverts: Iterable[StateAdvert]) -> tuple[bytes, list[str]]:
     """The state to fetch (newest round; among equals, the hash most donors agree on) and the
-    addresses serving it; pass both to ``download_state(..., want_hash=...)``."""
+    addresses serving it; pass both to ``download_state(..., want_hash=...)``. Client-mode
+    advertisers are not donors: nobody can dial them."""
     by_hash: dict[bytes, list[StateAdvert]] = {}
     for advert in adverts:
-        by_hash.setdefault(advert.state_hash, []).append(advert)
+        if not advert.client:
+            by_hash.setdefault(advert.state_hash, []).append(advert)
     if not by_hash:
-        raise ValueError("no state adverts to choose from")
+        raise ValueError("no state adverts from a peer that can be dialled")
     best = max(by_hash, key=lambda h: (by_hash[h][0].round, len(by_hash[h]), h))
     return best, sorted({a.address for a in by_hash[best]})

@@ -46,9 +46,18 @@ def _lot(peer: PeerId) -> bytes:
 
 
 def choose_move(
-    records: dict[PeerId, StageRecord], me: PeerId, stages: int, gain: float
+    records: dict[PeerId, StageRecord],
+    me: PeerId,
+    stages: int,
+    gain: float,
+    named: bool = False,
 ) -> Move | None:
-    """Where `me` should move now, or None (see the module's docstring)."""
+    """Where `me` should move now, or None (see the module's docstring).
+
+    `named`: `me` was the mover at its last look. It stays the mover while its move is within
+    `gain` of the best one: rates measured on a busy host swing by more than the servers of
+    a stage differ, so without this the strict best flipped between equal servers from look
+    to look and no server was named twice in a row (CI: no move in 90 s)."""
     mine = records.get(me)
     if mine is None or mine.state != "serving" or stages < 2:
         return None
@@ -70,6 +79,8 @@ def choose_move(
     # whose move helps most (ties: the lowest hash of its peer id).
     mover = max(peers, key=lambda p: (after(p), _lot(p)))
     best = after(mover)
+    if named and mover != me and after(me) * gain >= best:
+        mover, best = me, after(me)
     if mover != me or mine.rate <= 0 or not (best > before * gain and best > before):
         return None
     return Move(mine.stage, target, before, best)

@@ -70,6 +70,8 @@ class PeerContext:
     creator: PeerId | None = None
     stats: TrainStats = field(default_factory=TrainStats)
     clock: WaitClock = field(default_factory=WaitClock)
+    #: Others cannot dial this peer (issue 27): it reduces no part and serves no state.
+    client_mode: bool = False
     #: This peer's other local ranks (--local-workers N > 1), once started.
     ranks: LocalRanks | None = None
 

@@ -38,6 +38,8 @@ from swarmd.node.averaging.matchmaking import (
     form_group,
     round_key,
 )
+from swarmd.node.bans import Bans, Rejection
+from swarmd.node.runkeys import is_client
 from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
@@ -74,20 +76,26 @@ HASH_EVERY = 10
 
 
 def decode_payloads(
-    payloads: Mapping[PeerId, bytes], layout: SparseLayout, max_bytes: int
+    payloads: Mapping[PeerId, bytes],
+    layout: SparseLayout,
+    max_bytes: int,
+    bans: Bans | None = None,
 ) -> list[list[SparseUpdate]]:
     """Every payload that decodes against this model's layout, in peer-id order (the order
     every member applies them in). A malformed one (another shape, indices out of range,
     NaN, sizes that do not add up) is refused with a log line naming its sender, who is left
     out of this step; every member decodes the same bytes the same way, so all leave it out
     (a sender that sends different bytes to different members makes their states differ,
-    which the state-hash check finds)."""
+    which the state-hash check finds). Bytes that do not decode are evidence: with ``bans``,
+    their sender is banned (its later payloads are refused and not waited for)."""
     out: list[list[SparseUpdate]] = []
     for sender in sorted(payloads, key=str):
         try:
             out.append(decode_sparse(payloads[sender], layout, max_bytes))
         except CompressionError as exc:
             log.warning("refused DeMo payload from %s: %s", sender.short(), exc)
+            if bans is not None:
+                bans.offence(sender, Rejection(f"DeMo payload: {exc}", "undecodable"))
     return out
 
 
@@ -100,7 +108,9 @@ class DeMoStrategy(Strategy):
         self._source: TokenSource | None = None
         self._state: SharedState | None = None
         self.gatherer: Gatherer = peer.gatherer
-        self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
+        self.me = Member(
+            peer.identity.peer_id, peer.address, peer.opts.bandwidth, client=peer.client_mode
+        )
         self.shard = 0
         self.origin = "fresh"
         #: The group of this round (None: training alone until the next boundary).
@@ -289,7 +299,9 @@ class DeMoStrategy(Strategy):
         known = {m.peer_id for m in self.group.members} if self.group else set()
         known |= {p for p, at in self.gone.items() if now - at < GONE_RECHECK_S}
         known.add(self.me.peer_id)
-        others = [Member(p, a) for p, a in live.items() if p not in known]
+        # A client-mode peer cannot be probed (nobody can dial it): its live heartbeat is
+        # the evidence, and a dead one costs a group one step's deadline.
+        others = [Member(p, a) for p, a in live.items() if p not in known and not is_client(a)]
         if not others:
             return
         alive = await answering(self.peer.dht, others, PROBE_S)
@@ -353,7 +365,7 @@ class DeMoStrategy(Strategy):
 
     def _decode_all(self, result: GatherResult) -> list[list[SparseUpdate]]:
         limit = self.gatherer.config.max_payload_bytes
-        return decode_payloads(result.payloads, self.run.opt.layout(), limit)
+        return decode_payloads(result.payloads, self.run.opt.layout(), limit, self.gatherer.bans)
 
     # -- validation and judging offered states -------------------------------------------------
 

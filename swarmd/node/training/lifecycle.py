@@ -13,17 +13,23 @@ and the peer leaves (the heartbeat lapses; groups drop it by their deadlines).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import signal
 import sys
 import time
+from typing import cast
 
 import torch
 import trio
 
+from swarmd.node.access import AccessError, AccessMode, RunAccess, publish_list
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
 from swarmd.node.averaging.gather import Gatherer
+from swarmd.node.averaging.reduction import Aggregation
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.dht.dialback import Reachability, reachability_of
 from swarmd.node.local.attach import attach_local
 from swarmd.node.local.ranks import LocalRankError
 from swarmd.node.metrics import Metrics, MetricsServer
@@ -43,8 +49,15 @@ from swarmd.node.training.runrecord import choose, claims, publish_config
 from swarmd.node.training.strategies import strategy_for
 from swarmd.node.training.strategy import Strategy
 from swarmd.protocol import rpc
+from swarmd.protocol.address import parse_address
+from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import Identity, PeerId
 from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed, resolve_device
+
+log = logging.getLogger("swarmd.join")
+
+#: How often a peer re-reads its run's access list and member tokens.
+ACCESS_REFRESH_S = 5.0
 
 
 class Peer:
@@ -65,18 +78,25 @@ class Peer:
         self.dht = DHTNode(self.identity, self.client)
         #: Whom this peer refuses for what they sent (bans.py): the averager and
         #: state sync share it; each ban is a `peer_banned` event with its evidence.
-        self.bans = Bans(observer=self.metrics, on_ban=self._banned)
+        self.bans = Bans(observer=self.metrics, on_ban=self._banned, own=self.identity.peer_id)
         self.metrics.watch_bans(self.bans.active)
         self.averager = Averager(
             self.client, self.identity.peer_id, AllReduceConfig(), self.metrics, bans=self.bans
         )
-        self.gatherer = Gatherer(self.client, self.identity.peer_id, metrics=self.metrics)
+        self.gatherer = Gatherer(
+            self.client, self.identity.peer_id, metrics=self.metrics, bans=self.bans
+        )
         self.donor = StateDonor()
         #: SWARM's stage calls: served by every peer, answered once a stage is attached.
         self.stages = StageHost()
         self.address = ""
         #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
         self.stopping = trio.Event()
+        #: The run's access rules, once its config is read; until then run calls are refused.
+        self.access: RunAccess | None = None
+        self.run_paths: frozenset[str] = frozenset()
+        #: Whether others can dial this peer (set on join, before the DHT starts).
+        self.reach = Reachability("unknown")
 
     def _banned(self, peer: PeerId, seconds: float, why: Rejection) -> None:
         self.out.event(
@@ -90,15 +110,24 @@ class Peer:
 
     def _services(self) -> list[rpc.Service]:
         """Every capability a peer serves, whatever the run's algorithm: it is not known until
-        the run config is read, which takes the DHT, which takes the server."""
-        return [
-            peer_service(self.identity, Scratch(1 << 20)),
-            self.dht.service(),
-            self.averager.service(),
-            self.gatherer.service(),
-            self.donor.service(),
-            self.stages.service(),
+        the run config is read, which takes the DHT, which takes the server. The run's own
+        services are gated by its access rules (access.py); Ping and the DHT are not."""
+        run = [
+            dataclasses.replace(s, gate=self._gate)
+            for s in (
+                self.averager.service(),
+                self.gatherer.service(),
+                self.donor.service(),
+                self.stages.service(),
+            )
         ]
+        self.run_paths = frozenset(rpc.method_path(s.name, m.name) for s in run for m in s.methods)
+        return [peer_service(self.identity, Scratch(1 << 20)), self.dht.service(), *run]
+
+    def _gate(self, ctx: rpc.CallContext) -> None:
+        if self.access is None:
+            raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "this peer has not joined a run yet")
+        self.access.gate(ctx)
 
     async def run(self) -> None:
         opts = self.opts
@@ -130,14 +159,110 @@ class Peer:
                     metrics_port=metrics_server.port if metrics_server else None,
                 )
                 nursery.start_soon(self._stop_on_signal)
-                await nursery.start(self.dht.run, server.address.port, list(opts.peers))
+                await self._check_reachable(server)
+                # A client-mode peer's DHT node says no port: others leave it out of their
+                # tables (they could not dial it) and it only calls out.
+                port = 0 if self.reach.client_mode else server.address.port
+                await nursery.start(self.dht.run, port, list(opts.peers))
                 config, creator = await self._run_config()
+                await self._enter(config, creator, nursery)
                 await self._train(config, creator, nursery)
                 nursery.cancel_scope.cancel()
         finally:
             if metrics_server:
                 metrics_server.close()
             self.client.close()
+
+    async def _enter(self, config: RunConfig, creator: PeerId, nursery: trio.Nursery) -> None:
+        """Takes on the run's access rules, and checks this peer may take part before it
+        trains: a secret run needs the right secret, an allowlisted run the creator's
+        `swarmd run allow` (waited for until --join-timeout)."""
+        me, mode = self.identity.peer_id, cast(AccessMode, config.access)
+        try:
+            access = RunAccess(
+                config.name, mode, creator, me, self.opts.secret, paths=self.run_paths
+            )
+        except AccessError as exc:
+            raise JoinError(str(exc)) from None
+        await access.publish_token(self.dht)
+        if creator == me and self.opts.create_run is not None and mode == "allowlist":
+            await access.refresh(self.dht)  # a restarted creator keeps its list
+            if access.listed.version == 0:
+                await publish_list(self.dht, config.name, access.listed)
+        with trio.move_on_after(self.opts.join_timeout_s):
+            told = False
+            while True:
+                tokens = await access.refresh(self.dht)
+                if access.creator_token_mismatch(tokens):
+                    raise JoinError(
+                        f"the secret in --secret-file is not run {config.name!r}'s (the "
+                        "creator's member token does not verify with it)"
+                    )
+                if me in access.listed.deny and me != creator:
+                    raise JoinError(f"this peer ({me}) is banned from run {config.name!r}")
+                if access.listed_in():
+                    break
+                if not told:
+                    self.out.event(
+                        "access_wait",
+                        f"run {config.name!r} is allowlisted and this peer is not on it: ask "
+                        f"its creator to run `swarmd run allow {me} --run {config.name}`",
+                        peer_id=str(me),
+                    )
+                    told = True
+                await trio.sleep(2.0)
+        if told and access.listed_in():
+            # Just allowed: give every peer of the run a re-read of the list (they re-read at
+            # once when refused a key, else every ACCESS_REFRESH_S) before asking them for a
+            # state; a refused first download started this joiner from scratch.
+            await trio.sleep(2.0)
+        if not access.listed_in():
+            raise JoinError(
+                f"this peer ({me}) is not on run {config.name!r}'s allowlist; its creator "
+                f"admits it with `swarmd run allow {me} --run {config.name}`"
+            )
+        self.access = access
+        self.dht.owner_filter = access.dht_filter
+        self.client.access_tag = access.request_tag
+        nursery.start_soon(self._keep_access, access)
+
+    async def _keep_access(self, access: RunAccess) -> None:
+        """Re-reads the access list and member tokens: a `swarmd run allow|deny` takes effect
+        on every peer within ACCESS_REFRESH_S."""
+        while True:
+            # Every ACCESS_REFRESH_S, or within a second of meeting a key not (yet) admitted:
+            # a newly allowed joiner's first calls are refused only that long.
+            waited = 0.0
+            while waited < ACCESS_REFRESH_S and not access.missed:
+                await trio.sleep(1.0)
+                waited += 1.0
+            access.missed = False
+            with trio.move_on_after(30.0):
+                try:
+                    await access.refresh(self.dht)
+                except (rpc.RpcError, ProtocolError, OSError) as exc:  # the next one may do
+                    log.warning("could not re-read run %r's access list: %s", access.run, exc)
+
+    async def _check_reachable(self, server: rpc.RpcServer) -> None:
+        """Whether others can dial this peer (dialback.py); unreachable: client mode."""
+        self.reach = reach = await reachability_of(
+            self.opts.reachable,
+            self.client,
+            self.opts.peers,
+            server.address.port,
+            server.bulk_port,
+            parse_address(self.address).host,
+        )
+        mode = "client" if reach.client_mode else "server"
+        text = (
+            f"other peers cannot dial this one ({reach.detail or reach.observed}): client mode, "
+            "it trains and sends its updates but reduces no part and serves no state"
+            if reach.client_mode
+            else f"reachable ({reach.detail or 'dialled back at ' + reach.observed})"
+        )
+        self.out.event(
+            "reachability", text, verdict=reach.verdict, mode=mode, observed=reach.observed
+        )
 
     async def _stop_on_signal(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -210,6 +335,13 @@ class Peer:
             raise JoinError(str(exc)) from None
 
     async def _train(self, config: RunConfig, creator: PeerId, nursery: trio.Nursery) -> None:
+        unsupported = strategy_for(config.algo).needs_reachable(self.opts)
+        if self.reach.client_mode and unsupported:
+            raise JoinError(
+                f"run {config.name!r} uses {config.algo}, whose peers must all be reachable "
+                f"({unsupported}), and others cannot dial this one: open its ports (or forward "
+                "them on the router), or join a run whose algorithm takes client-mode peers"
+            )
         peer = PeerContext(
             opts=self.opts,
             config=config,
@@ -226,8 +358,13 @@ class Peer:
             live=LivePeers(self.dht, config),
             stopping=self.stopping,
             creator=creator,
+            client_mode=self.reach.client_mode,
         )
         self.averager.limit_weights(config.max_weight)
+        aggregation = cast(Aggregation, config.aggregation)
+        self.averager.set_reduction(
+            dataclasses.replace(self.averager.config.reduction, aggregation=aggregation)
+        )
         strategy = strategy_for(config.algo)(peer)
         await strategy.join()
         try:
@@ -272,7 +409,7 @@ class Peer:
     async def _trained(self, peer: PeerContext, strategy: Strategy, nursery: trio.Nursery) -> None:
         config = peer.config
         self.metrics.watch_training(lambda: peer.stats.figures(peer.clock.wait_s))
-        nursery.start_soon(heartbeat, self.dht, config, self.address)
+        nursery.start_soon(heartbeat, self.dht, config, self.address, peer.client_mode)
         nursery.start_soon(
             report_progress, self.out, peer.stats, self.metrics, self.opts.progress_interval_s
         )

@@ -14,6 +14,7 @@ from collections.abc import Collection
 import trio
 
 from swarmd.node.dht import DHTNode, KeyReader
+from swarmd.node.runkeys import CLIENT_MARK
 from swarmd.node.training.runconfig import RunConfig, peers_key
 from swarmd.protocol.identity import PeerId
 
@@ -23,9 +24,11 @@ LIVE_PEERS_MAX_AGE_S = 10.0
 HEARTBEAT_TTL_S = 30.0
 
 
-async def heartbeat(dht: DHTNode, config: RunConfig, address: str) -> None:
-    """Announces this peer under the run's peers key until cancelled (the record then lapses)."""
-    async with dht.announce(peers_key(config.name), address.encode(), ttl=HEARTBEAT_TTL_S):
+async def heartbeat(dht: DHTNode, config: RunConfig, address: str, client: bool = False) -> None:
+    """Announces this peer under the run's peers key until cancelled (the record then lapses).
+    A client-mode peer says so: others cannot probe it, and must not take it for dead."""
+    value = address + CLIENT_MARK * client
+    async with dht.announce(peers_key(config.name), value.encode(), ttl=HEARTBEAT_TTL_S):
         await trio.sleep_forever()
 
 
@@ -43,7 +46,8 @@ class LivePeers:
         return len(await self.addresses())
 
     async def addresses(self) -> dict[PeerId, str]:
-        """How many peers' heartbeats the run has: the group size a round waits for.
+        """The run's live heartbeats: peer -> the address it names (`is_client` tells a
+        client-mode peer's). Their count is the group size a round waits for.
 
         Read before every round while it is below the run's target group size (a joiner must
         be waited for at once), but at most every LIVE_PEERS_MAX_AGE_S once it reaches it:

@@ -51,6 +51,9 @@ class JoinOptions:
     data_shard: int | None = None
     #: The bulk data plane's port (0: the OS picks; None: tensors go over gRPC only).
     bulk_port: int | None = 0
+    #: Whether others can dial this peer: auto (a dial-back check on join), yes, or no (client
+    #: mode: it dials out only; --reachable).
+    reachable: str = "auto"
     #: Requests per second this peer answers per peer id and per source address.
     rate_limits: rpc.RateLimits = field(default_factory=rpc.RateLimits)
     #: Where the model trains (swarmd/workloads/device.py): a peer's own choice.
@@ -77,6 +80,8 @@ class JoinOptions:
     #: SWARM servers: append the id of every micro-batch whose backward this peer applied to
     #: <state-dir>/stage-applied.log (--swarm-audit; tests check exactly-once with it).
     swarm_audit: bool = False
+    #: The run's secret (--secret-file), for runs with `access = "secret"`; never sent.
+    secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -89,6 +94,8 @@ class JoinOptions:
             raise ValueError(f"data_shard must be in [0, {NUM_SHARDS}), got {self.data_shard}")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"bulk_port must be in [0, 65535], got {self.bulk_port}")
+        if self.reachable not in ("auto", "yes", "no"):
+            raise ValueError(f"reachable must be auto, yes or no, got {self.reachable!r}")
         resolve_device(self.device)  # a missing GPU is a usage error, said before joining
         check_text("public_name", self.public_name)  # published: printable, at most 64 chars
         if self.role not in ROLES:

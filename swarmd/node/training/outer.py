@@ -122,7 +122,9 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         #: The inner step to resume the data order at (a resumed peer does not redraw batches).
         self.first_step = 0
         self.shard = 0
-        self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
+        self.me = Member(
+            peer.identity.peer_id, peer.address, peer.opts.bandwidth, client=peer.client_mode
+        )
         config = peer.config
         self.mm = matchmaking_config(config)
         #: codec lowrank's state: warm-started Q and error feedback per tensor.
@@ -295,9 +297,12 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         target: int,
         ef_key: str,
         poll_s: float | None = None,
+        layout: tuple[list[str], list[torch.Size]] | None = None,
     ) -> Averaging:
         """Matchmaking for `key` (waiting for `target` peers), then the all-reduce of `vector`
-        with the group; `ef_key` names the error-feedback residual the codec keeps."""
+        with the group; `ef_key` names the error-feedback residual the codec keeps. `layout`:
+        the names and shapes `vector` flattens (codec lowrank factors each 2-D one; default
+        the whole model's trainable parameters; a streaming fragment passes its own)."""
         mm = dataclasses.replace(self.mm, target_group_size=target)
         if poll_s is not None:
             mm = dataclasses.replace(mm, poll_s=poll_s)
@@ -306,11 +311,12 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         if group is not None and len(group.members) > 1:
             out.group_size = len(group.members)
             if self.peer.config.codec == "lowrank":
-                names, params = trainable(self.opt.model)
+                if layout is None:
+                    names, params = trainable(self.opt.model)
+                    layout = (names, [p.shape for p in params])
                 out.result = await allreduce_lowrank(
-                    self.peer.averager, group, vector, weight, self.powersgd,
-                    names, [p.shape for p in params],
-                )  # fmt: skip
+                    self.peer.averager, group, vector, weight, self.powersgd, *layout
+                )
             else:
                 out.result = await self.peer.averager.allreduce(
                     group,

@@ -35,8 +35,22 @@ _MODEL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
 _DATA_NAME = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
 #: How a run's pseudo-gradients may travel (see `RunConfig.codec`).
 CODECS = ("int8", "fp16", "fp32", "topk", "lowrank")
+#: How reducers combine contributions (averaging/reduction.Aggregation).
+AGGREGATIONS = ("mean", "trimmed_mean", "centered_clip")
+#: Who may take part in a run (node/access.py), spelled out so this module imports no DHT.
+ACCESS_MODES = ("open", "secret", "allowlist")
 #: The training algorithms a run may use.
 ALGORITHMS = ("diloco", "streaming-diloco", "demo", "swarm")
+
+
+#: Integer options and their ranges (max_local_workers: see the field).
+_INT_RANGES = (
+    ("max_local_workers", 1, 1024),
+    ("lowrank_rank", 1, 256),
+    ("int8_block_size", 1, 1 << 16),
+    ("int8_bits", 2, 8),
+    ("state_quorum", 1, 64),
+)
 
 
 class RunConfigError(ValueError):
@@ -82,6 +96,17 @@ class RunConfig:
     #: tensor as rank-`lowrank_rank` factors, averaged in two all-reduces, warm-started Q and
     #: error feedback; 1-D and small tensors whole, in fp32; DiLoCo only).
     codec: str = "int8"
+    #: How a reducer combines its part's contributions (averaging/reduction.py): `mean`, or
+    #: a Byzantine-robust rule for runs that expect liars: `trimmed_mean` (per coordinate,
+    #: 20% off each end) or `centered_clip` (Karimireddy et al. 2021, clipped around the
+    #: coordinate median). Robust rules apply from three contributions on; their results are
+    #: checked by the proofs' entries only (a robust aggregate is not linear in them).
+    aggregation: str = "mean"
+    #: A joiner takes a state only when at least this many distinct keys advertise it (the
+    #: run creator's advert counts as enough alone), so that one liar cannot hand newcomers
+    #: a poisoned state; 1 takes the newest advertised state (checked anyway: its layout,
+    #: finite values and its loss on the joiner's batches, statesync/vet.py).
+    state_quorum: int = 1
     #: int8: values per fp32 scale; `zstd`: a lossless zstd frame around each int8/fp16 part.
     #: 4096 with zstd sends 4.35x fewer bytes than fp32 where 256 alone sends 3.94x (a DiLoCo
     #: pseudo-gradient of the built-in GPT); error feedback carries the coarser rounding.
@@ -146,6 +171,10 @@ class RunConfig:
     swarm_activations: str = "fp16"
     swarm_inflight: int = 4
     swarm_call_timeout_s: float = 30.0
+    #: Who may take part (node/access.py): `open` (anyone), `secret` (peers that hold the
+    #: run's secret: `swarmd join --secret-file`), or `allowlist` (keys the creator allowed
+    #: with `swarmd run allow`). In every mode the creator can ban a key (`swarmd run deny`).
+    access: str = "open"
     version: str = field(default=swarmd.__version__)
 
     def __post_init__(self) -> None:
@@ -160,11 +189,10 @@ class RunConfig:
                 raise RunConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise RunConfigError("n_embd must be divisible by n_head")
-        ranks = self.max_local_workers
-        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= 1024:
-            raise RunConfigError(
-                f"max_local_workers must be an integer in [1, 1024], got {ranks!r}"
-            )
+        for name, low, high in _INT_RANGES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise RunConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
             raise RunConfigError(
                 "model must be 'builtin', an installed workload's name or 'module:function', "
@@ -172,14 +200,20 @@ class RunConfig:
             )
         if not isinstance(self.data, str) or not _DATA_NAME.fullmatch(self.data):
             raise RunConfigError(f"data must be 'builtin' or a path, got {self.data!r}")
-        if self.codec not in CODECS:
-            raise RunConfigError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        rank = self.lowrank_rank
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= 256:
-            raise RunConfigError(f"lowrank_rank must be an integer in [1, 256], got {rank!r}")
-        if self.codec == "lowrank" and self.algo != "diloco":
+        for name, choices in (
+            ("codec", CODECS),
+            ("aggregation", AGGREGATIONS),
+            ("access", ACCESS_MODES),
+            ("algo", ALGORITHMS),
+        ):
+            if getattr(self, name) not in choices:
+                raise RunConfigError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
+        if self.codec == "lowrank" and self.algo not in ("diloco", "streaming-diloco"):
             raise RunConfigError(
-                f"codec lowrank averages whole models (algo diloco), not {self.algo}'s updates"
+                f"codec lowrank factors DiLoCo's and streaming DiLoCo's pseudo-gradients, not "
+                f"{self.algo}'s updates"
             )
         density = self.topk_density
         if isinstance(density, bool) or not isinstance(density, (int, float)):
@@ -191,12 +225,6 @@ class RunConfig:
             )
         if isinstance(self.topk_bits, bool) or self.topk_bits not in (1, 2, 4, 8):
             raise RunConfigError(f"topk_bits must be 1, 2, 4 or 8, got {self.topk_bits!r}")
-        block = self.int8_block_size
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1 << 16:
-            raise RunConfigError(f"int8_block_size must be an integer in [1, 65536], got {block!r}")
-        bits = self.int8_bits
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
-            raise RunConfigError(f"int8_bits must be an integer in [2, 8], got {bits!r}")
         if not isinstance(self.zstd, bool):
             raise RunConfigError(f"zstd must be true or false, got {self.zstd!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:
@@ -207,8 +235,6 @@ class RunConfig:
             self.lr_schedule_config()
         except ValueError as exc:
             raise RunConfigError(f"lr_schedule options: {exc}") from None
-        if self.algo not in ALGORITHMS:
-            raise RunConfigError(f"algo must be one of {', '.join(ALGORITHMS)}, got {self.algo!r}")
         if self.algo == "streaming-diloco":
             try:
                 self.streaming_config()

@@ -180,7 +180,7 @@ class SharedState:
         shared = self.proven and self.opt.age <= self.shared_round
         await peer.dht.store(
             self.key,
-            StateAdvert.of(snap, peer.address, shared=shared).to_bytes(),
+            StateAdvert.of(snap, peer.address, shared=shared, client=peer.client_mode).to_bytes(),
             peer.dht.now() + ADVERT_TTL_S,
             subkey=str(peer.identity.peer_id),
         )
@@ -260,7 +260,7 @@ class SharedState:
 
         A state that cannot be loaded (not this model's layout, non-finite values) is refused
         for good: its hash goes into `refused`, and `adverts` leaves it out from then on."""
-        want, donors = choose_donors(adverts)
+        want, donors = choose_donors(adverts)  # callers pass states a reachable peer serves
         stats, peer_ids = SyncStats(), _advertisers(adverts, want)
         try:
             snap = await download_state(
@@ -335,7 +335,15 @@ class SharedState:
     async def take_initial(self) -> tuple[str, int]:
         """Loads the newest state: the group's, else ours, else the seeded init. Returns where
         it came from and the inner step to resume the data order at."""
-        adverts = await self.adverts()
+        # Quorum counts every holder; only states a reachable peer serves can be taken (else a
+        # newer state only clients hold would have this peer download an older one instead).
+        adverts = [
+            a
+            for a in held_by_several(
+                await self.adverts(), self.peer.config.state_quorum, anchor=self.creator
+            )
+            if not a.client
+        ]
         saved = load_saved(self.path, self.peer.config.hash)
         saved_round = state_age(saved["global"]) if saved else -1
         if saved is None and adverts and max(a.round for a in adverts) == 0:
@@ -380,12 +388,18 @@ class SharedState:
         adverts = await self.adverts(known_only=True)
         if self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
+        # A client-mode peer's state cannot be downloaded: deciding to take one would fail
+        # every round (nor can a creator behind NAT anchor the run's line).
+        adverts = [a for a in adverts if not a.client]
         anchor = next((a for a in adverts if a.owner == self.creator), None)
         # Donors come from every advert read: the anchor may be the only holder of its state,
         # which the filter below leaves out of the decision's other rules, not out of the sync.
         donors = adverts
         if not self.met:
-            adverts = held_by_several(adverts)
+            # The creator's state counts alone (its config is the one this peer runs): a
+            # joiner whose first download failed (refused while the run's peers had not yet
+            # read that it was allowed) trained alone for a whole run without this.
+            adverts = held_by_several(adverts, anchor=self.creator)
         want = state_to_take(
             adverts,
             self.opt.age,
@@ -423,11 +437,19 @@ class SharedState:
         return adverts
 
 
-def held_by_several(adverts: list[StateAdvert]) -> list[StateAdvert]:
-    """The adverts of states at least two keys hold: what a peer that has met nobody yet may
-    follow. One stranger alone is not a group (seen: the liar of a pair, dropped from every
-    round, advertised its wrecked state and the honest peer took it on a hash tie-break)."""
+def held_by_several(
+    adverts: list[StateAdvert], at_least: int = 2, anchor: str | None = None
+) -> list[StateAdvert]:
+    """The adverts of states at least ``at_least`` keys hold (or ``anchor``, the run creator,
+    holds): what a peer that has met nobody yet may follow. One stranger alone is not a group
+    (seen: the liar of a pair, dropped from every round, advertised its wrecked state and the
+    honest peer took it on a hash tie-break). A joiner's start uses the run's `state_quorum`."""
     holders: dict[bytes, set[str]] = {}
     for a in adverts:
         holders.setdefault(a.state_hash, set()).add(a.owner)
-    return [a for a in adverts if len(holders[a.state_hash]) >= 2]
+    return [
+        a
+        for a in adverts
+        if len(holders[a.state_hash]) >= at_least
+        or (anchor is not None and anchor in holders[a.state_hash])
+    ]

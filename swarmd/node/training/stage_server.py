@@ -76,7 +76,9 @@ class StageServer:
         self.swarm = swarm
         self.job: StageJob | None = None
         self.state: SharedState | None = None
-        self.me = Member(peer.identity.peer_id, peer.address, peer.opts.bandwidth)
+        self.me = Member(
+            peer.identity.peer_id, peer.address, peer.opts.bandwidth, client=peer.client_mode
+        )
         #: Stage rounds this server took part in (its steps, for --max-steps of a server).
         self.rounds = 0
         #: The run's stage servers as last read, and whether a read was made yet.
@@ -102,8 +104,9 @@ class StageServer:
         # Servers of a stage process different numbers of micro-batches by design (the
         # router sends more to faster ones): weights far from the median are normal here.
         averager = self.peer.averager
-        reduction = dataclasses.replace(averager.config.reduction, weight_outlier_factor=1e9)
-        averager.set_config(dataclasses.replace(averager.config, reduction=reduction))
+        averager.set_reduction(
+            dataclasses.replace(averager.config.reduction, weight_outlier_factor=1e9)
+        )
         stage = self.peer.opts.stage
         if stage is None:
             stage = await self._least_served()
@@ -423,10 +426,15 @@ class StageServer:
         move 0 -> 1 the setup called for), and a move costs a state download and its stage
         a server."""
         assert self.job is not None
+        peer, named = self.peer, self._last_move is not None
+        if named:
+            # A confirming look reads the directory afresh: another server of the stage that
+            # moved since the last refresh is then counted (joining) and this one stays.
+            self._directory = await directory.read(peer.dht, peer.config.name, self.swarm.stages)
         records = dict(self._directory)
-        me = self.peer.identity.peer_id
+        me = peer.identity.peer_id
         records[me] = self._record()
-        move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain)
+        move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain, named)
         seen = None if move is None else (move.source, move.target)
         confirmed, self._last_move = seen is not None and seen == self._last_move, seen
         if move is not None and confirmed:

@@ -32,6 +32,7 @@ import trio
 from torch import nn
 
 from swarmd.node.training.context import PeerContext
+from swarmd.node.training.options import JoinOptions
 from swarmd.optim.forward import InnerForward
 
 
@@ -59,6 +60,12 @@ class Strategy(ABC):
 
     #: The `RunConfig.algo` this strategy trains.
     algo: ClassVar[str]
+
+    @classmethod
+    def needs_reachable(cls, opts: JoinOptions) -> str | None:
+        """Why a peer with these options must be reachable to train this algorithm, said at
+        join to a peer others cannot dial (None: it trains in client mode, issue 27)."""
+        return None
 
     def __init__(self, peer: PeerContext) -> None:
         self.peer = peer

@@ -190,6 +190,10 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
                 target=target,
                 ef_key=f"fragment/{rnd.fragment}",  # error feedback per fragment
                 poll_s=OVERLAPPED_POLL_S if overlapped else None,
+                layout=(
+                    self.opt.fragment_names(rnd.fragment),
+                    self.opt.fragment_shapes(rnd.fragment),
+                ),
             )
             flight.group_size, flight.dropped = avg.group_size, avg.dropped
             if avg.result is not None:

@@ -24,6 +24,7 @@ import trio
 
 from swarmd.node.swarm.trainer import MicroBatchFailed, SwarmTrainer
 from swarmd.node.training.context import PeerContext
+from swarmd.node.training.options import JoinOptions
 from swarmd.node.training.outer import choose_shard
 from swarmd.node.training.stage_server import StageServer
 from swarmd.node.training.strategy import Strategy
@@ -39,6 +40,16 @@ COMPLETED_FILE = "trainer-completed.log"
 
 class SwarmStrategy(Strategy):
     algo = "swarm"
+
+    @classmethod
+    def needs_reachable(cls, opts: JoinOptions) -> str | None:
+        """A trainer only dials out; a server is dialled by every trainer."""
+        if opts.role == "trainer":
+            return None
+        return (
+            f"trainers dial the stage servers, and --role {opts.role} serves a stage; a peer "
+            "behind NAT can join as --role trainer"
+        )
 
     def __init__(self, peer: PeerContext) -> None:
         super().__init__(peer)

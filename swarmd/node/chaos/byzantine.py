@@ -1,0 +1,54 @@
+"""A Byzantine peer: `swarmd join` with swarmd's own code, except that its DiLoCo optimiser
+misreports what it contributes to each round. `swarmd chaos --byzantine` swaps a peer for one
+of these for a while; tests/adversarial mounts the same lies against real peers.
+
+    SWARMD_LIE=weight   python -m swarmd.node.chaos.byzantine join ...  # 1e9 samples, update x -1
+    SWARMD_LIE=scale100 python -m swarmd.node.chaos.byzantine join ...  # update x 100
+    SWARMD_LIE=signflip python -m swarmd.node.chaos.byzantine join ...  # update x -1
+
+A declared weight beyond the run's bound is evidence (every reducer bans it); a flipped or
+scaled update is finite and well-formed, so it is bounded (norm rules, robust aggregation when
+the run asks for it), never proven.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the harness and schedules import this module without torch
+    import torch
+
+    from swarmd.optim.diloco import DiLoCo
+
+#: The lies this module tells, by SWARMD_LIE value.
+LIES = ("weight", "scale100", "signflip")
+ENV_VAR = "SWARMD_LIE"
+
+
+def install(lie: str) -> None:
+    """Makes every DiLoCo of this process tell ``lie`` from now on."""
+    from swarmd.optim.diloco import DiLoCo
+
+    if lie not in LIES:
+        raise SystemExit(f"{ENV_VAR} must be one of {', '.join(LIES)}, not {lie!r}")
+    honest = DiLoCo.pseudo_gradient
+    factor = 100.0 if lie == "scale100" else -1.0
+
+    def lying_pseudo_gradient(self: DiLoCo) -> torch.Tensor:
+        return honest(self) * factor
+
+    DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
+    if lie == "weight":
+        DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
+
+
+def main() -> None:
+    from swarmd.node.cli.app import entry
+
+    install(os.environ.get(ENV_VAR, ""))
+    entry()
+
+
+if __name__ == "__main__":
+    main()
