@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -212,6 +212,13 @@ def _leader_of(members: Sequence[Member]) -> Member | None:
     return min((m for m in members if not m.client), key=lambda m: m.peer_id, default=None)
 
 
+def _enough(visible: Iterable[Member], cfg: MatchmakingConfig) -> bool:
+    """Whether gathering may stop early: the target is visible and one of them is reachable
+    to lead (a client that stopped at two clients gave up a round its reachable peer led)."""
+    members = list(visible)
+    return len(members) >= cfg.target_group_size and _leader_of(members) is not None
+
+
 def _group(key: str, commitment: _Commitment) -> Group:
     return Group(round_id_of(key, commitment.record), commitment.members)
 
@@ -314,12 +321,7 @@ async def form_group(
             # follower that gathered for 10 s then averaged alone too, in the "same" group).
             if (mine := view.mine()) is not None:
                 return _group(key, mine)
-            # Enough peers means a group can form: one of them must be reachable to lead it
-            # (a client that stopped at two clients gave up a round its reachable peer led).
-            enough = len(view.visible) >= cfg.target_group_size and _leader_of(
-                list(view.visible.values())
-            )
-            if enough or not await waits.sleep(stored):
+            if _enough(view.visible.values(), cfg) or not await waits.sleep(stored):
                 break
     available = await _available(dht, view, me, cfg)
     ordered = sorted(available, key=lambda m: m.peer_id)
