@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from benchmarks.frontier import DEFAULT_POINTS, QUICK_POINTS, Point, best_gap, pareto
+from benchmarks.frontier import DEFAULT_POINTS, QUICK_POINTS, Point, best_gap, known_ddp, pareto
 
 
 def test_points_parse_into_run_options() -> None:
@@ -31,3 +31,13 @@ def test_pareto_and_best_gap_read_the_table_right() -> None:
     assert pareto(rows) == {a.name, b.name, c.name}
     assert best_gap(rows, 400) == 0.10 and best_gap(rows, 2000) == 0.12
     assert math.isnan(best_gap(rows, 10_000))
+
+
+def test_known_ddp_rows_parse_and_bad_ones_fail() -> None:
+    rows = known_ddp("1=1.6177@4791.4,2=1.6367@4791.4")
+    assert set(rows) == {1, 2}
+    assert rows[1].val_loss == 1.6177 and rows[2].sent_per_peer == 4791.4 * 2**20
+    assert known_ddp("") == {}
+    for bad in ("1=1.6", "x=1@2", "1=1@2@3"):
+        with pytest.raises(SystemExit):
+            known_ddp(bad)
