@@ -87,3 +87,95 @@ def recover(
                     raise LayoutMismatch(f"{name}: shapes {tuple(wb.shape)}, {tuple(wa.shape)}")
                 w.copy_((a * wa + b * wb) / (a + b))
     return Recovery(b / (a + b), a / (a + b), norm_before, norm_after)
+
+
+# -- CheckFree+: the first and last stages -----------------------------------------------------
+#
+# CheckFree+ (same paper, §4.2; their convergence_training_2.py) trains each end stage's
+# neighbour to stand in for it: on half of the micro-batches the first two (and the last two)
+# block stages run in swapped order, so stage 1's blocks also learn to act where stage 0's
+# do. A lost end stage then takes its swap partner's blocks as they are (no average: there is
+# one neighbour), and the layers the partner has no kind of (the embedding, the head: small)
+# from a copy the partner's servers keep. Optimiser fresh, at LR_SCALE, as for CheckFree.
+
+
+def edge_layers(stage: nn.Module, partner: nn.Module, first: bool) -> int:
+    """How many leading (first stage) or trailing (last stage) layers of `stage` are of a
+    kind its swap partner has none of: the embedding or the head, which a swapped micro-batch
+    still runs at their own stage and which the partner keeps a copy of."""
+    kinds = {type(c) for c in partner.children()}
+    children = list(stage.children())
+    count = 0
+    for child in children if first else reversed(children):
+        if type(child) in kinds:
+            break
+        count += 1
+    return count
+
+
+def check_partner(blocks: nn.Module, partner: nn.Module) -> None:
+    """LayoutMismatch unless `partner` holds exactly as many layers of each kind in `blocks`
+    as `blocks` does (an end stage and its swap partner cut alike; CheckFree+ copies one's
+    blocks into the other)."""
+    mine: dict[type, int] = {}
+    for child in blocks.children():
+        mine[type(child)] = mine.get(type(child), 0) + 1
+    for kind, count in mine.items():
+        theirs = sum(1 for c in partner.children() if type(c) is kind)
+        if theirs != count:
+            raise LayoutMismatch(
+                f"an end stage holds {count} {kind.__name__} layers, its neighbour {theirs}"
+            )
+
+
+def split(stage: nn.Module, edge: int, first: bool) -> tuple[nn.Sequential, nn.Sequential]:
+    """(the edge layers, the rest) of an end stage, as modules sharing its parameters."""
+    children = list(stage.children())
+    if not 0 < edge < len(children):
+        raise LayoutMismatch(f"an end stage of {len(children)} layers has no {edge} edge layers")
+    if first:
+        return nn.Sequential(*children[:edge]), nn.Sequential(*children[edge:])
+    return nn.Sequential(*children[-edge:]), nn.Sequential(*children[:-edge])
+
+
+def flat_parameters(module: nn.Module) -> torch.Tensor:
+    """The module's parameters as one fp32 vector (what a copy holds and the wire carries)."""
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+
+def load_flat(module: nn.Module, flat: torch.Tensor) -> None:
+    """Sets the module's parameters from `flat_parameters`' layout; LayoutMismatch if the
+    size differs (a copy of another model's layer)."""
+    params = list(module.parameters())
+    want = sum(p.numel() for p in params)
+    if flat.dim() != 1 or flat.numel() != want or not bool(torch.isfinite(flat).all()):
+        raise LayoutMismatch(f"a copy of {flat.numel()} values for {want} parameters")
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def recover_end(edge: nn.Module, blocks: nn.Module, partner: nn.Module, copy: torch.Tensor) -> None:
+    """CheckFree+: sets a lost first (last) stage's `blocks` to its swap partner's, layer by
+    layer in order, and its `edge` layers (`split`) from `copy`, the partner servers' copy of
+    them; LayoutMismatch (and nothing changed) if either does not fit."""
+    pairs = [
+        (name, w, src)
+        for mine, theirs in _matching(blocks, partner)
+        for (name, w), (_, src) in zip(
+            mine.named_parameters(), theirs.named_parameters(), strict=True
+        )
+    ]
+    for name, w, src in pairs:
+        if src.shape != w.shape:
+            raise LayoutMismatch(f"{name}: shape {tuple(src.shape)}, not {tuple(w.shape)}")
+    want = sum(p.numel() for p in edge.parameters())
+    if copy.numel() != want:
+        raise LayoutMismatch(f"a copy of {copy.numel()} values for {want} parameters")
+    load_flat(edge, copy)
+    with torch.no_grad():
+        for _, w, src in pairs:
+            w.copy_(src)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from swarmd.optim.checkfree import flat_parameters, split
+
 #: State-dict keys: the round, then parameters and AdamW moments by parameter name.
 ROUND_KEY = "round"
 PARAM_PREFIX = "param."
@@ -105,9 +107,43 @@ class StageTrainer:
         self.round = 0
         for p in self.params:
             p.grad = torch.zeros_like(p)
+        self._parts: dict[str, nn.Module] = {}
         #: Compute, rounds and loads may come from different worker threads (a state
         #: download loads outside the server's device limiter): one at a time.
         self._lock = threading.Lock()
+
+    def set_edge(self, layers: int) -> None:
+        """Marks this end stage's leading (first stage) or trailing (last stage) `layers` as
+        its edge (the embedding, the head) and opens its parts to calls: `edge` (that many
+        layers) and `blocks` (the rest), which CheckFree+'s swapped micro-batches call apart
+        (optim/checkfree.py)."""
+        if layers <= 0 or not (self.first or self.last_stage) or self.count < 2:
+            self._parts = {}
+            return
+        edge, blocks = split(self.module, layers, self.first)
+        self._parts = {"edge": edge, "blocks": blocks}
+
+    def part(self, name: str) -> nn.Module:
+        """The module a call names: the whole stage (""), or an end stage's part."""
+        if not name:
+            return self.module
+        module = self._parts.get(name)
+        if module is None:
+            raise ValueError(f"stage {self.index} has no part {name!r}")
+        return module
+
+    @property
+    def has_edge(self) -> bool:
+        return "edge" in self._parts
+
+    def takes_tokens(self, part: str = "") -> bool:
+        """Whether a call of `part` takes token ids (the first stage's whole or edge)."""
+        return self.first and part != "blocks"
+
+    def edge_vector(self) -> torch.Tensor:
+        """The edge layers' parameters as one vector (what the partner's servers copy)."""
+        with self._lock:
+            return flat_parameters(self.part("edge"))
 
     @property
     def first(self) -> bool:
@@ -123,59 +159,73 @@ class StageTrainer:
 
     # -- the micro-batch calls -------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, bound: float = math.inf) -> torch.Tensor:
-        """The stage's output; ValueError if it is not finite or beyond `bound` (what the
-        wire's format can carry)."""
+    def forward(self, x: torch.Tensor, bound: float = math.inf, part: str = "") -> torch.Tensor:
+        """The stage's (or `part`'s) output; ValueError if it is not finite or beyond `bound`
+        (what the wire's format can carry)."""
+        module = self.part(part)
         with torch.no_grad():
-            out: torch.Tensor = self.module(x)
+            out: torch.Tensor = module(x)
         _check("output", out, bound)
         return out
 
     def backward(
-        self, x: torch.Tensor, grad_out: torch.Tensor, bound: float = math.inf
+        self, x: torch.Tensor, grad_out: torch.Tensor, bound: float = math.inf, part: str = ""
     ) -> torch.Tensor | None:
         """Recomputes, backpropagates; the input's gradient (None for token ids). Nothing is
         accumulated unless every gradient is finite (and the input's within `bound`): one bad
         micro-batch must not poison the round's sum."""
-        x = x if self.first else x.detach().requires_grad_(True)
+        module, tokens = self.part(part), self.takes_tokens(part)
+        x = x if tokens else x.detach().requires_grad_(True)
         with self._lock:
-            out = self.module(x)
+            out = module(x)
             if out.shape != grad_out.shape:
                 raise ValueError(
                     f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}"
                 )
-            return self._accumulate(out, grad_out, x, bound)
+            return self._accumulate(out, grad_out, x, bound, tokens, part != "blocks")
 
     def last(
-        self, x: torch.Tensor, targets: torch.Tensor, bound: float = math.inf
+        self, x: torch.Tensor, targets: torch.Tensor, bound: float = math.inf, part: str = ""
     ) -> tuple[float, torch.Tensor | None]:
-        """The last stage: loss and the input's gradient, parameters' gradients accumulated
-        (only if all is finite, as in `backward`)."""
-        x = x if self.first else x.detach().requires_grad_(True)
+        """The last stage (or its edge: the head): loss and the input's gradient, parameters'
+        gradients accumulated (only if all is finite, as in `backward`)."""
+        if part not in ("", "edge"):
+            raise ValueError(f"the loss is the whole last stage's or its edge's, not {part!r}")
+        module, tokens = self.part(part), self.takes_tokens(part)
+        x = x if tokens else x.detach().requires_grad_(True)
         with self._lock:
-            loss = self._loss(self.module(x), targets)
+            loss = self._loss(module(x), targets)
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise ValueError("loss is not finite")
-            grad = self._accumulate(loss, None, x, bound)
+            grad = self._accumulate(loss, None, x, bound, tokens, True)
             self._loss_sum += value
         return value, grad
 
     def _accumulate(
-        self, out: torch.Tensor, grad_out: torch.Tensor | None, x: torch.Tensor, bound: float
+        self,
+        out: torch.Tensor,
+        grad_out: torch.Tensor | None,
+        x: torch.Tensor,
+        bound: float,
+        tokens: bool,
+        counts: bool,
     ) -> torch.Tensor | None:
-        inputs = self.params if self.first else [*self.params, x]
+        """`counts`: the call finishes a micro-batch's work on this stage (a swapped one calls
+        an end stage twice: its `blocks` part does not count, so weights and the mean loss
+        are per micro-batch)."""
+        inputs = self.params if tokens else [*self.params, x]
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
         for name, g in zip(self.names, grads, strict=False):
             if g is not None and not bool(torch.isfinite(g).all()):
                 raise ValueError(f"the gradient of {name} is not finite")
-        g_x = None if self.first else grads[-1]
+        g_x = None if tokens else grads[-1]
         if g_x is not None:
             _check("input gradient", g_x, bound)
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
                 p.grad.add_(g)  # type: ignore[union-attr]
-        self.pending += 1
+        self.pending += int(counts)
         return g_x
 
     # -- a round ---------------------------------------------------------------------------

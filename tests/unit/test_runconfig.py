@@ -54,6 +54,11 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ('algo = "swarm"\nswarm_round_s = 0', "swarm options: swarm_round_s must be"),
         ('algo = "swarm"\nswarm_activations = "int4"', "swarm options: swarm_activations must be"),
         ('algo = "swarm"\nswarm_inflight = 0', "swarm options: swarm_inflight must be"),
+        ('algo = "swarm"\nswarm_swap = 1.5', r"swarm_swap must be a share in \[0, 1\]"),
+        (
+            'algo = "swarm"\nn_layer = 4\nswarm_stages = 3\nswarm_swap = 0.5',
+            r"CheckFree\+\) needs .* cut \[1, 1, 2\]",
+        ),
         ('algo = "demo"\ndemo_topk = 0', "demo options: .*topk"),
         ('algo = "demo"\ndemo_decay = 1.0', "demo options: .*decay"),
         ('algo = "demo"\ndemo_chunk = 2.5', "demo options: demo_chunk must be an integer"),

@@ -35,6 +35,12 @@ class SwarmConfig:
     #: Longest a stage call may take before the trainer gives up on that server and retries
     #: the hop on another one.
     call_timeout_s: float = 30.0
+    #: CheckFree+ (route.py): the share of micro-batches routed with the first two (and last
+    #: two) stages swapped, so that a lost first or last stage can be rebuilt from its
+    #: neighbour, whose servers then also keep a copy of its embedding or head. 0: off (a
+    #: lost end stage restarts from the seed); the paper swaps half (0.5). Costs a swapped
+    #: micro-batch one more hop per swapped pair, each way.
+    swap: float = 0.0
 
     def __post_init__(self) -> None:
         s = self.stages
@@ -58,3 +64,6 @@ class SwarmConfig:
         n = self.inflight
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ValueError(f"swarm_inflight must be an integer in [1, 256], got {n!r}")
+        w = self.swap
+        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1:
+            raise ValueError(f"swarm_swap must be a share in [0, 1], got {w!r}")

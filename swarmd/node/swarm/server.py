@@ -30,7 +30,7 @@ from typing import TypeVar
 import torch
 import trio
 
-from swarmd.node.swarm import wire
+from swarmd.node.swarm import route, wire
 from swarmd.optim.stage import StageTrainer
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -42,6 +42,8 @@ FORWARD = rpc.method_path(STAGE_SERVICE, "Forward")
 BACKWARD = rpc.method_path(STAGE_SERVICE, "Backward")
 LAST = rpc.method_path(STAGE_SERVICE, "Last")
 FETCH = rpc.method_path(STAGE_SERVICE, "Fetch")
+#: An end stage's edge layers (embedding, head), live or a neighbour's copy (CheckFree+).
+PART = rpc.method_path(STAGE_SERVICE, "Part")
 
 MAX_WAITING = 64
 OUTBOX_TTL_S = 60.0
@@ -128,6 +130,9 @@ class StageHost:
         self._outbox: collections.OrderedDict[tuple[str, str], tuple[float, list[memoryview]]]
         self._outbox = collections.OrderedDict()
         self._outbox_bytes = 0
+        #: Copies of a neighbouring end stage's edge layers this server keeps (CheckFree+):
+        #: "stage/edge" -> (that stage's round, the flat parameters).
+        self.copies: dict[str, tuple[int, torch.Tensor]] = {}
 
     # -- what the strategy does ------------------------------------------------------------
 
@@ -176,22 +181,32 @@ class StageHost:
                 rpc.tensor_in("Backward", self._backward, admit=self._admit),
                 rpc.tensor_in("Last", self._last, admit=self._admit),
                 rpc.tensor_out("Fetch", pb.TensorRequest, self._fetch),
+                rpc.tensor_out("Part", pb.TensorRequest, self._part),
             ],
         )
 
-    def _job_for(self, meta: TensorMeta) -> StageJob:
+    def _job_for(self, meta: TensorMeta) -> tuple[StageJob, str]:
+        """The served stage a call names, and the part of it (route.py)."""
         job = self.job
         if job is None:
             raise RpcError(StatusCode.FAILED_PRECONDITION, "this peer serves no stage")
-        if meta.name != str(job.index):
+        try:
+            hop = route.parse(meta.name)
+        except ValueError as exc:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if hop.stage != job.index:
             raise RpcError(
                 StatusCode.FAILED_PRECONDITION,
                 f"this peer serves stage {job.index}, not {meta.name[:8]!r}",
             )
-        return job
+        try:
+            job.trainer.part(hop.part)
+        except ValueError as exc:  # swapped calls to a run without CheckFree+, or a stranger
+            raise RpcError(StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return job, hop.part
 
     async def _admit(self, meta: TensorMeta, ctx: CallContext) -> None:
-        job = self._job_for(meta)
+        job, _ = self._job_for(meta)
         s = job.shape
         cells = s.batch * s.block
         limit = 1024 + cells * (2 * 4 * s.width + 2 * 8)  # two fp32 hidden + two int64
@@ -205,11 +220,11 @@ class StageHost:
         if self._waiting >= MAX_WAITING or (self._waiting + 1) * job.per_call_s > job.max_wait_s:
             raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "stage server busy")
 
-    def _inputs(self, job: StageJob, tensors: list[torch.Tensor], n: int, what: str) -> None:
-        """Checks the first `n` tensors: the stage's input, then (n=2) targets or gradient."""
+    def _inputs(self, job: StageJob, tensors: list[torch.Tensor], what: str, part: str) -> None:
+        """Checks the stage's (or part's) input, the first tensor."""
         s = job.shape
         x = tensors[0]
-        if job.trainer.first:
+        if job.trainer.takes_tokens(part):
             wire.expect(tensors[:1], [(None, None)], what)
             if x.dtype != torch.int64 or bool((x < 0).any()) or bool((x >= s.vocab).any()):
                 raise wire.WireError(f"{what}: token ids must be int64 in [0, {s.vocab})")
@@ -222,12 +237,14 @@ class StageHost:
                 f"{what}: batch {x.shape[0]} x length {x.shape[1]} exceeds {s.batch} x {s.block}"
             )
 
-    def _decode(self, job: StageJob, data: bytearray, count: int, what: str) -> list[torch.Tensor]:
+    def _decode(
+        self, job: StageJob, data: bytearray, count: int, what: str, part: str
+    ) -> list[torch.Tensor]:
         try:
             tensors = wire.decode(data)
             if len(tensors) != count:
                 raise wire.WireError(f"{what}: expected {count} tensors, got {len(tensors)}")
-            self._inputs(job, tensors, count, what)
+            self._inputs(job, tensors, what, part)
         except wire.WireError as exc:
             raise RpcError(StatusCode.INVALID_ARGUMENT, str(exc)) from None
         return tensors
@@ -265,42 +282,52 @@ class StageHost:
             self._waiting -= 1
 
     async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
-        job = self._job_for(meta)
-        if job.trainer.last_stage:
+        job, part = self._job_for(meta)
+        if job.trainer.last_stage and part != "blocks":
             raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Forward")
-        (x,) = self._decode(job, data, 1, "Forward")
+        (x,) = self._decode(job, data, 1, "Forward", part)
         await self._run(
-            job, meta, ctx, "forward", lambda: job.trainer.forward(x, wire.MAX_ABS), False
+            job,
+            meta,
+            ctx,
+            _kind("forward", part),
+            lambda: job.trainer.forward(x, wire.MAX_ABS, part),
+            False,
         )
         return pb.TensorAck(received_bytes=len(data))
 
     async def _backward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
-        job = self._job_for(meta)
-        if job.trainer.last_stage:
+        job, part = self._job_for(meta)
+        if job.trainer.last_stage and part != "blocks":
             raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Backward")
-        x, grad = self._decode(job, data, 2, "Backward")
+        x, grad = self._decode(job, data, 2, "Backward", part)
         if grad.dtype != torch.float32 or grad.dim() != 3 or grad.shape[:2] != x.shape[:2]:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Backward: gradient does not fit input")
         await self._run(
-            job, meta, ctx, "backward", lambda: job.trainer.backward(x, grad, wire.MAX_ABS), True
+            job,
+            meta,
+            ctx,
+            _kind("backward", part),
+            lambda: job.trainer.backward(x, grad, wire.MAX_ABS, part),
+            True,
         )
         return pb.TensorAck(received_bytes=len(data))
 
     async def _last(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
-        job = self._job_for(meta)
-        if not job.trainer.last_stage:
-            raise RpcError(StatusCode.INVALID_ARGUMENT, f"stage {job.index} is not the last")
-        x, targets = self._decode(job, data, 2, "Last")
+        job, part = self._job_for(meta)
+        if not job.trainer.last_stage or part == "blocks":
+            raise RpcError(StatusCode.INVALID_ARGUMENT, f"{meta.name[:8]} does not end the model")
+        x, targets = self._decode(job, data, 2, "Last", part)
         bad = targets.dtype != torch.int64 or targets.shape != x.shape[:2]
         if bad or bool((targets < 0).any()) or bool((targets >= job.shape.vocab).any()):
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: targets must match the input")
 
         def step() -> list[torch.Tensor]:
-            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS)
+            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS, part)
             out = [torch.tensor(loss, dtype=torch.float32)]
             return out if grad is None else [*out, grad]
 
-        await self._run(job, meta, ctx, "last", step, True)
+        await self._run(job, meta, ctx, _kind("last", part), step, True)
         return pb.TensorAck(received_bytes=len(data))
 
     # -- the outbox --------------------------------------------------------------------------
@@ -327,3 +354,34 @@ class StageHost:
         nbytes = sum(v.nbytes for v in answer)
         self._outbox_bytes -= nbytes
         return TensorMeta("uint8", (nbytes,), name="answer"), answer
+
+    async def _part(self, req: pb.TensorRequest, ctx: CallContext) -> tuple[TensorMeta, Payload]:
+        """An end stage's edge layers (`stage/edge`): live from a server of that stage, else
+        the copy a neighbour keeps; answered as (round, values in rows of EDGE_ROW)."""
+        job, name = self.job, req.name
+        if job is not None and name == f"{job.index}/edge" and job.trainer.has_edge:
+            found: tuple[int, torch.Tensor] | None = (job.trainer.round, job.trainer.edge_vector())
+        else:
+            found = self.copies.get(name)
+        if found is None:
+            raise RpcError(StatusCode.NOT_FOUND, f"this server holds no {name[:16]!r}")
+        rnd, flat = found
+        answer = wire.encode([torch.tensor([rnd], dtype=torch.int64), rows(flat)], "fp32")
+        return TensorMeta("uint8", (sum(v.nbytes for v in answer),), name="part"), answer
+
+
+#: Values per row of an edge copy on the wire (a bundle's dimension is bounded by MAX_DIM).
+EDGE_ROW = 4096
+
+
+def rows(flat: torch.Tensor) -> torch.Tensor:
+    """`flat` as rows of EDGE_ROW values, zero-padded (the receiver knows the size)."""
+    n = flat.numel()
+    out = torch.zeros((n + EDGE_ROW - 1) // EDGE_ROW * EDGE_ROW, dtype=torch.float32)
+    out[:n] = flat
+    return out.view(-1, EDGE_ROW)
+
+
+def _kind(kind: str, part: str) -> str:
+    """What a compute is timed as: a part's calls are not the stage's rate."""
+    return f"{kind}-{part}" if part else kind

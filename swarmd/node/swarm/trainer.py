@@ -30,6 +30,7 @@ from swarmd.node.dht import DHTNode
 from swarmd.node.swarm import directory, wire
 from swarmd.node.swarm.config import SwarmConfig
 from swarmd.node.swarm.directory import StageRecord
+from swarmd.node.swarm.route import Hop, route, swap_for
 from swarmd.node.swarm.router import Choice, Router
 from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST
 from swarmd.protocol import rpc
@@ -106,25 +107,28 @@ class SwarmTrainer:
         return {p: r for p, r in self._records[stage].items() if r.state == "serving"}
 
     async def micro_batch(self, seq: int, batch: Batch) -> float:
-        """Trains one micro-batch through the pipeline; returns its loss."""
+        """Trains one micro-batch through the pipeline (its hops in order, or some stages
+        swapped: route.py); returns its loss."""
         x, y = batch
         mb = f"{self._nonce}-{seq}"
-        last = self.config.stages - 1
+        c = self.config
+        hops = route(c.stages, swap_for(seq, c.stages, c.swap))
+        *through, last = hops
         inputs = [x]
-        for s in range(last):
-            (h,) = await self.call(s, FORWARD, [inputs[-1]], f"{mb}/f", answer=1, like=x)
+        for hop in through:
+            (h,) = await self.call(hop, FORWARD, [inputs[-1]], f"{mb}/f", answer=1, like=x)
             inputs.append(h)
         out = await self.call(
-            last, LAST, [inputs[-1], y], f"{mb}/l", answer=1 if last == 0 else 2, like=x
+            last, LAST, [inputs[-1], y], f"{mb}/l", answer=2 if through else 1, like=x
         )
         loss = float(out[0])
         if not math.isfinite(loss):
             raise wire.WireError("the last stage answered a non-finite loss")
-        grad = out[1] if last > 0 else None
-        for s in range(last - 1, -1, -1):
+        grad = out[1] if through else None
+        for i in range(len(through) - 1, -1, -1):
             assert grad is not None
             got = await self.call(
-                s, BACKWARD, [inputs[s], grad], f"{mb}/b", answer=0 if s == 0 else 1, like=x
+                through[i], BACKWARD, [inputs[i], grad], f"{mb}/b", answer=int(i > 0), like=x
             )
             grad = got[0] if got else None
         self.stats.done += 1
@@ -136,7 +140,7 @@ class SwarmTrainer:
 
     async def call(
         self,
-        stage: int,
+        hop: Hop,
         path: str,
         tensors: list[torch.Tensor],
         call: str,
@@ -145,6 +149,7 @@ class SwarmTrainer:
         like: torch.Tensor,
     ) -> list[torch.Tensor]:
         """One hop, retried on the stage's other servers until one answers."""
+        stage = hop.stage
         payload = wire.encode(tensors, self.config.activations)
         nbytes = sum(v.nbytes for v in payload)
         attempt = 0
@@ -165,8 +170,9 @@ class SwarmTrainer:
             if stage in self._waiting_for:
                 self._waiting_for.discard(stage)
                 self.say("stage_back", f"stage {stage} is served again", stage=stage)
-            call_id = f"{call}{stage}.{attempt}".encode()
-            meta = TensorMeta("uint8", (nbytes,), name=str(stage), info=call_id)
+            # A swapped micro-batch calls an end stage twice each way: the part is in the id.
+            call_id = f"{call}{hop.name}.{attempt}".encode()
+            meta = TensorMeta("uint8", (nbytes,), name=hop.name, info=call_id)
             self.router.started(choice.peer)
             t0 = time.monotonic()
             try:

@@ -171,6 +171,7 @@ class RunConfig:
     swarm_activations: str = "fp16"
     swarm_inflight: int = 4
     swarm_call_timeout_s: float = 30.0
+    swarm_swap: float = 0.0
     #: Who may take part (node/access.py): `open` (anyone), `secret` (peers that hold the
     #: run's secret: `swarmd join --secret-file`), or `allowlist` (keys the creator allowed
     #: with `swarmd run allow`). In every mode the creator can ban a key (`swarmd run deny`).
@@ -253,6 +254,15 @@ class RunConfig:
                 f"swarm_stages ({swarm.stages}) must be at most n_layer ({self.n_layer}): "
                 "each stage holds at least one block"
             )
+        if self.algo == "swarm" and self.model == "builtin" and swarm.swap > 0:
+            n, k = self.n_layer, swarm.stages
+            blocks = [(i + 1) * n // k - i * n // k for i in range(k)]
+            if k < 2 or blocks[0] != blocks[1] or blocks[-1] != blocks[-2]:
+                raise RunConfigError(
+                    f"swarm_swap (CheckFree+) needs at least 2 stages with the first and last "
+                    f"holding as many blocks as their neighbours: {n} blocks in {k} stages "
+                    f"are cut {blocks} (make n_layer a multiple of swarm_stages)"
+                )
 
     def lr_schedule_config(self) -> LrSchedule:
         """The inner learning-rate schedule (raises ValueError with the reason if invalid)."""
@@ -323,6 +333,7 @@ class RunConfig:
             activations=self.swarm_activations,
             inflight=self.swarm_inflight,
             call_timeout_s=self.swarm_call_timeout_s,
+            swap=self.swarm_swap,
         )
 
     # -- serialisation ---------------------------------------------------------------------

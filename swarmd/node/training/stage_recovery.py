@@ -12,9 +12,10 @@ Two peers must not rebuild one stage with different weights: the rebuilder first
 (`swarmd/<run>/stage<i>/recovery`, an entry per asker; the earliest asker holds it, see
 `take_lease`). The others wait for the holder's state to be advertised and download it.
 
-Not built: CheckFree+ (the first and last stages, rebuilt from copies of the embedding and
-head kept by their neighbours, trained to stand in by swapping neighbouring stages on half
-the micro-batches); a lost first or last stage restarts from the run's seed, and says so.
+CheckFree+ (runs with `swarm_swap` > 0): a lost first or last stage takes its swap partner's
+blocks (stage 1's, resp. S-2's: trained to stand in by the swapped micro-batches, route.py)
+and its embedding or head from the copy the partner's servers keep (stage_copies.py). Without
+it, or when no copy can be had, a lost end stage restarts from the run's seed, and says so.
 """
 
 from __future__ import annotations
@@ -30,10 +31,19 @@ from swarmd.node.dht import DHTNode
 from swarmd.node.dht.records import RecordError
 from swarmd.node.swarm import directory
 from swarmd.node.swarm.directory import StageRecord
+from swarmd.node.training import stage_copies
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.options import JoinError
 from swarmd.node.training.sharedstate import SharedState
-from swarmd.optim.checkfree import LR_SCALE, LayoutMismatch, Recovery, recover
+from swarmd.optim.checkfree import (
+    LR_SCALE,
+    check_partner,
+    LayoutMismatch,
+    Recovery,
+    edge_layers,
+    recover,
+    recover_end,
+)
 from swarmd.optim.stage import StageOptConfig, StageTrainer
 from swarmd.protocol.identity import PeerId
 from swarmd.workloads import lm_loss
@@ -87,7 +97,7 @@ async def take_stage_state(
         records = await directory.read(peer.dht, peer.config.name, len(trainers))
         if lost(records, stage):
             origin = await take_lost_stage(peer, stage, trainers, state, records)
-            return origin, origin == "checkfree"
+            return origin, origin in ("checkfree", "checkfree+")
         origin, _ = await state.take_initial()
         if origin != "fresh" or not trained(records, stage) or time.monotonic() > deadline:
             return origin, False
@@ -157,10 +167,66 @@ async def rebuild(
 
 
 def build_all(peer: PeerContext, modules: list[nn.Module]) -> list[StageTrainer]:
-    """A trainer for each of the model's stages (the neighbours' are download targets)."""
+    """A trainer for each of the model's stages (the neighbours' are download targets); with
+    CheckFree+ the end stages' edge layers (embedding, head) are marked for swapped calls."""
     config = peer.config
     opt = StageOptConfig(lr=config.inner_lr, weight_decay=config.weight_decay)
-    return [StageTrainer(m, i, len(modules), opt, lm_loss) for i, m in enumerate(modules)]
+    out = [StageTrainer(m, i, len(modules), opt, lm_loss) for i, m in enumerate(modules)]
+    if config.swarm_swap > 0 and len(modules) >= 2:
+        try:
+            out[0].set_edge(edge_layers(modules[0], modules[1], first=True))
+            out[-1].set_edge(edge_layers(modules[-1], modules[-2], first=False))
+            check_partner(out[0].part("blocks"), modules[1])
+            check_partner(out[-1].part("blocks"), modules[-2])
+        except LayoutMismatch as exc:
+            raise JoinError(
+                f"swarm_swap needs the first and last stages cut like their neighbours "
+                f"(the built-in GPT: n_layer a multiple of swarm_stages): {exc}"
+            ) from None
+    return out
+
+
+def edge_sizes(trainers: list[StageTrainer]) -> dict[str, int]:
+    """The values of each end stage's edge layers, by copy name ("stage/edge")."""
+    return {
+        f"{t.index}/edge": sum(p.numel() for p in t.part("edge").parameters())
+        for t in trainers
+        if t.has_edge
+    }
+
+
+async def rebuild_end(
+    peer: PeerContext,
+    stage: int,
+    stages: list[StageTrainer],
+    records: dict[PeerId, StageRecord],
+) -> tuple[StageTrainer, int, float]:
+    """CheckFree+: downloads the lost end stage's swap partner, takes its blocks and the copy
+    of the edge layers its servers keep; fresh optimiser at LR_SCALE. Returns the partner, the
+    copy's round and the partner's last gradient norm."""
+    target, name = stages[stage], f"{stage}/edge"
+    partner = stages[1 if stage == 0 else len(stages) - 2]
+    origin, _ = await SharedState(peer, partner, scope=f"stage{partner.index}").take_initial()
+    if origin != "group":
+        raise RecoveryFailed(f"could not download stage {partner.index}'s state ({origin})")
+    servers = {
+        p: r for p, r in records.items() if r.stage == partner.index and r.state == "serving"
+    }
+    got = await stage_copies.fetch(peer, name, servers, edge_sizes(stages)[name])
+    if got is None:
+        raise RecoveryFailed(f"no server of stage {partner.index} answered a copy of {name}")
+    copy_round, copy = got
+
+    def apply() -> None:
+        try:
+            recover_end(target.part("edge"), target.part("blocks"), partner.module, copy)
+        except LayoutMismatch as exc:
+            raise RecoveryFailed(str(exc)) from None
+
+    await trio.to_thread.run_sync(apply)
+    target.set_lr_scale(LR_SCALE)
+    target.round = max(partner.round, copy_round)
+    return partner, copy_round, max((r.grad_norm for r in servers.values()), default=0.0)
 
 
 async def take_rebuilt(state: SharedState, holder: PeerId) -> bool:
@@ -187,17 +253,9 @@ async def take_lost_stage(
     lease's holder rebuilt; returns where the state came from ("checkfree", "group", or the
     seed's "fresh" for a first or last stage). Raises JoinError when it cannot be had."""
     t0, count = time.monotonic(), len(trainers)
-    if not 0 < stage < count - 1:
-        peer.metrics.stage_recoveries.labels(method="seed").inc()
-        peer.out.event(
-            "stage_recovered",
-            f"stage {stage} lost: it restarts from the run's seed (CheckFree+, which "
-            "rebuilds a first or last stage, is not built)",
-            stage=stage,
-            method="seed",
-        )
-        origin, _ = await state.take_initial()
-        return origin
+    end = not 0 < stage < count - 1
+    if end and not trainers[stage].has_edge:
+        return await _from_seed(peer, stage, state, "CheckFree+ is off (swarm_swap = 0)")
     holder = await take_lease(peer.dht, peer.config.name, stage, peer.identity.peer_id)
     if holder is None:
         raise JoinError(f"stage {stage} was lost and its recovery lease cannot be taken; try again")
@@ -207,6 +265,13 @@ async def take_lost_stage(
         raise JoinError(
             f"stage {stage} was lost and {holder.short()} did not rebuild it in time; try again"
         )
+    if end:
+        try:
+            partner, copy_round, norm = await rebuild_end(peer, stage, trainers, records)
+        except RecoveryFailed as exc:
+            return await _from_seed(peer, stage, state, f"CheckFree+ could not rebuild it: {exc}")
+        _rebuilt_end(peer, trainers[stage], partner, (copy_round, norm), time.monotonic() - t0)
+        return "checkfree+"
     try:
         rebuilt = await rebuild(peer, stage, trainers, records)
     except RecoveryFailed as exc:
@@ -228,3 +293,44 @@ async def take_lost_stage(
         seconds=round(took, 3),
     )
     return "checkfree"
+
+
+async def _from_seed(peer: PeerContext, stage: int, state: SharedState, why: str) -> str:
+    """A lost end stage that cannot be rebuilt restarts from the run's seed, and says why."""
+    peer.metrics.stage_recoveries.labels(method="seed").inc()
+    peer.out.event(
+        "stage_recovered",
+        f"stage {stage} lost: it restarts from the run's seed ({why})",
+        stage=stage,
+        method="seed",
+        why=why[:300],
+    )
+    origin, _ = await state.take_initial()
+    return origin
+
+
+def _rebuilt_end(
+    peer: PeerContext,
+    target: StageTrainer,
+    partner: StageTrainer,
+    copied: tuple[int, float],
+    took: float,
+) -> None:
+    """`copied`: the copy's round and the partner's last gradient norm."""
+    stage, edge = target.index, "embedding" if target.first else "head"
+    copy_round, norm = copied
+    peer.metrics.stage_recoveries.labels(method="checkfree+").inc()
+    peer.out.event(
+        "stage_recovered",
+        f"stage {stage} lost: rebuilt by CheckFree+ from stage {partner.index}'s blocks and "
+        f"its servers' copy of the {edge} (stage round {copy_round}), fresh AdamW at "
+        f"{target.lr_scale:g}x lr, in {took:.1f} s",
+        stage=stage,
+        method="checkfree+",
+        neighbours=[partner.index],
+        weights=[1.0],
+        norms=[norm],
+        neighbour_rounds=[partner.round],
+        copy_round=copy_round,
+        seconds=round(took, 3),
+    )

@@ -31,7 +31,7 @@ from swarmd.node.swarm.directory import StageRecord
 from swarmd.node.swarm.follow import countable, state_to_follow
 from swarmd.node.swarm.rebalance import Move, choose_move, stage_rates
 from swarmd.node.swarm.server import StageJob, StageShape
-from swarmd.node.training import stage_recovery
+from swarmd.node.training import stage_copies, stage_recovery
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
 from swarmd.node.training.options import JoinError
@@ -98,6 +98,8 @@ class StageServer:
         #: The move (source, target) the last look named, if any: a move is made when two
         #: looks in a row name it.
         self._last_move: tuple[int, int] | None = None
+        #: CheckFree+: the copies of a neighbouring end stage's edge layers this one keeps.
+        self._copies = stage_copies.Keeper(peer, swarm.stages)
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
@@ -142,6 +144,8 @@ class StageServer:
         t0 = time.monotonic()
         origin, rebuilt = await stage_recovery.take_stage_state(self.peer, stage, trainers, state)
         self._recovered_at = t0 if rebuilt else None
+        if self.swarm.swap > 0:
+            self._copies.serving(stage_recovery.edge_sizes(trainers))
         job = StageJob(
             trainer,
             shape,
@@ -259,6 +263,8 @@ class StageServer:
                     with trio.move_on_after(period):
                         await self._guarded(self._follow_stage)
                 await self._guarded(self._round)
+                if self.swarm.swap > 0 and self.job is not None:
+                    self._copies.after_round(self._nursery, self.job.index, self._directory)
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
                     await self._guarded(self._maybe_move)
                     next_look = time.monotonic() + self._look_after()

@@ -1,0 +1,149 @@
+"""CheckFree+ (issue 23): the swapped routes, an end stage's parts computing exactly what the
+swapped model does, the rebuild of an end stage from its partner and the edge copy, and the
+copies' wire form."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from swarmd.node.swarm import wire
+from swarmd.node.swarm.route import Hop, parse, route, swap_for
+from swarmd.node.swarm.server import rows
+from swarmd.node.training.stage_copies import decode, kept_by
+from swarmd.optim.checkfree import (
+    LayoutMismatch,
+    edge_layers,
+    flat_parameters,
+    recover_end,
+)
+from swarmd.optim.stage import StageOptConfig, StageTrainer
+from swarmd.workloads import GPT, GPTConfig, lm_loss
+
+CFG = GPTConfig(n_layer=6, n_head=2, n_embd=16, block_size=8, tie_weights=False)
+
+
+def trainers(model: GPT, n: int) -> list[StageTrainer]:
+    modules = model.stages(n)
+    opt = StageOptConfig(lr=1e-2, grad_clip=None)
+    out = [StageTrainer(m, i, n, opt, lm_loss) for i, m in enumerate(modules)]
+    out[0].set_edge(edge_layers(modules[0], modules[1], first=True))
+    out[-1].set_edge(edge_layers(modules[-1], modules[-2], first=False))
+    return out
+
+
+def run(stages: list[StageTrainer], hops: list[Hop], x: torch.Tensor, y: torch.Tensor) -> float:
+    """One micro-batch along `hops`, as swarm/trainer.py drives it (in process)."""
+    *through, last = hops
+    inputs = [x]
+    for hop in through:
+        inputs.append(stages[hop.stage].forward(inputs[-1], part=hop.part))
+    loss, grad = stages[last.stage].last(inputs[-1], y, part=last.part)
+    for i in range(len(through) - 1, -1, -1):
+        hop = through[i]
+        grad = stages[hop.stage].backward(inputs[i], grad, part=hop.part)  # type: ignore[arg-type]
+    return loss
+
+
+def test_routes_visit_every_stage_once_and_swap_the_end_pairs() -> None:
+    names = {n: [h.name for h in route(4, s)] for n, s in [(0, ""), (1, "first"), (2, "both")]}
+    assert names[0] == ["0", "1", "2", "3"]
+    assert names[1] == ["0/edge", "1", "0/blocks", "2", "3"]
+    assert names[2] == ["0/edge", "1", "0/blocks", "3/blocks", "2", "3/edge"]
+    assert [h.name for h in route(2, "first")] == ["0/edge", "1/blocks", "0/blocks", "1/edge"]
+    assert [h.name for h in route(3, "last")] == ["0", "2/blocks", "1", "2/edge"]
+    # Half of the micro-batches swap at 0.5; with 3 stages they alternate between the pairs.
+    kinds = [swap_for(seq, 3, 0.5) for seq in range(100)]
+    assert kinds.count("") == 50 and kinds.count("first") == kinds.count("last") == 25
+    assert {swap_for(seq, 4, 0.0) for seq in range(50)} == {""}
+    assert {swap_for(seq, 1, 1.0) for seq in range(50)} == {""}
+    assert parse("3/edge") == Hop(3, "edge") and parse("0") == Hop(0)
+    for bad in ("x", "1/head", "", "1234", "-1", "1/"):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_swapped_micro_batch_computes_the_swapped_model_exactly(n: int) -> None:
+    """Stage 1's blocks run where stage 0's would and the other way round; loss and every
+    gradient are those of the same layers composed in that order, and each stage counts the
+    micro-batch once (its weight and mean loss are per micro-batch)."""
+    torch.manual_seed(0)
+    model = GPT(CFG, seed=1)
+    stages = trainers(copy.deepcopy(model), n)
+    ref = copy.deepcopy(model)
+    s0 = list(ref.stages(n)[0].children())
+    s1 = list(ref.stages(n)[1].children())
+    rest = [m for s in ref.stages(n)[2:] for m in s.children()]
+    order = [s0[0], *s1[:-1], *s0[1:], s1[-1]] if n == 2 else [s0[0], *s1, *s0[1:], *rest]
+    x, y = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+    loss = run(stages, route(n, "first"), x, y)
+    want = lm_loss(nn.Sequential(*order)(x), y)
+    want.backward()
+    assert loss == pytest.approx(float(want.detach()), rel=1e-5)
+    for (name, p), (_, q) in zip(
+        [kv for t in stages for kv in t.module.named_parameters()],
+        [kv for s in ref.stages(n) for kv in s.named_parameters()],
+        strict=True,
+    ):
+        assert q.grad is not None and p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert [t.pending for t in stages] == [1] * n
+
+
+def test_an_end_stage_without_parts_refuses_part_calls() -> None:
+    model = GPT(CFG, seed=1)
+    opt = StageOptConfig(lr=1e-2)
+    plain = StageTrainer(model.stages(2)[0], 0, 2, opt, lm_loss)
+    with pytest.raises(ValueError, match="no part"):
+        plain.forward(torch.zeros(1, 4, dtype=torch.int64), part="edge")
+    assert not plain.has_edge
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_lost_end_stage_takes_its_partners_blocks_and_the_edge_copy(first: bool) -> None:
+    lost_model, live = GPT(CFG, seed=1), GPT(CFG, seed=2)
+    stages, partner_of = trainers(lost_model, 3), trainers(live, 3)
+    target = stages[0 if first else 2]
+    partner = partner_of[1]
+    edge_source = partner_of[0 if first else 2]
+    copy_ = edge_source.edge_vector()
+    recover_end(target.part("edge"), target.part("blocks"), partner.module, copy_)
+    torch.testing.assert_close(
+        flat_parameters(target.part("blocks")), flat_parameters(partner.module)
+    )
+    torch.testing.assert_close(target.edge_vector(), copy_)
+    # A copy of the wrong size changes nothing.
+    before = flat_parameters(target.module)
+    with pytest.raises(LayoutMismatch):
+        recover_end(
+            target.part("edge"), target.part("blocks"), GPT(CFG, seed=3).stages(3)[1], copy_[:-1]
+        )
+    torch.testing.assert_close(flat_parameters(target.module), before)
+
+
+def test_unequal_end_stages_cannot_be_rebuilt_from_their_partner() -> None:
+    model = GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=8), seed=1)
+    stages = trainers(model, 2)  # 2 blocks + 3 blocks: stage 0's 2 fit in stage 1's 3
+    bigger = trainers(GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=8), seed=1), 2)
+    with pytest.raises(LayoutMismatch):  # stage 1 has 3 blocks, stage 0 only 2
+        recover_end(bigger[1].part("edge"), bigger[1].part("blocks"), stages[0].module,
+                    bigger[1].edge_vector())  # fmt: skip
+
+
+def test_edge_copies_round_trip_and_bad_ones_are_refused() -> None:
+    flat = torch.randn(5000)
+    data = bytearray(b"".join(wire.encode([torch.tensor([7]), rows(flat)], "fp32")))
+    rnd, back = decode(data, 5000)
+    assert rnd == 7 and torch.equal(back, flat)
+    with pytest.raises(wire.WireError):
+        decode(data, 9000)  # another layer's size
+    bad = bytearray(b"".join(wire.encode([torch.tensor([-1]), rows(flat)], "fp32")))
+    with pytest.raises(wire.WireError):
+        decode(bad, 5000)
+    assert kept_by(1, 4) == ["0/edge"] and kept_by(2, 4) == ["3/edge"]
+    assert kept_by(1, 3) == ["0/edge", "2/edge"] and kept_by(0, 2) == ["1/edge"]
+    assert kept_by(0, 4) == [] and kept_by(0, 1) == []
