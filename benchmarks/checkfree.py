@@ -80,6 +80,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from swarmd.node.swarm.route import route, swap_for
 from swarmd.node.training import stage_recovery
 from swarmd.node.training.context import PeerContext
 from swarmd.node.training.model import build_model
@@ -92,6 +93,8 @@ from tests.helpers import Proc, ProcessGroup
 from tests.integration.test_join import join_cmd, start_bootstrap, wait_for
 
 STAGES = 4
+#: CheckFree+'s share of swapped micro-batches (the paper's: every other one).
+SWAP_SHARE = 0.5
 #: The "random" arms' init: a model built with the run's seed plus this.
 RANDOM_SEED_OFFSET = 1000
 #: Within this share of the nofail curve counts as back (the issue's 1%).
@@ -187,17 +190,20 @@ def batches(setup: Setup, r: int) -> list[Batch]:
     ]
 
 
-def train_round(stages: Stages, micro: list[Batch]) -> None:
-    """The micro-batches through the pipeline, then every stage's take + apply (one server a
-    stage: what it took is the stage's average, as in StageServer._round)."""
-    for x, y in micro:
+def train_round(stages: Stages, micro: list[Batch], first_seq: int, swap: float) -> None:
+    """The micro-batches through the pipeline (along the trainer's route: swarm/route.py, the
+    end stages swapped with their neighbours on a `swap` share of them), then every stage's
+    take + apply (one server a stage: what it took is the stage's average, as in
+    StageServer._round)."""
+    for j, (x, y) in enumerate(micro):
+        *through, last = route(len(stages), swap_for(first_seq + j, len(stages), swap))
         inputs: list[torch.Tensor] = [x]
-        for t in stages[:-1]:
-            inputs.append(t.forward(inputs[-1]))
-        _, g = stages[-1].last(inputs[-1], y)
-        for t, h in zip(reversed(stages[:-1]), reversed(inputs[:-1]), strict=True):
+        for hop in through:
+            inputs.append(stages[hop.stage].forward(inputs[-1], part=hop.part))
+        _, g = stages[last.stage].last(inputs[-1], y, part=last.part)
+        for hop, h in zip(reversed(through), reversed(inputs[:-1]), strict=True):
             assert g is not None
-            g = t.backward(h, g)
+            g = stages[hop.stage].backward(h, g, part=hop.part)
     for t in stages:
         grad, count = t.take()
         if count and bool(grad.any()):
@@ -220,7 +226,7 @@ def prefix(setup: Setup) -> tuple[Curve, Snapshot, Snapshot]:
     curve = {0: val_loss(setup, stages)}
     checkpoint = snapshot(stages)  # a run's init is its first checkpoint
     for r in range(setup.fail_at):
-        train_round(stages, batches(setup, r))
+        train_round(stages, batches(setup, r), r * setup.micro_batches, setup.config.swarm_swap)
         n = r + 1
         if n % setup.checkpoint_every == 0:
             checkpoint = snapshot(stages)
@@ -234,7 +240,7 @@ def go_on(setup: Setup, stages: Stages, name: str) -> Curve:
     """Rounds T..N-1 from `stages` (already failed and recovered as the arm says)."""
     curve = {setup.fail_at: val_loss(setup, stages)}
     for r in range(setup.fail_at, setup.rounds):
-        train_round(stages, batches(setup, r))
+        train_round(stages, batches(setup, r), r * setup.micro_batches, setup.config.swarm_swap)
         if evaluated(setup, r + 1):
             curve[r + 1] = val_loss(setup, stages)
     log(f"{name}: loss {curve[setup.fail_at]:.4f} at round {setup.fail_at}, "
@@ -264,6 +270,38 @@ def with_checkfree(setup: Setup, stages: Stages, i: int) -> Stages:
     log(f"stage {i} rebuilt: weights {rec.weight_before:.3f}/{rec.weight_after:.3f} from "
         f"gradient norms {rec.norm_before:.3g}/{rec.norm_after:.3g}")  # fmt: skip
     return swapped(stages, i, fresh)
+
+
+def with_checkfree_plus(setup: Setup, stages: Stages, i: int) -> Stages:
+    """stage_recovery.rebuild_end, in process: a fresh trainer of the lost end stage takes its
+    swap partner's blocks and the partner server's copy of its edge layers (refreshed after
+    every round: the copy at the failure), at LR_SCALE."""
+    fresh = build(setup.config)[i]
+    partner = stages[1 if i == 0 else len(stages) - 2]
+    copy = stages[i].edge_vector()  # what the partner's server fetched after the last round
+    checkfree.recover_end(fresh.part("edge"), fresh.part("blocks"), partner.module, copy)
+    fresh.set_lr_scale(checkfree.LR_SCALE)
+    log(f"stage {i} rebuilt by CheckFree+ from stage {partner.index} and the edge copy")
+    return swapped(stages, i, fresh)
+
+
+def run_plus_arms(setup: Setup) -> dict[str, Curve]:
+    """CheckFree+: the same run trained with the end stages swapped on SWAP_SHARE of the
+    micro-batches; no failure, the first (last) stage lost and rebuilt by CheckFree+, and the
+    first stage restarted from the seed in that run."""
+    plus = replace(setup, config=replace(setup.config, swarm_swap=SWAP_SHARE))
+    before, at_failure, _ = prefix(plus)
+    plan: list[tuple[str, Failure | None, int]] = [
+        ("plus_nofail", None, 0),
+        ("first_plus", with_checkfree_plus, 0),
+        ("last_plus", with_checkfree_plus, STAGES - 1),
+        ("plus_first_seed", with_seed, 0),
+    ]
+    arms: dict[str, Curve] = {}
+    for name, fail, i in plan:
+        stages = restore(plus, at_failure)
+        arms[name] = before | go_on(plus, fail(plus, stages, i) if fail else stages, name)
+    return arms
 
 
 def with_random(setup: Setup, stages: Stages, i: int) -> Stages:
@@ -315,7 +353,8 @@ def steps_back(curve: Curve, baseline: Curve, fail_at: int, stay: bool = False) 
 def run_toml(c: RunConfig) -> str:
     """The run file of the same run (rounds every 2 s, no rebalancing: one server a stage)."""
     keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "inner_lr", "seed")
-    return "".join(f"{k} = {getattr(c, k)}\n" for k in (*keys, "data_shards", "swarm_stages")) + (
+    keys += ("data_shards", "swarm_stages", "swarm_swap")
+    return "".join(f"{k} = {getattr(c, k)}\n" for k in keys) + (
         'algo = "swarm"\nswarm_round_s = 2.0\nswarm_rebalance_s = 0\n'
     )
 
@@ -325,10 +364,10 @@ def _server(root: Path, boot: str, name: str, stage: int, *extra: str) -> list[s
                     steps=1_000_000)  # fmt: skip
 
 
-def loopback(config: RunConfig) -> dict[str, float]:
-    """The SIGKILL of stage 1's only server and its rebuild by a spare, as real processes
+def loopback(config: RunConfig, lost: int = 1) -> dict[str, float]:
+    """The SIGKILL of stage `lost`'s only server and its rebuild by a spare, as real processes
     (the helpers of tests/integration/test_checkfree_join.py; every child stopped at the end,
-    before its state directory goes)."""
+    before its state directory goes). A first stage needs the run to swap (CheckFree+)."""
     with tempfile.TemporaryDirectory(prefix="swarmd-checkfree-") as tmp:
         root, processes = Path(tmp), ProcessGroup()
         try:
@@ -345,13 +384,14 @@ def loopback(config: RunConfig) -> dict[str, float]:
             )
             for s in servers:  # every stage has stepped: their records carry gradient norms
                 _first_trained_round(s, START_S)
+            _first_trained_round(servers[1], START_S)  # and stage 1 copied stage 0's edge
             time.sleep(4)  # a record refresh
             killed = time.time()
-            servers[1].process.send_signal(signal.SIGKILL)
-            log("loopback: stage 1's server SIGKILLed")
+            servers[lost].process.send_signal(signal.SIGKILL)
+            log(f"loopback: stage {lost}'s server SIGKILLed")
             missing = wait_for(trainer, "stage_missing", timeout=60)
-            log("loopback: the trainer reports stage 1 missing; the spare joins")
-            (spare,) = processes.start_many([_server(root, boot, "spare", 1)], timeout=START_S)
+            log(f"loopback: the trainer reports stage {lost} missing; the spare joins")
+            (spare,) = processes.start_many([_server(root, boot, "spare", lost)], timeout=START_S)
             return _recovered(spare, killed, float(missing["time"]))
         finally:
             processes.close()
@@ -373,14 +413,14 @@ def _recovered(spare: Proc, killed: float, missing: float) -> dict[str, float]:
     while (e := _event(spare, START_S))["event"] != "stage":
         if e["event"] == "stage_recovered":
             method, took = str(e["method"]), float(e.get("seconds", math.nan))
-    log(f"loopback: the spare serves stage 1 ({e['origin']} start, recovery: {method})")
+    log(f"loopback: the spare serves stage {e['stage']} ({e['origin']} start, recovery: {method})")
     e = _first_trained_round(spare, 60)
     return {
         "recovery_s": float(e.get("recovery_s", math.nan)),
         "recovery_total_s": float(e["time"]) - killed,
         "detect_s": missing - killed,
         "rebuild_s": took,
-        "checkfree_rebuilt": float(method == "checkfree"),
+        "checkfree_rebuilt": float(method in ("checkfree", "checkfree+")),
     }
 
 
@@ -415,7 +455,26 @@ def targets(report: dict[str, Any]) -> str:
         f"checkfree within 3% of nofail ({gap:+.2f}%): {yes(gap <= 3)}",
         f"recovery_s < 10 ({rec:.2f} s): " + ("not measured" if math.isnan(rec) else yes(rec < 10)),
     ]
+    if "loss_first_plus" in report:
+        plus, seed = report["loss_first_plus"], report["loss_plus_first_seed"]
+        first = 100 * (plus / nf - 1)
+        rec = report.get("recovery_s_first", math.nan)
+        parts += [
+            f"first stage: CheckFree+ < seed restart: {yes(plus < seed)}",
+            f"CheckFree+ within 3% of nofail ({first:+.2f}%): {yes(first <= 3)}",
+            f"recovery_s_first < 10 ({rec:.2f} s): "
+            + ("not measured" if math.isnan(rec) else yes(rec < 10)),
+        ]
     return "targets: " + "; ".join(parts)
+
+
+def measured(run: Callable[[], dict[str, float]], suffix: str) -> dict[str, float]:
+    """A loopback run's figures, keys with `suffix`; NaN (said, not hidden) if it failed."""
+    try:
+        return {k + suffix: v for k, v in run().items()}
+    except AssertionError as exc:  # a process failed or timed out
+        log(f"loopback{suffix} failed: {str(exc)[:2000]}")
+        return {f"recovery_s{suffix}": math.nan, f"recovery_total_s{suffix}": math.nan}
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
@@ -445,6 +504,7 @@ def main() -> None:
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--stage2", action="store_true", help="also lose stage 2, arms of its own")
     ap.add_argument("--skip-loopback", action="store_true", help="no recovery_s (processes)")
+    ap.add_argument("--skip-plus", action="store_true", help="no CheckFree+ arms (first stage)")
     ap.add_argument("--quick", action="store_true", help="48 rounds")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the children are stopped
@@ -462,12 +522,16 @@ def main() -> None:
         "loss_random": arms["random"][n],
         "loss_checkpoint": arms["checkpoint"][n],
     }
+    if not args.skip_plus:
+        plus = run_plus_arms(setup)
+        arms |= plus
+        report |= {f"loss_{k}": plus[k][n] for k in plus}
     if not args.skip_loopback:
-        try:
-            report.update(loopback(c))
-        except AssertionError as exc:  # a process failed or timed out: said, not hidden
-            log(f"loopback failed: {str(exc)[:2000]}")
-            report.update(recovery_s=math.nan, recovery_total_s=math.nan)
+        report.update(measured(lambda: loopback(c), ""))
+        if not args.skip_plus:
+            report.update(
+                measured(lambda: loopback(replace(c, swarm_swap=SWAP_SHARE), 0), "_first")
+            )
     report["steps_to_baseline"] = steps_back(arms["checkfree"], arms["nofail"], setup.fail_at)
     report["steps_to_stay"] = steps_back(arms["checkfree"], arms["nofail"], setup.fail_at, True)
     report["random_steps_to_stay"] = steps_back(arms["random"], arms["nofail"], setup.fail_at, True)

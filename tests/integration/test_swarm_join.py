@@ -16,7 +16,7 @@ import torch
 import trio
 
 from swarmd.node.swarm import wire
-from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST
+from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST, PART
 from swarmd.node.training.swarm import AUDIT_FILE, COMPLETED_FILE
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -232,6 +232,11 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
         ("1", LAST, _bundle(good, torch.zeros(2, 8, dtype=torch.int64)),
          rpc.StatusCode.INVALID_ARGUMENT),
         ("0", FORWARD, _bundle(good), rpc.StatusCode.FAILED_PRECONDITION),
+        # CheckFree+'s part calls: a middle stage has no parts; a part must be one it names.
+        ("1/edge", FORWARD, _bundle(good), rpc.StatusCode.INVALID_ARGUMENT),
+        ("1/blocks", BACKWARD, _bundle(good, good), rpc.StatusCode.INVALID_ARGUMENT),
+        ("1/head", FORWARD, _bundle(good), rpc.StatusCode.INVALID_ARGUMENT),
+        ("one", FORWARD, _bundle(good), rpc.StatusCode.INVALID_ARGUMENT),
         ("1", FORWARD, b"\0" * (4 << 20), rpc.StatusCode.INVALID_ARGUMENT),
     ]  # fmt: skip
 
@@ -253,6 +258,10 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
             )
             (out,) = wire.decode(data)
             assert out.shape == (2, 8, 32) and bool(torch.isfinite(out).all())
+            # No copy of an end stage's edge layers is kept in a run without swaps.
+            with pytest.raises(rpc.RpcError) as info:
+                await client.get_tensor(server.address, PART, pb.TensorRequest(name="0/edge"))
+            assert info.value.code is rpc.StatusCode.NOT_FOUND
         finally:
             client.close()
 

@@ -1,0 +1,67 @@
+"""CheckFree+ through `swarmd join` (issue 23): in a run that swaps the end stages with their
+neighbours on half of the micro-batches, every server of the FIRST stage is SIGKILLed; a new
+peer rebuilds it from stage 1's blocks and the copy of the embedding stage 1's server keeps,
+and the pipeline trains on."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.helpers import ProcessGroup
+from tests.integration.test_join import start_bootstrap, wait_for
+from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop, _trainer
+
+
+def _trained_round(proc: Any, timeout: float = 60) -> dict[str, Any]:
+    while (e := proc.receive(timeout=timeout))["event"] != "stage_round" or not e["micro_batches"]:
+        pass
+    return e
+
+
+def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    (tmp_path / "run.toml").write_text(SWARM_RUN + "swarm_swap = 0.5\n")
+    boot = start_bootstrap(processes, tmp_path)
+    create = ("--create-run", str(tmp_path / "run.toml"))
+    s0, s1, s2 = processes.start_many(
+        [
+            _server(tmp_path, "s0", boot, 0, *create),
+            _server(tmp_path, "s1", boot, 1),
+            _server(tmp_path, "s2", boot, 2),
+        ],
+        timeout=START_S,
+    )
+    for s in (s0, s1, s2):
+        wait_for(s, "stage", timeout=START_S)
+    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
+    first_loss = _trained_round(s2)["loss"]
+    for s in (s0, s1):
+        _trained_round(s)
+    _trained_round(s1)  # a round after stage 0 stepped: its copy of the embedding is fresh
+    time.sleep(4)  # a record refresh
+    s0.process.send_signal(signal.SIGKILL)
+    missing = wait_for(trainer, "stage_missing", timeout=60)
+    assert missing["stage"] == 0
+    (r0,) = processes.start_many([_server(tmp_path, "r0", boot, 0)], timeout=START_S)
+    before: list[dict[str, Any]] = []
+    while (e := r0.receive(timeout=START_S))["event"] != "stage":
+        before.append(e)
+    assert e["origin"] == "checkfree+", before
+    (rec,) = [e for e in before if e["event"] == "stage_recovered"]
+    assert rec["method"] == "checkfree+" and rec["neighbours"] == [1], rec
+    assert rec["copy_round"] > 0 and rec["norms"][0] > 0, rec
+    after = _trained_round(r0)
+    assert 0 < after["recovery_s"] < 30, after
+    assert wait_for(trainer, "stage_back", timeout=30)["stage"] == 0
+    losses = [_trained_round(s2)["loss"] for _ in range(3)]
+    runs = _stop([trainer, s1, s2, r0])
+    done = next(e for e in runs[0] if e["event"] == "trainer_done")
+    assert done["micro_batches"] > 0, done
+    # The rebuilt stage carries the run's training on: the last stage's loss stays below the
+    # untrained model's first round (a stage 0 from the seed would have to learn again).
+    assert max(losses) < first_loss, (first_loss, losses)
+    assert not [e for events in runs for e in events if e["event"] == "stage_recovered"]
