@@ -61,7 +61,7 @@ def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
     runs = _stop([trainer, s1, s2, r0])
     done = next(e for e in runs[0] if e["event"] == "trainer_done")
     assert done["micro_batches"] > 0, done
-    # The rebuilt stage carries the run's training on: the last stage's loss stays below the
-    # untrained model's first round (a stage 0 from the seed would have to learn again).
+    # The pipeline trains on through the rebuilt stage (a smoke check: how the rebuild compares
+    # with a restart from the seed is what benchmarks/checkfree.py measures).
     assert max(losses) < first_loss, (first_loss, losses)
     assert not [e for events in runs for e in events if e["event"] == "stage_recovered"]

@@ -5,6 +5,9 @@ copies' wire form."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -13,7 +16,10 @@ from torch import nn
 from swarmd.node.swarm import wire
 from swarmd.node.swarm.route import Hop, parse, route, swap_for
 from swarmd.node.swarm.server import rows
+from swarmd.node.training.context import PeerContext
+from swarmd.node.training.options import JoinError
 from swarmd.node.training.stage_copies import decode, kept_by
+from swarmd.node.training.stage_recovery import build_all
 from swarmd.optim.checkfree import (
     LayoutMismatch,
     edge_layers,
@@ -66,31 +72,24 @@ def test_routes_visit_every_stage_once_and_swap_the_end_pairs() -> None:
             parse(bad)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_swapped_micro_batch_computes_the_swapped_model_exactly(n: int) -> None:
-    """Stage 1's blocks run where stage 0's would and the other way round; loss and every
-    gradient are those of the same layers composed in that order, and each stage counts the
-    micro-batch once (its weight and mean loss are per micro-batch)."""
+@pytest.mark.parametrize(("n", "swap"), [(2, "first"), (3, "first"), (3, "last"), (4, "both")])
+def test_a_swapped_micro_batch_computes_the_swapped_model_exactly(n: int, swap: str) -> None:
+    """The hops' layers composed in the route's order (e.g. stage 1's blocks where stage 0's
+    would run and the other way round): the same loss and every gradient, and each stage
+    counts the micro-batch once (its weight and mean loss are per micro-batch)."""
     torch.manual_seed(0)
-    model = GPT(CFG, seed=1)
-    stages = trainers(copy.deepcopy(model), n)
-    ref = copy.deepcopy(model)
-    s0 = list(ref.stages(n)[0].children())
-    s1 = list(ref.stages(n)[1].children())
-    rest = [m for s in ref.stages(n)[2:] for m in s.children()]
-    order = [s0[0], *s1[:-1], *s0[1:], s1[-1]] if n == 2 else [s0[0], *s1, *s0[1:], *rest]
+    model = GPT(CFG if n != 4 else replace(CFG, n_layer=8), seed=1)
+    stages, ref = trainers(copy.deepcopy(model), n), trainers(copy.deepcopy(model), n)
+    hops = route(n, swap)
     x, y = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
-    loss = run(stages, route(n, "first"), x, y)
-    want = lm_loss(nn.Sequential(*order)(x), y)
+    loss = run(stages, hops, x, y)
+    want = lm_loss(nn.Sequential(*[ref[h.stage].part(h.part) for h in hops])(x), y)
     want.backward()
     assert loss == pytest.approx(float(want.detach()), rel=1e-5)
-    for (name, p), (_, q) in zip(
-        [kv for t in stages for kv in t.module.named_parameters()],
-        [kv for s in ref.stages(n) for kv in s.named_parameters()],
-        strict=True,
-    ):
-        assert q.grad is not None and p.grad is not None
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for t, r in zip(stages, ref, strict=True):
+        for (name, p), q in zip(t.module.named_parameters(), r.module.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert [t.pending for t in stages] == [1] * n
 
 
@@ -125,13 +124,28 @@ def test_a_lost_end_stage_takes_its_partners_blocks_and_the_edge_copy(first: boo
     torch.testing.assert_close(flat_parameters(target.module), before)
 
 
-def test_unequal_end_stages_cannot_be_rebuilt_from_their_partner() -> None:
-    model = GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=8), seed=1)
-    stages = trainers(model, 2)  # 2 blocks + 3 blocks: stage 0's 2 fit in stage 1's 3
-    bigger = trainers(GPT(GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=8), seed=1), 2)
-    with pytest.raises(LayoutMismatch):  # stage 1 has 3 blocks, stage 0 only 2
-        recover_end(bigger[1].part("edge"), bigger[1].part("blocks"), stages[0].module,
-                    bigger[1].edge_vector())  # fmt: skip
+def test_a_run_that_swaps_needs_end_stages_cut_like_their_neighbours() -> None:
+    """5 blocks in 2 stages are cut 2 + 3: stage 1's blocks cannot stand in for stage 0's."""
+    config = SimpleNamespace(inner_lr=1e-3, weight_decay=0.0, swarm_swap=0.5)
+    peer = cast(PeerContext, SimpleNamespace(config=config))
+    uneven = GPT(replace(CFG, n_layer=5), seed=1).stages(2)
+    with pytest.raises(JoinError, match="cut like their neighbours"):
+        build_all(peer, uneven)
+    even = build_all(peer, GPT(CFG, seed=1).stages(3))
+    assert even[0].has_edge and even[-1].has_edge and not even[1].has_edge
+    # A stage's blocks rebuilt from a partner with fewer of them: refused, nothing changed.
+    lost = build_all(peer, GPT(CFG, seed=1).stages(2))[1]  # 3 blocks; uneven[0] has 2
+    before = flat_parameters(lost.module)
+    with pytest.raises(LayoutMismatch):
+        recover_end(lost.part("edge"), lost.part("blocks"), uneven[0], lost.edge_vector())
+    torch.testing.assert_close(flat_parameters(lost.module), before)
+    assert not build_all(replace_peer(config, 0.0), GPT(CFG, seed=1).stages(3))[0].has_edge
+
+
+def replace_peer(config: SimpleNamespace, swap: float) -> PeerContext:
+    return cast(
+        PeerContext, SimpleNamespace(config=SimpleNamespace(**{**vars(config), "swarm_swap": swap}))
+    )
 
 
 def test_edge_copies_round_trip_and_bad_ones_are_refused() -> None:

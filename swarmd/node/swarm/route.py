@@ -33,7 +33,7 @@ def parse(name: str) -> Hop:
     """A call's Hop from its name; ValueError if malformed."""
     stage, slash, part = name.partition("/")
     parts = ("edge", "blocks") if slash else ("",)
-    if not stage.isdigit() or len(stage) > 3 or part not in parts:
+    if not (stage.isascii() and stage.isdigit()) or len(stage) > 3 or part not in parts:
         raise ValueError(f"a stage call names `stage` or `stage/edge|blocks`, not {name[:16]!r}")
     return Hop(int(stage), part)
 

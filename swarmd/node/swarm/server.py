@@ -133,6 +133,8 @@ class StageHost:
         #: Copies of a neighbouring end stage's edge layers this server keeps (CheckFree+):
         #: "stage/edge" -> (that stage's round, the flat parameters).
         self.copies: dict[str, tuple[int, torch.Tensor]] = {}
+        self._part_limiter = trio.CapacityLimiter(1)
+        self._part_calls = 0
 
     # -- what the strategy does ------------------------------------------------------------
 
@@ -357,19 +359,36 @@ class StageHost:
 
     async def _part(self, req: pb.TensorRequest, ctx: CallContext) -> tuple[TensorMeta, Payload]:
         """An end stage's edge layers (`stage/edge`): live from a server of that stage, else
-        the copy a neighbour keeps; answered as (round, values in rows of EDGE_ROW)."""
+        the copy a neighbour keeps; answered as (round, values in rows of EDGE_ROW). Built in
+        a worker thread (the live copy waits for the stage's lock), one at a time, at most
+        MAX_PART_CALLS waiting: each answer is a copy of the layers in memory."""
         job, name = self.job, req.name
-        if job is not None and name == f"{job.index}/edge" and job.trainer.has_edge:
-            found: tuple[int, torch.Tensor] | None = (job.trainer.round, job.trainer.edge_vector())
-        else:
-            found = self.copies.get(name)
-        if found is None:
+        live = job is not None and name == f"{job.index}/edge" and job.trainer.has_edge
+        if not live and name not in self.copies:
             raise RpcError(StatusCode.NOT_FOUND, f"this server holds no {name[:16]!r}")
-        rnd, flat = found
-        answer = wire.encode([torch.tensor([rnd], dtype=torch.int64), rows(flat)], "fp32")
+        if self._part_calls >= MAX_PART_CALLS:
+            raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "too many copies asked for at once")
+
+        def build() -> list[memoryview]:
+            if live and job is not None:
+                rnd, flat = job.trainer.round, job.trainer.edge_vector()
+            else:
+                rnd, flat = self.copies[name]
+            return wire.encode([torch.tensor([rnd], dtype=torch.int64), rows(flat)], "fp32")
+
+        self._part_calls += 1
+        try:
+            async with self._part_limiter:
+                answer = await trio.to_thread.run_sync(build)
+        except KeyError:  # the copy went meanwhile (the server moved)
+            raise RpcError(StatusCode.NOT_FOUND, f"this server holds no {name[:16]!r}") from None
+        finally:
+            self._part_calls -= 1
         return TensorMeta("uint8", (sum(v.nbytes for v in answer),), name="part"), answer
 
 
+#: `Part` calls one server answers or queues at a time.
+MAX_PART_CALLS = 4
 #: Values per row of an edge copy on the wire (a bundle's dimension is bounded by MAX_DIM).
 EDGE_ROW = 4096
 

@@ -87,16 +87,18 @@ async def refresh(
     stages: int,
     directory: dict[PeerId, StageRecord],
     sizes: dict[str, int],
-) -> None:
-    """Fetches this server's copies afresh (kept_by), each from a serving server of its end
-    stage; an older answer than the copy held is dropped."""
-    copies = peer.stages.copies
+) -> dict[str, tuple[int, torch.Tensor]]:
+    """This server's copies fetched afresh (kept_by), each from a serving server of its end
+    stage. The newest fetch is kept whatever round it states: a stage restarted from the seed
+    counts its rounds from 0 again, and a round is only its server's word."""
+    out = {}
     for name in kept_by(index, stages):
         stage = int(name.split("/")[0])
         servers = {p: r for p, r in directory.items() if r.stage == stage and r.state == "serving"}
         got = await fetch(peer, name, servers, sizes[name]) if name in sizes else None
-        if got is not None and (name not in copies or got[0] >= copies[name][0]):
-            copies[name] = got
+        if got is not None:
+            out[name] = got
+    return out
 
 
 class Keeper:
@@ -107,10 +109,13 @@ class Keeper:
         self.peer, self.stages = peer, stages
         self.sizes: dict[str, int] = {}
         self._busy = False
+        #: Counts the stages taken: a refresh begun for another stage stores nothing.
+        self._taken = 0
 
     def serving(self, sizes: dict[str, int]) -> None:
         """A stage was taken: the edge sizes of this run's end stages; old copies go."""
         self.sizes = sizes
+        self._taken += 1
         self.peer.stages.copies.clear()
 
     def after_round(
@@ -122,8 +127,11 @@ class Keeper:
         nursery.start_soon(self._refresh, index, dict(directory))
 
     async def _refresh(self, index: int, directory: dict[PeerId, StageRecord]) -> None:
+        taken = self._taken
         try:
-            await refresh(self.peer, index, self.stages, directory, self.sizes)
+            got = await refresh(self.peer, index, self.stages, directory, self.sizes)
+            if taken == self._taken:
+                self.peer.stages.copies.update(got)
         except Exception:  # a copy is best effort: the next round tries again
             log.exception("refreshing the edge copies failed")
         finally:

@@ -37,9 +37,9 @@ from swarmd.node.training.options import JoinError
 from swarmd.node.training.sharedstate import SharedState
 from swarmd.optim.checkfree import (
     LR_SCALE,
-    check_partner,
     LayoutMismatch,
     Recovery,
+    check_partner,
     edge_layers,
     recover,
     recover_end,
@@ -173,12 +173,14 @@ def build_all(peer: PeerContext, modules: list[nn.Module]) -> list[StageTrainer]
     opt = StageOptConfig(lr=config.inner_lr, weight_decay=config.weight_decay)
     out = [StageTrainer(m, i, len(modules), opt, lm_loss) for i, m in enumerate(modules)]
     if config.swarm_swap > 0 and len(modules) >= 2:
+        if not all(isinstance(m, nn.Sequential) for m in (modules[0], modules[-1])):
+            raise JoinError("swarm_swap needs end stages that are nn.Sequential (called in parts)")
         try:
             out[0].set_edge(edge_layers(modules[0], modules[1], first=True))
             out[-1].set_edge(edge_layers(modules[-1], modules[-2], first=False))
             check_partner(out[0].part("blocks"), modules[1])
             check_partner(out[-1].part("blocks"), modules[-2])
-        except LayoutMismatch as exc:
+        except ValueError as exc:  # LayoutMismatch, or an end stage with no edge layers
             raise JoinError(
                 f"swarm_swap needs the first and last stages cut like their neighbours "
                 f"(the built-in GPT: n_layer a multiple of swarm_stages): {exc}"
@@ -225,7 +227,9 @@ async def rebuild_end(
 
     await trio.to_thread.run_sync(apply)
     target.set_lr_scale(LR_SCALE)
-    target.round = max(partner.round, copy_round)
+    # The copy's round is its server's word: the partner's state (its servers' shared one)
+    # says where the run is.
+    target.round = partner.round
     return partner, copy_round, max((r.grad_norm for r in servers.values()), default=0.0)
 
 
