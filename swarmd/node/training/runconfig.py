@@ -245,16 +245,22 @@ class RunConfig:
             self.demo_config()
         except ValueError as exc:
             raise RunConfigError(f"demo options: {exc}") from None
+        self._check_swarm()
+
+    def _check_swarm(self) -> None:
+        """SWARM's options, and how the built-in GPT's blocks cut into its stages."""
         try:
             swarm = self.swarm_config()
         except ValueError as exc:
             raise RunConfigError(f"swarm options: {exc}") from None
-        if self.algo == "swarm" and self.model == "builtin" and swarm.stages > self.n_layer:
+        if self.algo != "swarm" or self.model != "builtin":
+            return
+        if swarm.stages > self.n_layer:
             raise RunConfigError(
                 f"swarm_stages ({swarm.stages}) must be at most n_layer ({self.n_layer}): "
                 "each stage holds at least one block"
             )
-        if self.algo == "swarm" and self.model == "builtin" and swarm.swap > 0:
+        if swarm.swap > 0:
             n, k = self.n_layer, swarm.stages
             blocks = [(i + 1) * n // k - i * n // k for i in range(k)]
             if k < 2 or blocks[0] != blocks[1] or blocks[-1] != blocks[-2]:
