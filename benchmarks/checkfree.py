@@ -31,18 +31,23 @@ a slightly higher learning rate; nothing is stored while nothing fails. swarmd b
    `--stage2` loses stage 2 too, in arms of its own. `steps_to_baseline`: rounds after T until
    the checkfree curve is first within 1% of the nofail curve at the same round (-1: never;
    `steps_to_stay`: and stays within it to N), at the resolution of `--eval-every`.
-   The first stage lost: CheckFree+ (the paper's swap of neighbouring stages on half the
-   micro-batches, so that each can stand in for the other, and the neighbour's copy of the
-   embedding) is NOT built in swarmd, so what a user gets today is reported: the daemon
-   restarts a lost first stage from the run's seed (`first_seed`), or a random init as in (c)
-   (`first_random`); `first_checkpoint` is (d) itself (a whole-pipeline rollback does not
-   depend on which stage failed). Unlike a real run: no fp16 activations, no stale
-   gradients, no int8 averaging.
+   The first stage lost, in the run above (no swaps): the daemon restarts it from the run's
+   seed (`first_seed`), or a random init as in (c) (`first_random`); `first_checkpoint` is
+   (d) itself (a whole-pipeline rollback does not depend on which stage failed).
+   CheckFree+ (`--skip-plus` leaves it out): the same run with `swarm_swap = 0.5` (the
+   trainer's route swaps the end stages with their neighbours on every other micro-batch,
+   swarm/route.py), trained from round 0 to T, then: `plus_nofail` (no failure),
+   `first_plus` / `last_plus` (stage 0 / stage 3 lost and rebuilt as
+   stage_recovery.rebuild_end does: the partner's blocks and the copy of the embedding /
+   head the partner's server fetched after the last round, fresh AdamW at LR_SCALE), and
+   `plus_first_seed` (stage 0 restarted from the seed in the swapped run). Unlike a real run:
+   no fp16 activations, no stale gradients, no int8 averaging.
 
 2. Recovery time, `swarmd join` processes on loopback as in test_checkfree_join.py (not run
    with `--skip-loopback`): a bootstrap, a server per stage of 4, a trainer; once every stage
    has stepped, stage 1's server is SIGKILLed; when the trainer reports the stage missing
    (the dead record lapsed) a spare server joins stage 1, finds it lost and rebuilds it.
+   Then the same with `swarm_swap = 0.5` and stage 0 lost (CheckFree+): the `_first` keys.
    `recovery_s`: the spare's own figure, from its detection of the loss to its first trained
    round; `recovery_total_s`: from the SIGKILL (the record's lapse and the spare's start
    included); `detect_s`: from the SIGKILL to the trainer's `stage_missing`.
@@ -54,6 +59,11 @@ stage +6.8% / +5.1% (seed restart); recovery_s 4.3 / 4.6 s (22 s from the SIGKIL
 close to the identity (GPT-2's residual projections start at std 0.005), so a random middle
 stage costs almost nothing, while CheckFree's weights leaned 0.91-0.95 to stage 0 (its
 blocks' gradient norm 12x stage 2's at seed 0), making stage 1 a near copy of stage 0's blocks.
+
+CheckFree+ (2026-11-27, seeds 0 and 1, one thread, the same defaults): the swapped run ends
++0.59% / +1.09% above nofail without failure; its first stage lost and rebuilt: +0.93% /
++0.75% (the targets, below a seed restart and within 3%: met); a seed restart in the swapped
+run +2.79% / +3.10%; a lost last stage rebuilt: +0.48% / +0.72%.
 
 The last line: `loss_nofail=… loss_checkfree=… loss_random=… loss_checkpoint=… recovery_s=…
 steps_to_baseline=… first_random=… first_checkpoint=… lost_rounds=…` and more; the line
