@@ -81,7 +81,7 @@ class RunConfig:
     #: the int8 defaults below (3-bit codes, blocks of 4096, zstd) is the best loss-per-byte
     #: point measured at >= 400x fewer bytes than data-parallel (the frontier in
     #: benchmarks/convergence.md: H=35 +13.1% over seeds 0-2 at 422x; H=36 so that streaming
-    #: DiLoCo's default 2 fragments divide it). 8-bit codes at H=50 sent 2.6x the bytes.
+    #: DiLoCo's default 2 fragments divide it). The former 8-bit codes at H=50: ~2.4x the bytes.
     inner_steps: int = 36
     inner_lr: float = 1e-3
     outer_lr: float = 0.7
