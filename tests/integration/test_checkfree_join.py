@@ -11,18 +11,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ProcessGroup, swarmd_cmd
+from tests.helpers import Proc, ProcessGroup, swarmd_cmd
 from tests.integration.test_join import start_bootstrap, wait_for
 from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop, _trainer
 
 
-def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
-    processes: ProcessGroup, tmp_path: Path
-) -> None:
-    (tmp_path / "run.toml").write_text(SWARM_RUN)
+def three_stages(processes: ProcessGroup, tmp_path: Path, run: str) -> tuple[str, list[Proc]]:
+    """A bootstrap, a server on each of 3 stages (the first creates `run`), serving; then a
+    trainer. Returns the bootstrap address and [s0, s1, s2, trainer]."""
+    (tmp_path / "run.toml").write_text(run)
     boot = start_bootstrap(processes, tmp_path)
     create = ("--create-run", str(tmp_path / "run.toml"))
-    s0, s1, s2 = processes.start_many(
+    servers = processes.start_many(
         [
             _server(tmp_path, "s0", boot, 0, *create),
             _server(tmp_path, "s1", boot, 1),
@@ -30,9 +30,16 @@ def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
         ],
         timeout=START_S,
     )
-    for s in (s0, s1, s2):
+    for s in servers:
         wait_for(s, "stage", timeout=START_S)
     (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
+    return boot, [*servers, trainer]
+
+
+def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    boot, (s0, s1, s2, trainer) = three_stages(processes, tmp_path, SWARM_RUN)
     # Every stage has stepped (the neighbours publish their gradient norms with their records).
     for s in (s0, s1, s2):
         while (e := s.receive(timeout=60))["event"] != "stage_round" or e["micro_batches"] == 0:

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import ProcessGroup
-from tests.integration.test_join import start_bootstrap, wait_for
-from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop, _trainer
+from tests.integration.test_checkfree_join import three_stages
+from tests.integration.test_join import wait_for
+from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop
 
 
 def _trained_round(proc: Any, timeout: float = 60) -> dict[str, Any]:
@@ -24,20 +25,8 @@ def _trained_round(proc: Any, timeout: float = 60) -> dict[str, Any]:
 def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
-    (tmp_path / "run.toml").write_text(SWARM_RUN + "swarm_swap = 0.5\n")
-    boot = start_bootstrap(processes, tmp_path)
-    create = ("--create-run", str(tmp_path / "run.toml"))
-    s0, s1, s2 = processes.start_many(
-        [
-            _server(tmp_path, "s0", boot, 0, *create),
-            _server(tmp_path, "s1", boot, 1),
-            _server(tmp_path, "s2", boot, 2),
-        ],
-        timeout=START_S,
-    )
-    for s in (s0, s1, s2):
-        wait_for(s, "stage", timeout=START_S)
-    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
+    run = SWARM_RUN + "swarm_swap = 0.5\n"
+    boot, (s0, s1, s2, trainer) = three_stages(processes, tmp_path, run)
     first_loss = _trained_round(s2)["loss"]
     for s in (s0, s1):
         _trained_round(s)

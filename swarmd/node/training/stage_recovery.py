@@ -129,6 +129,13 @@ async def take_lease(dht: DHTNode, run: str, stage: int, me: PeerId) -> PeerId |
     return min(entries, key=lambda p: (entries[p].expires, str(p)))
 
 
+async def _download(peer: PeerContext, stage: StageTrainer) -> None:
+    """A neighbour's state from its servers, as a joiner of that stage takes it."""
+    origin, _ = await SharedState(peer, stage, scope=f"stage{stage.index}").take_initial()
+    if origin != "group":
+        raise RecoveryFailed(f"could not download stage {stage.index}'s state ({origin})")
+
+
 @dataclass(frozen=True)
 class Rebuilt:
     recovery: Recovery
@@ -146,9 +153,7 @@ async def rebuild(
     target = stages[stage]
     neighbours = (stages[stage - 1], stages[stage + 1])
     for n in neighbours:
-        origin, _ = await SharedState(peer, n, scope=f"stage{n.index}").take_initial()
-        if origin != "group":
-            raise RecoveryFailed(f"could not download stage {n.index}'s state ({origin})")
+        await _download(peer, n)
     norms = [
         max((r.grad_norm for r in records.values() if r.stage == n.index), default=0.0)
         for n in neighbours
@@ -208,9 +213,7 @@ async def rebuild_end(
     copy's round and the partner's last gradient norm."""
     target, name = stages[stage], f"{stage}/edge"
     partner = stages[1 if stage == 0 else len(stages) - 2]
-    origin, _ = await SharedState(peer, partner, scope=f"stage{partner.index}").take_initial()
-    if origin != "group":
-        raise RecoveryFailed(f"could not download stage {partner.index}'s state ({origin})")
+    await _download(peer, partner)
     servers = {
         p: r for p, r in records.items() if r.stage == partner.index and r.state == "serving"
     }
