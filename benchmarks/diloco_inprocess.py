@@ -5,7 +5,7 @@ compression, bytes counted by the transport. This script asks a narrower questio
 enough to sweep: how close can DiLoCo's *optimisation* come to data-parallel training at the
 same token budget, whatever the bytes? It runs K replicas of the built-in GPT in lockstep with
 swarmd's own `DiLoCo` (inner AdamW, Nesterov outer step), averages their pseudo-gradients in
-memory (optionally sent through the int8 codec with error feedback first), and compares with one
+memory (optionally sent through the int8 or top-k codec with error feedback first), and compares with one
 model trained on the K replicas' batches concatenated (what an fp32 all-reduce of gradients
 computes). Same data, shards, batches and initial weights as convergence.py at the same seed.
 
@@ -27,8 +27,11 @@ from collections.abc import Callable
 
 import torch
 
-from swarmd.compression.error_feedback import ErrorFeedback
+from swarmd.compression.codec import Codec
 from swarmd.compression.int8 import Int8Codec, Int8Config
+from swarmd.compression.topk import TopKCodec, TopKConfig
+from swarmd.compression.wire import DecodeLimits
+from swarmd.node.averaging.codecs import result_codec
 from swarmd.optim import DiLoCoConfig
 from swarmd.optim.diloco import DiLoCo, build_inner_optimizer, train_step
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
@@ -53,6 +56,18 @@ def parse_args() -> argparse.Namespace:
         "of this many bits in blocks of 4096 (the daemon's path); 0: exact fp32 mean",
     )  # fmt: skip
     p.add_argument(
+        "--topk", type=float, default=0.0,
+        help="send each pseudo-gradient as swarmd's top-k codec instead (this density of each "
+        "chunk of 4096, --topk-bits bits a value), the mean served back as the daemon's "
+        "reducers serve it (every nonzero at 8 bits); 0: not top-k",
+    )  # fmt: skip
+    p.add_argument("--topk-bits", type=int, default=2, choices=[1, 2, 4, 8])
+    p.add_argument(
+        "--ef-decay", type=float, default=1.0,
+        help="the residual is scaled by this before the next round's pseudo-gradient is added "
+        "(SparseLoCo's beta; 1: plain error feedback)",
+    )  # fmt: skip
+    p.add_argument(
         "--stripe", type=int, default=0,
         help="deal the training split to the shards in stripes of this many tokens (IID-ish "
         "shards) instead of contiguous quarters",
@@ -71,6 +86,10 @@ def parse_args() -> argparse.Namespace:
         p.error("-H lengths, --steps and --peers must be positive")
     if not 0 <= a.bits <= 8 or a.bits == 1:
         p.error("--bits must be 0 or in [2, 8]")
+    if not 0 <= a.topk <= 1 or (a.topk and a.bits):
+        p.error("--topk must be in (0, 1], and not with --bits")
+    if not 0 <= a.ef_decay <= 1:
+        p.error("--ef-decay must be in [0, 1]")
     if a.warmup_steps is None:
         a.warmup_steps = a.steps // 20
     try:
@@ -99,6 +118,47 @@ class Batches:
         idx = (pick * a.stripe + offsets)[:, None] + torch.arange(a.block_size + 1)[None]
         window = self.source.train_tokens[idx].long()
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+class Link:
+    """What the replicas' pseudo-gradients go through before they are averaged: nothing (the
+    exact fp32 mean), or the daemon's codec with one error-feedback residual per replica (each
+    daemon keeps its own), optionally decayed by `--ef-decay` before each round's
+    pseudo-gradient is added (SparseLoCo's e <- beta * e + delta). A top-k mean is re-encoded
+    as the daemon's reducers serve it. Counts the bytes of one contribution, for a rough
+    per-round figure (the daemon benchmark is the record of bytes)."""
+
+    def __init__(self, a: argparse.Namespace, replicas: int) -> None:
+        self.codec: Codec | None = None
+        self.served: Codec | None = None
+        if a.bits:
+            self.codec = Int8Codec(Int8Config(4096, a.bits))
+        elif a.topk:
+            topk = TopKCodec(TopKConfig(4096, a.topk, a.topk_bits))
+            self.codec, self.served = topk, result_codec("topk", topk)
+        self.decay = a.ef_decay
+        self.residuals: list[torch.Tensor | None] = [None] * replicas
+        self.sent_bytes = 0
+        self.rounds = 0
+
+    def _through(self, codec: Codec, x: torch.Tensor) -> tuple[int, torch.Tensor]:
+        data = codec.encode(x)
+        return len(data), codec.decode(data, DecodeLimits.for_tensor(x)).to(torch.float32)
+
+    def mean(self, pgs: list[torch.Tensor]) -> torch.Tensor:
+        if self.codec is None:
+            return torch.stack(pgs).mean(0)
+        sent = []
+        for i, pg in enumerate(pgs):
+            residual = self.residuals[i]
+            x = pg.float() if residual is None else pg.float() + self.decay * residual
+            size, decoded = self._through(self.codec, x)
+            self.residuals[i] = x - decoded
+            self.sent_bytes += size
+            sent.append(decoded)
+        self.rounds += 1
+        mean = torch.stack(sent).mean(0)
+        return mean if self.served is None else self._through(self.served, mean)[1]
 
 
 def lr_schedule(a: argparse.Namespace) -> LrSchedule:
@@ -146,9 +206,7 @@ def main() -> None:
             outer_momentum=a.outer_momentum, lr_schedule=schedule,
         )  # fmt: skip
         replicas = [DiLoCo(GPT(gpt, seed=a.seed), cfg) for _ in range(a.peers)]
-        # One error-feedback encoder per replica, as each daemon keeps its own residual.
-        codec = Int8Config(4096, a.bits) if a.bits else None
-        senders = [ErrorFeedback(Int8Codec(codec)) for _ in replicas] if codec else []
+        link = Link(a, len(replicas))
         step = 0
         while step < a.steps:
             h = min(a.rounds[min(syncs, len(a.rounds) - 1)], a.steps - step)
@@ -160,12 +218,7 @@ def main() -> None:
                                batches(i, step))  # fmt: skip
                 step += 1
             pgs = [rep.pseudo_gradient() for rep in replicas]
-            sent = pgs
-            if a.bits:
-                sent = [
-                    f.encode_with_decoded("pg", pg)[1] for f, pg in zip(senders, pgs, strict=True)
-                ]
-            mean = torch.stack(sent).mean(0)
+            mean = link.mean(pgs)
             for rep, pg in zip(replicas, pgs, strict=True):
                 rep.apply_outer(pg, mean)
             syncs += 1
@@ -174,6 +227,9 @@ def main() -> None:
         model = replicas[0].model  # every replica holds the same global parameters
     loss = evaluate(model, val)
     print(f"{a.algo} seed {a.seed}: {time.monotonic() - started:.0f} s", flush=True)
+    if a.algo == "diloco" and link.rounds:
+        kb = link.sent_bytes / link.rounds / a.peers / 1000
+        print(f"one contribution: {kb:.1f} KB a round (before zstd)", flush=True)
     print(f"algo={a.algo} seed={a.seed} val_loss={loss:.4f} syncs={syncs}")
 
 
