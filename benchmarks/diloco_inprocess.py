@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--n-embd", type=int, default=128, help="model width (the built-in: 128)")
+    p.add_argument("--n-layer", type=int, default=4, help="model depth (the built-in: 4)")
     p.add_argument("--curve", type=int, default=0, help="print a curve point every N rounds")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = p.parse_args()
@@ -188,7 +190,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     source = load_source("builtin")
-    gpt = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=a.block_size)
+    gpt = GPTConfig(n_layer=a.n_layer, n_head=4, n_embd=a.n_embd, block_size=a.block_size)
     batches = Batches(a, source)
     val = source.validation_batches(a.batch_size, a.block_size)
     started = time.monotonic()
