@@ -5,9 +5,10 @@ compression, bytes counted by the transport. This script asks a narrower questio
 enough to sweep: how close can DiLoCo's *optimisation* come to data-parallel training at the
 same token budget, whatever the bytes? It runs K replicas of the built-in GPT in lockstep with
 swarmd's own `DiLoCo` (inner AdamW, Nesterov outer step), averages their pseudo-gradients in
-memory (optionally sent through the int8 or top-k codec with error feedback first), and compares with one
-model trained on the K replicas' batches concatenated (what an fp32 all-reduce of gradients
-computes). Same data, shards, batches and initial weights as convergence.py at the same seed.
+memory (optionally sent through the int8 or top-k codec with error feedback first), and
+compares with one model trained on the K replicas' batches concatenated (what an fp32
+all-reduce of gradients computes). Same data, shards, batches and initial weights as
+convergence.py at the same seed.
 
 `-H` takes a comma-separated list: the lengths of the first rounds, the last one repeating
 (`-H 10,20,50`: rounds of 10, 20, then 50 steps). `--curve N` prints the validation loss on the

@@ -122,6 +122,16 @@ def test_a_secret_run_admits_holders_of_the_secret_only(
     assert all(averaged[0][r] == averaged[1][r] for r in common)
 
 
+def _run_list(
+    action: str, peer: str, boot: str, state_dir: str
+) -> subprocess.CompletedProcess[str]:
+    """`swarmd run allow|deny PEER` on run "t", signed by the key in `state_dir`."""
+    return subprocess.run(
+        swarmd_cmd("run", action, peer, "--run", "t", "--peers", boot, "--state-dir", state_dir),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
 @pytest.mark.timeout(300)
 def test_an_allowlisted_run_waits_for_the_creator_and_bans_run_wide(
     processes: ProcessGroup, tmp_path: Path
@@ -142,22 +152,10 @@ def test_an_allowlisted_run_waits_for_the_creator_and_bans_run_wide(
     outsider_key = Identity.load(tmp_path / "p2")
     assert _call(creator.address, outsider_key) == ["PERMISSION_DENIED"] * 2
 
-    allowed = subprocess.run(
-        swarmd_cmd(
-            "run", "allow", str(waiting["peer_id"]), "--run", "t", "--peers", boot,
-            "--state-dir", str(tmp_path / "p0"),
-        ),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    allowed = _run_list("allow", str(waiting["peer_id"]), boot, str(tmp_path / "p0"))
     assert allowed.returncode == 0, allowed.stderr
     # Only the creator's key changes the list: a stranger's `allow` is refused before storing.
-    squat = subprocess.run(
-        swarmd_cmd(
-            "run", "allow", str(outsider_key.peer_id), "--run", "t", "--peers", boot,
-            "--state-dir", str(tmp_path / "p2"),
-        ),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    squat = _run_list("allow", str(outsider_key.peer_id), boot, str(tmp_path / "p2"))
     assert squat.returncode == 2 and "did not create run 't'" in squat.stderr, squat.stderr
     # Nor does a list the stranger signs and stores itself, naming itself, however new.
     forged = AccessList(frozenset({outsider_key.peer_id}), version=2**62).to_bytes()
@@ -178,13 +176,7 @@ def test_an_allowlisted_run_waits_for_the_creator_and_bans_run_wide(
     # A run-wide ban: every peer of the run refuses the banned key within a refresh.
     member_key = Identity.load(tmp_path / "p1")
     assert "PERMISSION_DENIED" not in _call(creator.address, member_key)
-    denied = subprocess.run(
-        swarmd_cmd(
-            "run", "deny", str(member_key.peer_id), "--run", "t", "--peers", boot,
-            "--state-dir", str(tmp_path / "p0"),
-        ),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    denied = _run_list("deny", str(member_key.peer_id), boot, str(tmp_path / "p0"))
     assert denied.returncode == 0, denied.stderr
     deadline = time.monotonic() + 30
     while _call(creator.address, member_key) != ["PERMISSION_DENIED"] * 2:
