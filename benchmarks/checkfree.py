@@ -4,11 +4,11 @@ CheckFree (Blagoev et al. 2025, "All is Not Lost: LLM Recovery without Checkpoin
 gensyn-ai/CheckFree) rebuilds a lost intermediate stage from its two neighbours, their layers
 averaged with weights from their last gradient norms, and trains on with a fresh optimiser at
 a slightly higher learning rate; nothing is stored while nothing fails. swarmd builds it
-(optim/checkfree.py, node/training/stage_recovery.py); this measures it, in two parts.
+(optim/checkfree.py, node/recovery.py); this measures it, in two parts.
 
 1. Loss, in one process, deterministic. The run's model is built by the daemon's own code
    (`build_model` of a `RunConfig` with `algo = "swarm"`, `swarm_stages = 4`, `cut_stages`, a
-   `StageTrainer` per stage from `stage_recovery.build_all`) and driven synchronously: a
+   `StageTrainer` per stage from `recovery.build_all`) and driven synchronously: a
    round is `--micro-batches` micro-batches (forward through stages 0-2, `last` on stage 3,
    the stateless backward through stages 2-0), then `take` and `apply` on every stage (one
    server per stage: what it took is its stage's average). Micro-batch j of round r is the
@@ -36,9 +36,9 @@ a slightly higher learning rate; nothing is stored while nothing fails. swarmd b
    (d) itself (a whole-pipeline rollback does not depend on which stage failed).
    CheckFree+ (`--skip-plus` leaves it out): the same run with `swarm_swap = 0.5` (the
    trainer's route swaps the end stages with their neighbours on every other micro-batch,
-   swarm/route.py), trained from round 0 to T, then: `plus_nofail` (no failure),
+   algorithms/swarm/route.py), trained from round 0 to T, then: `plus_nofail` (no failure),
    `first_plus` / `last_plus` (stage 0 / stage 3 lost and rebuilt as
-   stage_recovery.rebuild_end does: the partner's blocks and the copy of the embedding /
+   recovery.rebuild_end does: the partner's blocks and the copy of the embedding /
    head the partner's server fetched after the last round, fresh AdamW at LR_SCALE), and
    `plus_first_seed` (stage 0 restarted from the seed in the swapped run). Unlike a real run:
    no fp16 activations, no stale gradients, no int8 averaging.
@@ -90,12 +90,12 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from swarmd.node.swarm.route import route, swap_for
-from swarmd.node.training import stage_recovery
-from swarmd.node.training.context import PeerContext
-from swarmd.node.training.model import build_model
-from swarmd.node.training.runconfig import RunConfig
-from swarmd.node.training.stage_server import cut_stages
+from swarmd.node.algorithms.swarm import recovery
+from swarmd.node.algorithms.swarm.route import route, swap_for
+from swarmd.node.algorithms.swarm.server_role import cut_stages
+from swarmd.node.peer.context import PeerContext
+from swarmd.node.peer.model import build_model
+from swarmd.node.peer.runconfig import RunConfig
 from swarmd.optim import checkfree
 from swarmd.optim.stage import StageTrainer
 from swarmd.workloads import TokenSource, evaluate, lm_loss, load_source
@@ -172,9 +172,9 @@ class Pipeline(nn.Module):
 
 def build(config: RunConfig) -> Stages:
     """The run's seeded model cut into its stages, a trainer each, as a stage server builds
-    them (stage_server.StageServer._build_stages; build_all reads only the peer's config)."""
+    them (server_role.StageServer._build_stages; build_all reads only the peer's config)."""
     modules = cut_stages(build_model(config, "cpu"), config.swarm_stages)
-    return stage_recovery.build_all(cast(PeerContext, SimpleNamespace(config=config)), modules)
+    return recovery.build_all(cast(PeerContext, SimpleNamespace(config=config)), modules)
 
 
 def snapshot(stages: Stages) -> Snapshot:
@@ -201,8 +201,9 @@ def batches(setup: Setup, r: int) -> list[Batch]:
 
 
 def train_round(stages: Stages, micro: list[Batch], first_seq: int, swap: float) -> None:
-    """The micro-batches through the pipeline (along the trainer's route: swarm/route.py, the
-    end stages swapped with their neighbours on a `swap` share of them), then every stage's
+    """The micro-batches through the pipeline (along the trainer's route,
+    algorithms/swarm/route.py: the end stages swapped with their neighbours on a `swap` share
+    of them), then every stage's
     take + apply (one server a stage: what it took is the stage's average, as in
     StageServer._round)."""
     for j, (x, y) in enumerate(micro):
@@ -269,7 +270,7 @@ def swapped(stages: Stages, i: int, fresh: StageTrainer) -> Stages:
 
 
 def with_checkfree(setup: Setup, stages: Stages, i: int) -> Stages:
-    """stage_recovery.rebuild, in process: a fresh trainer set to CheckFree's average of its
+    """recovery.rebuild, in process: a fresh trainer set to CheckFree's average of its
     neighbours, weighted by their last gradient norms, at LR_SCALE."""
     fresh = build(setup.config)[i]
     before, after = stages[i - 1], stages[i + 1]
@@ -283,7 +284,7 @@ def with_checkfree(setup: Setup, stages: Stages, i: int) -> Stages:
 
 
 def with_checkfree_plus(setup: Setup, stages: Stages, i: int) -> Stages:
-    """stage_recovery.rebuild_end, in process: a fresh trainer of the lost end stage takes its
+    """recovery.rebuild_end, in process: a fresh trainer of the lost end stage takes its
     swap partner's blocks and the partner server's copy of its edge layers (refreshed after
     every round: the copy at the failure), at LR_SCALE."""
     fresh = build(setup.config)[i]

@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
+from swarmd.node.peer.options import NUM_SHARDS
 from swarmd.node.runtime.children import EventChild as Child
 from swarmd.node.runtime.children import stop_all
-from swarmd.node.training.options import NUM_SHARDS
 from swarmd.optim.schedule import LrSchedule
 from swarmd.workloads import GPT, DeviceError, GPTConfig, evaluate, load_source, resolve_device
 

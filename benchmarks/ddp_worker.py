@@ -32,7 +32,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import ReductionConfig
 from swarmd.node.dht import DHTNode
 from swarmd.node.metrics import Metrics
-from swarmd.node.training.options import NUM_SHARDS
+from swarmd.node.peer.options import NUM_SHARDS
 from swarmd.optim import DiLoCoConfig
 from swarmd.optim.schedule import SCHEDULES, LrSchedule
 from swarmd.protocol import rpc

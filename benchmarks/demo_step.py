@@ -27,7 +27,7 @@ import torch
 import trio
 
 from swarmd.compression.sparse_wire import decode_sparse, encode_sparse
-from swarmd.node.averaging.gather import GatherConfig, Gatherer
+from swarmd.node.algorithms.demo.gather import GatherConfig, Gatherer
 from swarmd.node.averaging.group import Group, Member
 from swarmd.optim import DiLoCoConfig
 from swarmd.optim.demo import DeMoConfig

@@ -48,7 +48,7 @@ from benchmarks._memory_flood import MemoryFlood
 from benchmarks._rate_flood import PingFlood
 from swarmd.node.averaging.exchange import PUT_PART
 from swarmd.node.dht import open_dht
-from swarmd.node.server.peer import PUT_TENSOR
+from swarmd.node.peer.service import PUT_TENSOR
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity

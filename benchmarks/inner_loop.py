@@ -37,9 +37,9 @@ import torch
 
 from swarmd.node.local.attach import attach_local
 from swarmd.node.local.config import LocalConfig, choose_precision
-from swarmd.node.training.model import build_model
-from swarmd.node.training.runconfig import RunConfig
-from swarmd.node.training.strategy import LocalTarget
+from swarmd.node.peer.model import build_model
+from swarmd.node.peer.runconfig import RunConfig
+from swarmd.node.peer.strategy import LocalTarget
 from swarmd.optim.diloco import DiLoCo, trainable
 from swarmd.workloads import load_source, resolve_device
 

@@ -186,7 +186,7 @@ class Metrics:
         )
 
     def _add_gather_metrics(self) -> None:
-        """DeMo's exchange (averaging/gather.py): steps by outcome, their time, drops."""
+        """DeMo's exchange (algorithms/demo/gather.py): steps by outcome, their time, drops."""
         self.gather_steps = Counter(
             "swarmd_gather_steps",
             "DeMo exchange steps by outcome: complete (every member heard), late (some not)",

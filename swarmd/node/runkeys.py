@@ -10,12 +10,12 @@ CONFIG_TTL_S = 23 * 3600.0
 
 
 def config_key(run: str) -> str:
-    """The run's signed config, one entry per signer (training/runrecord.py)."""
+    """The run's signed config, one entry per signer (peer/runrecord.py)."""
     return f"swarmd/{run}/config"
 
 
 def peers_key(run: str) -> str:
-    """Heartbeats: one entry per live peer, naming its address (training/membership.py)."""
+    """Heartbeats: one entry per live peer, naming its address (peer/membership.py)."""
     return f"swarmd/{run}/peers"
 
 
@@ -46,7 +46,7 @@ def advert_key(run: str) -> str:
 
 def stages_key(run: str) -> str:
     """SWARM stage servers: one entry per server, naming its stage, address and measured
-    throughput (swarm/directory.py)."""
+    throughput (algorithms/swarm/directory.py)."""
     return f"swarmd/{run}/stages"
 
 

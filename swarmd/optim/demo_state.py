@@ -2,7 +2,7 @@
 
 DeMo (optim/demo.py) moves every member's parameters by the same sign step each inner step,
 so the parameters are the group's state, as DiLoCo's global copy is: joiners download them,
-peers that drifted take them again (node/training/sharedstate.py, through the `SyncedState`
+peers that drifted take them again (node/sharedstate.py, through the `SyncedState`
 methods below). The momentum δ is each peer's own (what it has not sent yet): it is saved for
 a restart, never shipped, and starts at zero for a peer that takes the group's parameters.
 

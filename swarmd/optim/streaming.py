@@ -42,8 +42,8 @@ lets each worker keep the state its own stand-in produced; replacing it keeps ev
 global copy bit-identical, which the daemon needs (peers average only with peers that hold the
 same state). A stand-in must be replaced before the next round begins.
 
-Pure torch, no I/O: the caller runs the averaging (see swarmd.node.training.streaming, and the
-in-process driver in tests/unit/test_streaming.py). How parameters split into fragments is
+Pure torch, no I/O: the caller runs the averaging (see swarmd.node.algorithms.streaming, and
+the in-process driver in tests/unit/test_streaming.py). How parameters split into fragments is
 fragments.py; the round and report the caller handles are fragment_round.py.
 """
 

@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from swarmd.node.dht import open_dht
-from swarmd.node.training.runconfig import CONFIG_TTL_S, RunConfig, config_key
+from swarmd.node.peer.runconfig import CONFIG_TTL_S, RunConfig, config_key
 from swarmd.protocol.identity import Identity
 
 

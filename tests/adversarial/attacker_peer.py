@@ -24,6 +24,8 @@ import torch
 import trio
 
 from swarmd.node.dht import open_dht
+from swarmd.node.peer.model import build_model
+from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.statesync.donor import (
     DONOR_SERVICE,
     StateAdvert,
@@ -36,8 +38,6 @@ from swarmd.node.statesync.snapshot import (
     StateSnapshot,
     TensorEntry,
 )
-from swarmd.node.training.model import build_model
-from swarmd.node.training.runconfig import RunConfig
 from swarmd.optim.diloco import DiLoCo
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb

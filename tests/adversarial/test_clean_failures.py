@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 
 from swarmd.node.averaging.allreduce import Averager
 from swarmd.node.dht import DHTNode
-from swarmd.node.server.peer import Scratch, peer_service
+from swarmd.node.peer.service import Scratch, peer_service
 from swarmd.node.statesync.donor import StateDonor
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc

@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 
 from benchmarks.flood import rss_mb
-from swarmd.node.server.peer import PING
+from swarmd.node.peer.service import PING
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity

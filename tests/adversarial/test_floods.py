@@ -19,7 +19,7 @@ import torch
 from benchmarks._memory_flood import MemoryFlood
 from benchmarks.flood import Slowloris, rss_mb
 from swarmd.node.averaging.exchange import PUT_PART
-from swarmd.node.server.peer import PUT_TENSOR
+from swarmd.node.peer.service import PUT_TENSOR
 from tests.helpers import ROOT, Proc, ProcessGroup, hello_of
 from tests.integration.allreduce_peer import local_values
 

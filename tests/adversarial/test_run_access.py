@@ -17,9 +17,9 @@ import pytest
 import trio
 
 from swarmd.node.access import AccessList, RunAccess
+from swarmd.node.peer.lifecycle import ACCESS_REFRESH_S
 from swarmd.node.runkeys import access_key
 from swarmd.node.statesync.donor import DONOR_SERVICE
-from swarmd.node.training.lifecycle import ACCESS_REFRESH_S
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as spb
 from swarmd.protocol.identity import Identity, PeerId

@@ -24,7 +24,7 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.server.peer import GET_TENSOR, PUT_TENSOR
+from swarmd.node.peer.service import GET_TENSOR, PUT_TENSOR
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.errors import AuthError

@@ -31,7 +31,7 @@ from swarmd.compression.codec import Codec
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Group, Member, make_codec
 from swarmd.node.averaging.lowrank import allreduce_lowrank
-from swarmd.node.server.peer import Scratch, peer_service
+from swarmd.node.peer.service import Scratch, peer_service
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 

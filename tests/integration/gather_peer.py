@@ -1,4 +1,4 @@
-"""A real peer process for sticky-group all-gather tests (averaging/gather.py).
+"""A real peer process for sticky-group all-gather tests (algorithms/demo/gather.py).
 
 argv[1] is JSON: {"index", "hash" (optional: the state hash it sends, default "same")}.
 Prints {"address", "peer_id", "pid"} once serving. Then, for a line
@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from swarmd.node.averaging.gather import GatherConfig, Gatherer
+from swarmd.node.algorithms.demo.gather import GatherConfig, Gatherer
 from swarmd.node.averaging.group import Group, Member
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId

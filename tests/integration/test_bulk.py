@@ -15,7 +15,7 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.server.peer import GET_TENSOR, PUT_TENSOR
+from swarmd.node.peer.service import GET_TENSOR, PUT_TENSOR
 from swarmd.protocol import bulk, rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.framing import TensorMeta, header_frame, payload_segments

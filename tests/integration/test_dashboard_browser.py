@@ -22,7 +22,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from swarmd.node.training.membership import HEARTBEAT_TTL_S
+from swarmd.node.peer.membership import HEARTBEAT_TTL_S
 from tests.helpers import ROOT, ProcessGroup, swarmd_cmd
 from tests.integration.hostile_publisher import SCRIPT, XSS
 from tests.integration.test_join import TINY_RUN

@@ -1,4 +1,4 @@
-"""Sticky-group all-gather (averaging/gather.py, DeMo's exchange) between real processes."""
+"""Sticky-group all-gather (algorithms/demo/gather.py, DeMo's exchange) between real processes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import trio
 
-from swarmd.node.averaging.gather import PUT_GATHER, GatherConfig, Gatherer, GatherResult
-from swarmd.node.averaging.gather_sign import signed_info
+from swarmd.node.algorithms.demo.gather import PUT_GATHER, GatherConfig, Gatherer, GatherResult
+from swarmd.node.algorithms.demo.gather_sign import signed_info
 from swarmd.node.averaging.group import Group, Member
 from swarmd.node.bans import Bans
 from swarmd.node.metrics import Metrics

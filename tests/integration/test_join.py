@@ -15,7 +15,7 @@ import trio
 
 import swarmd
 from swarmd.node.dht import open_dht
-from swarmd.node.training.runconfig import CONFIG_TTL_S, RunConfig, config_key
+from swarmd.node.peer.runconfig import CONFIG_TTL_S, RunConfig, config_key
 from swarmd.protocol.identity import Identity
 from tests.helpers import Proc, ProcessGroup, swarmd_cmd
 

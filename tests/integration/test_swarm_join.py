@@ -15,9 +15,9 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.swarm import wire
-from swarmd.node.swarm.server import BACKWARD, FETCH, FORWARD, LAST, PART
-from swarmd.node.training.swarm import AUDIT_FILE, COMPLETED_FILE
+from swarmd.node.algorithms.swarm import wire
+from swarmd.node.algorithms.swarm.stage_service import BACKWARD, FETCH, FORWARD, LAST, PART
+from swarmd.node.algorithms.swarm.strategy import AUDIT_FILE, COMPLETED_FILE
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.framing import TensorMeta

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.server.peer import GET_TENSOR, PING, PUT_TENSOR, digest
+from swarmd.node.peer.service import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.framing import TAG_DATA, TensorMeta, header_frame, iter_frames

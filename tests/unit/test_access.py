@@ -139,7 +139,7 @@ def test_the_dht_filter_covers_the_runs_keys_but_not_its_config_or_other_runs() 
 
 def test_the_run_config_knows_the_same_modes() -> None:
     from swarmd.node.access import ACCESS_MODES
-    from swarmd.node.training import runconfig
+    from swarmd.node.peer import runconfig
 
     assert runconfig.ACCESS_MODES == ACCESS_MODES
     with pytest.raises(runconfig.RunConfigError, match="access must be one of"):

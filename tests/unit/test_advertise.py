@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarmd.node.server.advertise import advertised_address
+from swarmd.node.peer.advertise import advertised_address
 from swarmd.protocol.address import Address
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.node.training.options import JoinError
-from swarmd.node.training.runconfig import RunConfig, RunConfigError
-from swarmd.node.training.runrecord import Claim, choose
+from swarmd.node.peer.options import JoinError
+from swarmd.node.peer.runconfig import RunConfig, RunConfigError
+from swarmd.node.peer.runrecord import Claim, choose
 from swarmd.protocol.identity import Identity
 from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed
 

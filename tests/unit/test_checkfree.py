@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from swarmd.node.swarm.directory import StageRecord
-from swarmd.node.training.stage_recovery import lost
+from swarmd.node.algorithms.swarm.directory import StageRecord
+from swarmd.node.algorithms.swarm.recovery import lost
 from swarmd.optim.checkfree import NORM_EPS, LayoutMismatch, recover
 from swarmd.optim.stage import StageOptConfig, StageTrainer
 from swarmd.protocol.identity import Identity

@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from swarmd.node.swarm import wire
-from swarmd.node.swarm.route import Hop, parse, route, swap_for
-from swarmd.node.swarm.server import rows
-from swarmd.node.training.context import PeerContext
-from swarmd.node.training.options import JoinError
-from swarmd.node.training.stage_copies import decode, kept_by
-from swarmd.node.training.stage_recovery import build_all
+from swarmd.node.algorithms.swarm import wire
+from swarmd.node.algorithms.swarm.copies import decode, kept_by
+from swarmd.node.algorithms.swarm.recovery import build_all
+from swarmd.node.algorithms.swarm.route import Hop, parse, route, swap_for
+from swarmd.node.algorithms.swarm.stage_service import rows
+from swarmd.node.peer.context import PeerContext
+from swarmd.node.peer.options import JoinError
 from swarmd.optim.checkfree import (
     LayoutMismatch,
     edge_layers,
@@ -42,7 +42,7 @@ def trainers(model: GPT, n: int) -> list[StageTrainer]:
 
 
 def run(stages: list[StageTrainer], hops: list[Hop], x: torch.Tensor, y: torch.Tensor) -> float:
-    """One micro-batch along `hops`, as swarm/trainer.py drives it (in process)."""
+    """One micro-batch along `hops`, as algorithms/swarm/trainer.py drives it (in process)."""
     *through, last = hops
     inputs = [x]
     for hop in through:

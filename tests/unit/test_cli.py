@@ -131,7 +131,7 @@ def test_join_refuses_a_device_it_does_not_know(
 
 def test_the_cli_offers_every_algorithm_a_run_can_use() -> None:
     from swarmd.node.cli.parser import ALGORITHMS as OFFERED
-    from swarmd.node.training.runconfig import ALGORITHMS
+    from swarmd.node.peer.runconfig import ALGORITHMS
 
     assert OFFERED == ALGORITHMS
 

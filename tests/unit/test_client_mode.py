@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from swarmd.node.algorithms.registry import strategy_for
 from swarmd.node.averaging.allreduce import AllReduceConfig
 from swarmd.node.averaging.group import Group, Member, part_bounds
 from swarmd.node.averaging.matchmaking import _Commitment, _View
 from swarmd.node.averaging.round import Round
 from swarmd.node.dht.dialback import DialBackLimits, Reachability
+from swarmd.node.peer.options import JoinOptions
 from swarmd.node.statesync.donor import StateAdvert, choose_donors
-from swarmd.node.training.options import JoinOptions
-from swarmd.node.training.strategies import strategy_for
 from swarmd.protocol.identity import Identity
 
 

@@ -13,8 +13,8 @@ from swarmd.node.dashboard.board import Board
 from swarmd.node.dashboard.reading import Advert, Reading, parse_advert, parse_config
 from swarmd.node.dashboard.views import events_view, history_view, peers_view, run_view
 from swarmd.node.dht import Value
+from swarmd.node.peer.progress_record import Notice, ProgressRecord
 from swarmd.node.runkeys import CONFIG_TTL_S
-from swarmd.node.training.progress_record import Notice, ProgressRecord
 from swarmd.protocol import statesync_pb2
 from swarmd.protocol.identity import Identity
 

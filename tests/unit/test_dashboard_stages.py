@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
+from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.dashboard.board import Board
 from swarmd.node.dashboard.reading import Reading, RunInfo
 from swarmd.node.dashboard.views import stages_view
-from swarmd.node.swarm.directory import StageRecord
 
 A, B, C = ("a" * 52, "b" * 52, "c" * 52)
 RUN = RunInfo({"algo": "swarm", "swarm_stages": 3}, "h" * 16, "creator", 1.0)

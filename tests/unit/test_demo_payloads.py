@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from swarmd.compression.sparse_wire import encode_sparse
+from swarmd.node.algorithms.demo.strategy import decode_payloads
 from swarmd.node.bans import Bans
-from swarmd.node.training.demo import decode_payloads
 from swarmd.optim.demo import DeMo, DeMoConfig
 from swarmd.protocol.identity import Identity, PeerId
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from swarmd.node.server.peer import PEER_SERVICE, PING, Scratch, peer_service
+from swarmd.node.peer.service import PEER_SERVICE, PING, Scratch, peer_service
 from swarmd.protocol import faults, rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.faults import FaultInjector, FaultPlan, FaultPlanError

@@ -1,9 +1,9 @@
-"""Sender signatures on all-gather payloads (averaging/gather_sign.py): what a relay can and
+"""Sender signatures on all-gather payloads (algorithms/demo/gather_sign.py): what a relay can and
 cannot do to a payload it passes on to a client-mode member."""
 
 from __future__ import annotations
 
-from swarmd.node.averaging.gather_sign import check_signed, signed_info
+from swarmd.node.algorithms.demo.gather_sign import check_signed, signed_info
 from swarmd.protocol.identity import Identity
 
 

@@ -12,7 +12,7 @@ from swarmd.node.local.config import (
     count_workers,
 )
 from swarmd.node.local.protocol import batch_index
-from swarmd.node.training.runconfig import RunConfig, RunConfigError
+from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 
 
 def test_worker_counts() -> None:

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from swarmd.node.metrics import Metrics
-from swarmd.node.training.progress import Progress, TrainStats
-from swarmd.node.training.progress_publish import PeerFacts, make_record, progress_ttl
-from swarmd.node.training.progress_record import (
+from swarmd.node.peer.progress import Progress, TrainStats
+from swarmd.node.peer.progress_publish import PeerFacts, make_record, progress_ttl
+from swarmd.node.peer.progress_record import (
     MAX_NOTICE_TEXT,
     MAX_NOTICES,
     MAX_RECORD_BYTES,

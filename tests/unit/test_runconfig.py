@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import swarmd
-from swarmd.node.training.localstate import load_saved, save_state
-from swarmd.node.training.runconfig import RunConfig, RunConfigError
+from swarmd.node.peer.localstate import load_saved, save_state
+from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 
 
 def test_round_trip_and_hash() -> None:

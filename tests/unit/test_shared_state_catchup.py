@@ -1,5 +1,5 @@
 """SharedState.catch_up with a DHT of canned adverts: which adverts it reads, and which it hands
-to the download (swarmd.node.training.sharedstate; the rule itself is test_catchup's)."""
+to the download (swarmd.node.peer.sharedstate; the rule itself is test_catchup's)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import trio
 
 from swarmd.node.bans import Bans
 from swarmd.node.dht.values import Value
+from swarmd.node.peer.context import PeerContext
+from swarmd.node.peer.sharedstate import SharedState, SyncedState
 from swarmd.node.statesync.donor import StateAdvert
 from swarmd.node.statesync.snapshot import HASH_BYTES
-from swarmd.node.training.context import PeerContext
-from swarmd.node.training.sharedstate import SharedState, SyncedState
 from swarmd.protocol.identity import Identity, PeerId
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from swarmd.node.peer.sharedstate import held_by_several
 from swarmd.node.statesync.donor import StateAdvert
-from swarmd.node.training.sharedstate import held_by_several
 
 
 def _ad(owner: str, h: bytes, round_no: int = 5) -> StateAdvert:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from swarmd.node.training.options import JoinError
-from swarmd.node.training.runconfig import ALGORITHMS
-from swarmd.node.training.strategies import STRATEGIES, strategy_for
-from swarmd.node.training.strategy import Strategy
+from swarmd.node.algorithms.registry import STRATEGIES, strategy_for
+from swarmd.node.peer.options import JoinError
+from swarmd.node.peer.runconfig import ALGORITHMS
+from swarmd.node.peer.strategy import Strategy
 
 
 def test_every_algorithm_has_its_strategy() -> None:

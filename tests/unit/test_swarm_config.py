@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from swarmd.node.swarm.config import SwarmConfig
-from swarmd.node.training.options import JoinOptions
+from swarmd.node.algorithms.swarm.config import SwarmConfig
+from swarmd.node.peer.options import JoinOptions
 
 
 def test_join_options_check_the_swarm_flags(tmp_path: Path) -> None:

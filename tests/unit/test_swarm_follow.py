@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarmd.node.swarm.follow import countable, state_to_follow
+from swarmd.node.algorithms.swarm.follow import countable, state_to_follow
 
 X, Y, Z = b"x" * 32, b"y" * 32, b"z" * 32
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from swarmd.node.swarm.directory import StageRecord, by_stage
-from swarmd.node.swarm.rebalance import choose_move, stage_rates
-from swarmd.node.swarm.router import MAX_BAN_S, Router
+from swarmd.node.algorithms.swarm.directory import StageRecord, by_stage
+from swarmd.node.algorithms.swarm.rebalance import choose_move, stage_rates
+from swarmd.node.algorithms.swarm.router import MAX_BAN_S, Router
 from swarmd.protocol.identity import Identity
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from swarmd.node.swarm import wire
+from swarmd.node.algorithms.swarm import wire
 
 
 def _bytes(views: list[memoryview]) -> bytes:

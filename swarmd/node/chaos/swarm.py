@@ -4,7 +4,7 @@ The peers are stage servers (slot i serves stage i mod STAGES; slot 0 creates th
 trainers (the last slots). Besides the degrading faults of any chaos run, the schedule kills
 every server of the middle stage at once (`kill_stage`) and, `duration_s` later, starts
 replacements in fresh state directories: new machines, which find the stage lost and rebuild it
-from its neighbours (CheckFree, training/stage_recovery.py). A killed server restarted in its
+from its neighbours (CheckFree, algorithms/swarm/recovery.py). A killed server restarted in its
 own state directory would bring its stage back from its own saved state, which exercises
 nothing new. The duration is at least the directory records' lifetime, so the dead servers'
 records have lapsed when the replacements look (one that looks earlier waits for that).

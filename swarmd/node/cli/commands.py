@@ -61,7 +61,7 @@ def cmd_ping(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from swarmd.node.server.peer import PeerConfig, run_peer
+    from swarmd.node.peer.service import PeerConfig, run_peer
     from swarmd.protocol import rpc
 
     config = PeerConfig(
@@ -124,9 +124,9 @@ def read_secret(path: Path | None) -> bytes | None:
 
 def cmd_join(args: argparse.Namespace) -> int:
     from swarmd.node.local.config import LocalConfigError, count_workers
-    from swarmd.node.training.lifecycle import run_join
-    from swarmd.node.training.options import JoinOptions
-    from swarmd.node.training.runconfig import RunConfig, RunConfigError
+    from swarmd.node.peer.lifecycle import run_join
+    from swarmd.node.peer.options import JoinOptions
+    from swarmd.node.peer.runconfig import RunConfig, RunConfigError
     from swarmd.protocol.identity import PeerId
     from swarmd.workloads import AllowedWorkloads
 
@@ -228,13 +228,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         return transport_demo(peers=args.peers, tensor_mib=args.tensor_mib)
     if args.algo == "swarm":
-        from swarmd.node.cli.demo_swarm import run_swarm_demo
+        from swarmd.node.cli.showcase_swarm import run_swarm_demo
 
         return run_swarm_demo(
             duration_s=args.duration,
             dashboard=None if args.no_dashboard else str(args.dashboard),
         )
-    from swarmd.node.cli.demo import run_demo
+    from swarmd.node.cli.showcase import run_demo
 
     return run_demo(
         peers=args.peers,

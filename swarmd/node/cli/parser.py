@@ -158,7 +158,7 @@ def _add_join_run(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="publish a new run from this TOML file (keys: see swarmd/node/training/runconfig.py; "
+        help="publish a new run from this TOML file (keys: see swarmd/node/peer/runconfig.py; "
         "'-' for the built-in defaults)",
     )
     p.add_argument(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trio
 
-from swarmd.node.server.peer import PING
+from swarmd.node.peer.service import PING
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.address import Address

@@ -18,8 +18,8 @@ from swarmd.node.access import RunAccess, publish_list
 from swarmd.node.cli.options import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CliError
 from swarmd.node.dht import BootstrapError
 from swarmd.node.dht.oneshot import client_dht
+from swarmd.node.peer.runrecord import claims
 from swarmd.node.runtime.errors import innermost
-from swarmd.node.training.runrecord import claims
 from swarmd.protocol.errors import IdentityError
 from swarmd.protocol.identity import Identity, PeerId
 

@@ -15,17 +15,17 @@ from typing import Any
 
 import trio
 
+from swarmd.node.algorithms.swarm import directory
+from swarmd.node.algorithms.swarm.directory import StageRecord, by_stage
+from swarmd.node.algorithms.swarm.rebalance import stage_rates
 from swarmd.node.dht import BootstrapError, Value
 from swarmd.node.dht.oneshot import client_dht
+from swarmd.node.peer.progress_record import ProgressRecord, ProgressRecordError
+from swarmd.node.peer.runconfig import RunConfig, RunConfigError, peers_key
+from swarmd.node.peer.runrecord import claims
 from swarmd.node.runkeys import heartbeat_address, is_client, progress_key
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.statesync.donor import StateAdvert, advert_key
-from swarmd.node.swarm import directory
-from swarmd.node.swarm.directory import StageRecord, by_stage
-from swarmd.node.swarm.rebalance import stage_rates
-from swarmd.node.training.progress_record import ProgressRecord, ProgressRecordError
-from swarmd.node.training.runconfig import RunConfig, RunConfigError, peers_key
-from swarmd.node.training.runrecord import claims
 from swarmd.protocol.identity import Identity, PeerId
 
 #: The most stages a run may have (SwarmConfig.stages): records beyond are not a run's.

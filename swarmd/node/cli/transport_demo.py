@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import trio
 
+from swarmd.node.peer.service import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.node.runtime.children import stop_all
-from swarmd.node.server.peer import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity, PeerId, SignedHeader

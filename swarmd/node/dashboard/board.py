@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarmd.node.dashboard.reading import Reading
-from swarmd.node.training.progress_record import ProgressRecord
+from swarmd.node.peer.progress_record import ProgressRecord
 
 #: Peers remembered (live and gone); the longest-gone are forgotten first.
 MAX_PEERS = 256

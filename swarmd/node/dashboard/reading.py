@@ -18,7 +18,13 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
+from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.dht import DHTNode, Value
+from swarmd.node.peer.progress_record import (
+    ProgressRecord,
+    ProgressRecordError,
+    check_text,
+)
 from swarmd.node.runkeys import (
     CONFIG_TTL_S,
     advert_key,
@@ -27,12 +33,6 @@ from swarmd.node.runkeys import (
     peers_key,
     progress_key,
     stages_key,
-)
-from swarmd.node.swarm.directory import StageRecord
-from swarmd.node.training.progress_record import (
-    ProgressRecord,
-    ProgressRecordError,
-    check_text,
 )
 from swarmd.protocol import statesync_pb2
 from swarmd.protocol.identity import PeerId
@@ -93,7 +93,7 @@ class Reading:
     heartbeats: dict[str, str] = field(default_factory=dict)
     progress: dict[str, ProgressRecord] = field(default_factory=dict)
     adverts: dict[str, Advert] = field(default_factory=dict)
-    #: SWARM runs: stage servers' records (swarm/directory.py), by peer.
+    #: SWARM runs: stage servers' records (algorithms/swarm/directory.py), by peer.
     stages: dict[str, StageRecord] = field(default_factory=dict)
     #: Published values refused as malformed.
     refused: int = 0

@@ -10,8 +10,8 @@ from swarmd.node.local.config import LocalConfig
 from swarmd.node.local.module import training_module
 from swarmd.node.local.protocol import WorkerSpec
 from swarmd.node.local.ranks import LocalRanks
-from swarmd.node.training.runconfig import RunConfig
-from swarmd.node.training.strategy import LocalTarget
+from swarmd.node.peer.runconfig import RunConfig
+from swarmd.node.peer.strategy import LocalTarget
 from swarmd.optim.forward import InnerForward
 
 #: Under the peer's --state-dir: the ranks' spec and starting optimizer state.

@@ -28,8 +28,8 @@ from swarmd.node.local.protocol import (
     gather_digests,
     receive_command,
 )
-from swarmd.node.training.model import build_model
-from swarmd.node.training.runconfig import RunConfig
+from swarmd.node.peer.model import build_model
+from swarmd.node.peer.runconfig import RunConfig
 from swarmd.optim.diloco import DiLoCoConfig, build_inner_optimizer, load_inner_state, trainable
 from swarmd.optim.diloco import train_step as optimizer_step
 from swarmd.workloads import load_source

@@ -1,0 +1,101 @@
+"""DiLoCo (Douillard et al. 2023): H inner steps, then the whole trainer waits for one outer
+step: catch up if behind, matchmaking, all-reduce of the pseudo-gradient, outer Nesterov step,
+publish. The optimisation itself is `swarmd.optim.diloco.DiLoCo` (pure torch, no I/O)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import trio
+
+from swarmd.node.algorithms.loop import Averaging, OuterLoopStrategy
+from swarmd.optim.diloco import DiLoCo
+
+
+class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
+    algo = "diloco"
+
+    def make_optimizer(self, model: torch.nn.Module) -> DiLoCo:
+        return DiLoCo(model, self.peer.config.diloco_config())
+
+    async def train(self, nursery: trio.Nursery) -> int:
+        start = await self._begin()
+        step = self.first_step
+        while not self.peer.should_stop(step, start):
+            await self.inner_step(step)
+            step += 1
+            if self.opt.should_sync():
+                await self._outer_step(step, nursery)
+        await self.reports_drained()
+        return step
+
+    async def _outer_step(self, step: int, nursery: trio.Nursery) -> None:
+        t0 = time.monotonic()
+        # A peer whose state is not the group's (it missed a round, or the group moved on
+        # while it trained) takes the group's state first; its inner steps of this round are
+        # dropped.
+        if await self.state.catch_up():
+            await self.took_group_state(step, t0)
+            return
+        sent0 = dict(self.peer.metrics.sent_by_method)
+        pg = await trio.to_thread.run_sync(self.opt.pseudo_gradient)
+        # Wait for as many peers as are alive in the run (their heartbeats), not for the
+        # configured maximum: a small run should not sit out the whole gather deadline.
+        live, target = await self.peer.live.group_target()
+        avg = await self.average(
+            self.round_key(self.opt.round), pg, self.opt.weight(), target=target, ef_key="diloco"
+        )
+        # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
+        waited = time.monotonic() - t0
+        sync_by_method = self.peer.metrics.sent_since(sent0)
+        self.peer.clock.wait_s += waited
+        report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, avg.result)
+        self.state.averaged(report.status, avg.group_size, avg.dropped)
+        snap = await self.state.publish(step, background=nursery)
+        # The new global parameters are validated (and the state saved) beside the next inner
+        # steps, not before them; the round's `outer_step` line follows when both are done.
+        params = await trio.to_thread.run_sync(self.params_now)
+        held = self.peer.clock.held(t0)
+        self.report_later()
+        nursery.start_soon(
+            self._report, params, held, report.round, report.status, avg, live, waited,
+            sync_by_method, snap.state_hash.hex(),
+        )  # fmt: skip
+
+    async def _report(
+        self,
+        params: dict[str, torch.Tensor],
+        held: float,
+        round_no: int,
+        status: str,
+        avg: Averaging,
+        live: int,
+        waited: float,
+        sync_by_method: dict[str, int],
+        state_hash: str,
+    ) -> None:
+        try:
+            val = await self.validate_params(params)
+            await self.state.saved()  # an `outer_step` line means the round is on disk
+        finally:
+            self.report_done()
+        self.peer.stats.outer_done(round_no, avg.group_size, status, val)
+        size, dropped = avg.group_size, avg.dropped
+        self.peer.out.event(
+            "outer_step",
+            f"round {round_no}: {status} with {size} peer(s)"
+            f"{f', {dropped} dropped' if dropped else ''}, validation loss {val:.4f}, "
+            f"state {state_hash[:12]}, {held:.1f}s",
+            round=round_no,
+            status=status,
+            group_size=size,
+            live_peers=live,
+            dropped=dropped,
+            val_loss=val,
+            state_hash=state_hash,
+            wait_s=round(waited, 3),
+            sync_bytes=sum(sync_by_method.values()),
+            sync_by_method=sync_by_method,
+            seconds=round(held, 3),
+        )

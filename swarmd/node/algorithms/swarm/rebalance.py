@@ -1,0 +1,86 @@
+"""When a stage server moves to another stage: the pipeline runs at its slowest stage's speed.
+
+A pipeline's throughput is the smallest of its stages' total rates (the sum of their servers'
+published micro-batches per second). A server of stage `a` moves to the stage `b` with the
+smallest total when, with its rate taken from `a` and added to `b`, the smallest total rises
+by at least `gain` (SWARM's rule, with Petals' balance-quality margin against noise). Stage
+`a` must keep a server, and only one server of a stage moves: every server of the stage names
+the same mover from the same directory (the one whose move raises the slowest stage most, ties
+by a hash of the peer id; no per-server counter or clock, so two servers looking at different
+times with the same view cannot both be it), so the servers of an over-served stage don't all
+leave it at once (Petals saw decisions reverse within minutes as servers moved together:
+petals#389). A server moving
+publishes itself as `joining` its new stage at once, so the next look already counts it
+there. Pure functions of the directory: the strategy does the move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from swarmd.node.algorithms.swarm.directory import StageRecord
+from swarmd.protocol.identity import PeerId
+
+
+@dataclass(frozen=True)
+class Move:
+    source: int
+    target: int
+    #: The slowest stage's total rate before and after the move (micro-batches/s).
+    before: float
+    after: float
+
+
+def stage_rates(records: dict[PeerId, StageRecord], stages: int) -> list[float]:
+    """Each stage's total rate (servers joining it count already)."""
+    totals = [0.0] * stages
+    for record in records.values():
+        if record.state in ("serving", "joining"):
+            totals[record.stage] += record.rate
+    return totals
+
+
+def _lot(peer: PeerId) -> bytes:
+    return hashlib.blake2b(peer.raw, digest_size=8).digest()
+
+
+def choose_move(
+    records: dict[PeerId, StageRecord],
+    me: PeerId,
+    stages: int,
+    gain: float,
+    named: bool = False,
+) -> Move | None:
+    """Where `me` should move now, or None (see the module's docstring).
+
+    `named`: `me` was the mover at its last look. It stays the mover while its move is within
+    `gain` of the best one: rates measured on a busy host swing by more than the servers of
+    a stage differ, so without this the strict best flipped between equal servers from look
+    to look and no server was named twice in a row (CI: no move in 90 s)."""
+    mine = records.get(me)
+    if mine is None or mine.state != "serving" or stages < 2:
+        return None
+    peers = [p for p, r in records.items() if r.stage == mine.stage and r.state == "serving"]
+    if len(peers) < 2:
+        return None
+    totals = stage_rates(records, stages)
+    before = min(totals)
+    target = min((s for s in range(stages) if s != mine.stage), key=lambda s: (totals[s], s))
+
+    def after(peer: PeerId) -> float:
+        rate = records[peer].rate
+        moved = list(totals)
+        moved[mine.stage] -= rate
+        moved[target] += rate
+        return min(moved)
+
+    # Every server of the stage reads the same directory and names the same mover: the one
+    # whose move helps most (ties: the lowest hash of its peer id).
+    mover = max(peers, key=lambda p: (after(p), _lot(p)))
+    best = after(mover)
+    if named and mover != me and after(me) * gain >= best:
+        mover, best = me, after(me)
+    if mover != me or mine.rate <= 0 or not (best > before * gain and best > before):
+        return None
+    return Move(mine.stage, target, before, best)

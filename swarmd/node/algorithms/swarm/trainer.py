@@ -1,0 +1,269 @@
+"""A SWARM trainer: drives micro-batches of its data through one server per stage.
+
+Forward goes stage 0, 1, ..., S-2 (each answer is the next stage's input), then the last
+stage's Last call computes the loss and its input's gradient; backward goes S-2, ..., 0, each
+call sending the hop's input again with the gradient (servers recompute: stateless backward).
+The trainer keeps each hop's input until its backward is done, so its memory is `inflight`
+micro-batches x S hidden states; nothing is held on a server between calls.
+
+Every hop picks its server afresh (router.py), so a micro-batch's backward may run on another
+server of the stage than its forward did. A hop that fails (refused, timed out, server gone)
+is retried on another server of the same stage; only that hop is redone, never the whole
+micro-batch, so a micro-batch is counted once whatever fails. A stage with no live server
+pauses the trainer: it says so once, then re-reads the directory every second until a server
+appears (or the peer is stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from swarmd.node.algorithms.swarm import directory, wire
+from swarmd.node.algorithms.swarm.config import SwarmConfig
+from swarmd.node.algorithms.swarm.directory import StageRecord
+from swarmd.node.algorithms.swarm.route import Hop, route, swap_for
+from swarmd.node.algorithms.swarm.router import Choice, Router
+from swarmd.node.algorithms.swarm.stage_service import BACKWARD, FETCH, FORWARD, LAST
+from swarmd.node.dht import DHTNode
+from swarmd.protocol import rpc
+from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol.errors import ProtocolError
+from swarmd.protocol.framing import TensorMeta
+from swarmd.protocol.identity import PeerId
+
+log = logging.getLogger("swarmd.swarm")
+
+#: How long a read of the directory is reused.
+DIRECTORY_TTL_S = 2.0
+WAIT_POLL_S = 1.0
+#: How long a trainer waits after a server refused a call for load or rate.
+BUSY_S = 0.05
+#: Servers one hop may fail on before its micro-batch is given up.
+MAX_ATTEMPTS = 8
+#: The least a trainer accepts an answer to be (more: 8x the request's bytes).
+ANSWER_LIMIT = 64 << 20
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+#: (event kind, text, fields): the peer's progress output.
+Say = Callable[..., None]
+
+
+@dataclass
+class TrainerStats:
+    done: int = 0
+    retries: int = 0
+    #: Micro-batches given up (MicroBatchFailed).
+    failed: int = 0
+    tokens: int = 0
+    loss: float = math.nan
+    #: Completed micro-batch sequence numbers (each exactly once), kept only when asked
+    #: (`keep_completed`: an audit; a long run would keep them all).
+    completed: list[int] = field(default_factory=list)
+
+
+class MicroBatchFailed(Exception):
+    """A micro-batch that no server can train: refused as malformed (INVALID_ARGUMENT: out of
+    range, not finite) or failed by MAX_ATTEMPTS servers in a row. It is dropped, counted and
+    reported; the trainer goes on with the next."""
+
+
+class SwarmTrainer:
+    def __init__(
+        self,
+        client: rpc.RpcClient,
+        dht: DHTNode,
+        run: str,
+        config: SwarmConfig,
+        say: Say,
+        *,
+        keep_completed: bool = False,
+    ) -> None:
+        self.client, self.dht, self.run, self.config = client, dht, run, config
+        self.say = say
+        self.router = Router()
+        self.stats = TrainerStats()
+        self._keep_completed = keep_completed
+        self._records: list[dict[PeerId, StageRecord]] = []
+        self._read_at = -math.inf
+        self._read_lock = trio.Lock()
+        self._nonce = secrets.token_hex(4)
+        self._waiting_for: set[int] = set()
+
+    async def servers(self, stage: int, *, fresh: bool = False) -> dict[PeerId, StageRecord]:
+        """The stage's serving servers, from a directory read at most DIRECTORY_TTL_S old."""
+        async with self._read_lock:
+            if fresh or time.monotonic() - self._read_at > DIRECTORY_TTL_S:
+                records = await directory.read(self.dht, self.run, self.config.stages)
+                self._records = directory.by_stage(records, self.config.stages)
+                self._read_at = time.monotonic()
+        return {p: r for p, r in self._records[stage].items() if r.state == "serving"}
+
+    async def micro_batch(self, seq: int, batch: Batch) -> float:
+        """Trains one micro-batch through the pipeline (its hops in order, or some stages
+        swapped: route.py); returns its loss."""
+        x, y = batch
+        mb = f"{self._nonce}-{seq}"
+        c = self.config
+        hops = route(c.stages, swap_for(seq, c.stages, c.swap))
+        *through, last = hops
+        inputs = [x]
+        for hop in through:
+            (h,) = await self.call(hop, FORWARD, [inputs[-1]], f"{mb}/f", answer=1, like=x)
+            inputs.append(h)
+        out = await self.call(
+            last, LAST, [inputs[-1], y], f"{mb}/l", answer=2 if through else 1, like=x
+        )
+        loss = float(out[0])
+        if not math.isfinite(loss):
+            raise wire.WireError("the last stage answered a non-finite loss")
+        grad = out[1] if through else None
+        for i in range(len(through) - 1, -1, -1):
+            assert grad is not None
+            got = await self.call(
+                through[i], BACKWARD, [inputs[i], grad], f"{mb}/b", answer=int(i > 0), like=x
+            )
+            grad = got[0] if got else None
+        self.stats.done += 1
+        if self._keep_completed:
+            self.stats.completed.append(seq)
+        self.stats.tokens += x.numel()
+        self.stats.loss = loss
+        return loss
+
+    async def call(
+        self,
+        hop: Hop,
+        path: str,
+        tensors: list[torch.Tensor],
+        call: str,
+        *,
+        answer: int,
+        like: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """One hop, retried on the stage's other servers until one answers."""
+        stage = hop.stage
+        payload = wire.encode(tensors, self.config.activations)
+        nbytes = sum(v.nbytes for v in payload)
+        attempt = 0
+        while True:
+            if attempt >= MAX_ATTEMPTS:
+                raise MicroBatchFailed(f"stage {stage}: {attempt} servers in a row failed it")
+            servers = await self.servers(stage, fresh=attempt > 0)
+            choice = self.router.pick(servers)
+            if choice is None:
+                await self._wait_for(stage)
+                continue
+            rest = self.router.rest_s(choice.peer)
+            if rest > 0:
+                # Every server of the stage rests after failures (a dead one stays in the
+                # directory until its record lapses): wait rather than spin on it.
+                await trio.sleep(min(rest, WAIT_POLL_S))
+                continue
+            if stage in self._waiting_for:
+                self._waiting_for.discard(stage)
+                self.say("stage_back", f"stage {stage} is served again", stage=stage)
+            # A swapped micro-batch calls an end stage twice each way: the part is in the id.
+            call_id = f"{call}{hop.name}.{attempt}".encode()
+            meta = TensorMeta("uint8", (nbytes,), name=hop.name, info=call_id)
+            self.router.started(choice.peer)
+            t0 = time.monotonic()
+            try:
+                with trio.fail_after(self.config.call_timeout_s):
+                    await self.client.put_tensor(
+                        choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
+                    )
+                    limit = max(ANSWER_LIMIT, 8 * nbytes)
+                    out = await self._fetch(choice, call_id, limit) if answer else []
+                    _check_answer(out, answer, like, stage)
+            except rpc.RpcError as exc:
+                if exc.code is rpc.StatusCode.RESOURCE_EXHAUSTED:
+                    # Refused before any compute (its queue is full, or this trainer called
+                    # it too often): nothing was applied; rest a moment, ask again.
+                    self.router.busy(choice.peer)
+                    await trio.sleep(BUSY_S)
+                    continue
+                if exc.code is rpc.StatusCode.INVALID_ARGUMENT:
+                    # The server refused the micro-batch itself (out of range, not finite):
+                    # every server of the stage would. Nothing of it was applied there.
+                    self.router.released(choice.peer)
+                    raise MicroBatchFailed(f"stage {stage} refused it: {exc.details}") from None
+                attempt += 1
+                self._failed(stage, choice.peer, exc)
+                continue
+            except (wire.WireError, trio.TooSlowError, ProtocolError) as exc:
+                attempt += 1
+                self._failed(stage, choice.peer, exc)
+                continue
+            self.router.succeeded(choice.peer, time.monotonic() - t0)
+            return out
+
+    async def _fetch(self, choice: Choice, call_id: bytes, limit: int) -> list[torch.Tensor]:
+        """The answer of a call the server took. A refusal for rate is waited out at the same
+        server: only it holds the answer, and asking another would apply the micro-batch's
+        gradients twice (a server that is gone took its gradients with it)."""
+        rest = BUSY_S
+        while True:
+            try:
+                _, data = await self.client.get_tensor(
+                    choice.address,
+                    FETCH,
+                    pb.TensorRequest(name=call_id.hex()),
+                    expect=choice.peer,
+                    max_bytes=limit,
+                )
+                return wire.decode(data)
+            except rpc.RpcError as exc:
+                if exc.code is not rpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+            await trio.sleep(rest)
+            rest = min(2 * rest, 1.0)
+
+    def _failed(self, stage: int, peer: PeerId, exc: BaseException) -> None:
+        ban = self.router.failed(peer)
+        self.stats.retries += 1
+        self.say(
+            "stage_retry",
+            f"stage {stage} call to {str(peer)[:12]} failed ({_why(exc)}); retrying on another "
+            f"server (that one rests {ban:.0f} s)",
+            stage=stage,
+            server=str(peer),
+            why=_why(exc),
+        )
+
+    async def _wait_for(self, stage: int) -> None:
+        if stage not in self._waiting_for:
+            self._waiting_for.add(stage)
+            self.say(
+                "stage_missing",
+                f"waiting: no live server serves stage {stage} of {self.config.stages}",
+                stage=stage,
+            )
+        await trio.sleep(WAIT_POLL_S)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, rpc.RpcError):
+        return f"{exc.code.name}: {exc.details[:120]}"
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    return str(exc)[:120]
+
+
+def _check_answer(out: list[torch.Tensor], count: int, like: torch.Tensor, stage: int) -> None:
+    """A server's answer must be what was asked: `count` tensors, hidden states or gradients
+    of the micro-batch's (batch, length, *) shape, a scalar loss first from the last stage."""
+    if len(out) != count:
+        raise wire.WireError(f"stage {stage} answered {len(out)} tensors, expected {count}")
+    for t in out:
+        if t.dim() == 0:
+            continue
+        if t.dim() != 3 or t.shape[:2] != like.shape[:2] or t.dtype != torch.float32:
+            raise wire.WireError(f"stage {stage} answered a tensor of shape {tuple(t.shape)}")

@@ -1,0 +1,91 @@
+"""What the peer lifecycle lends a strategy: the shared services, output and accounting.
+
+A strategy gets one `PeerContext` and nothing else from the lifecycle, so what every algorithm
+may rely on is written down in one place: the run's config, this peer's identity and address,
+the DHT, the RPC client, the averager and state donor already served on the peer's port,
+metrics, progress output, the stop signal and the wait/held clocks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from swarmd.node.algorithms.demo.gather import Gatherer
+from swarmd.node.algorithms.swarm.stage_service import StageHost
+from swarmd.node.averaging.allreduce import Averager
+from swarmd.node.dht import DHTNode
+from swarmd.node.local.ranks import LocalRanks
+from swarmd.node.metrics import Metrics
+from swarmd.node.peer.membership import LivePeers
+from swarmd.node.peer.options import JoinOptions
+from swarmd.node.peer.progress import Progress, TrainStats
+from swarmd.node.peer.runconfig import RunConfig
+from swarmd.node.statesync.donor import StateDonor
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import Identity, PeerId
+
+
+@dataclass
+class WaitClock:
+    """Where the trainer's wall time went, for the `stopped` line's utilisation figure."""
+
+    #: Seconds the trainer waited for the network (matchmaking, all-reduce, state sync): with
+    #: the run's wall time it gives compute utilisation, 1 - wait / wall.
+    wait_s: float = 0.0
+    #: Seconds the trainer spent outside inner steps for outer steps (waiting included).
+    held_s: float = 0.0
+
+    def held(self, t0: float) -> float:
+        """Adds the time since `t0` to the trainer's time outside inner steps; returns it."""
+        held = time.monotonic() - t0
+        self.held_s += held
+        return held
+
+
+@dataclass
+class PeerContext:
+    opts: JoinOptions
+    config: RunConfig
+    identity: Identity
+    #: The address other peers reach this one at (host:port of its gRPC server).
+    address: str
+    client: rpc.RpcClient
+    dht: DHTNode
+    averager: Averager
+    #: The sticky-group all-gather (DeMo's exchange), served whatever the algorithm.
+    gatherer: Gatherer
+    donor: StateDonor
+    #: SWARM's Stage service (answers once a stage is attached).
+    stages: StageHost
+    metrics: Metrics
+    out: Progress
+    live: LivePeers
+    #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary (or stops waiting).
+    stopping: trio.Event
+    #: Who signed the run's config (this peer, if it created the run): the one peer every
+    #: member trusts already, whose state settles which of two groups' states is the run's.
+    creator: PeerId | None = None
+    stats: TrainStats = field(default_factory=TrainStats)
+    clock: WaitClock = field(default_factory=WaitClock)
+    #: Others cannot dial this peer (issue 27): it reduces no part and serves no state.
+    client_mode: bool = False
+    #: This peer's other local ranks (--local-workers N > 1), once started.
+    ranks: LocalRanks | None = None
+
+    def batch_index(self, step: int) -> int:
+        """The index of the shard's batch this process trains on at inner step `step`: the
+        step itself, or with N local ranks rank 0's of the N batches the ranks take together
+        (the ranks are told the step with it)."""
+        return step if self.ranks is None else self.ranks.data_index(step)
+
+    def should_stop(self, step: int, start: float) -> bool:
+        """Signalled, or at the user's --max-steps / --duration."""
+        opts = self.opts
+        if self.stopping.is_set():
+            return True
+        if opts.max_steps is not None and step >= opts.max_steps:
+            return True
+        return opts.duration_s is not None and time.monotonic() - start >= opts.duration_s

@@ -1,0 +1,76 @@
+"""Who is in the run: this peer's heartbeat, and how many peers' heartbeats are live.
+
+Every strategy needs both: the heartbeat makes the peer count in others' groups, and the live
+count is the group size a round waits for (a small run must not sit out the whole gather
+deadline waiting for a configured maximum that will never come).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Collection
+
+import trio
+
+from swarmd.node.dht import DHTNode, KeyReader
+from swarmd.node.peer.runconfig import RunConfig, peers_key
+from swarmd.node.runkeys import CLIENT_MARK
+from swarmd.protocol.identity import PeerId
+
+#: How stale the count of live peers may be once it reaches the run's target group size.
+LIVE_PEERS_MAX_AGE_S = 10.0
+#: A heartbeat record's lifetime: a peer that stops refreshing it is gone after this long.
+HEARTBEAT_TTL_S = 30.0
+
+
+async def heartbeat(dht: DHTNode, config: RunConfig, address: str, client: bool = False) -> None:
+    """Announces this peer under the run's peers key until cancelled (the record then lapses).
+    A client-mode peer says so: others cannot probe it, and must not take it for dead."""
+    value = address + CLIENT_MARK * client
+    async with dht.announce(peers_key(config.name), value.encode(), ttl=HEARTBEAT_TTL_S):
+        await trio.sleep_forever()
+
+
+class LivePeers:
+    """The count of the run's live heartbeats, re-read only when it could matter."""
+
+    def __init__(self, dht: DHTNode, config: RunConfig) -> None:
+        self._dht = dht
+        self._config = config
+        #: (monotonic time, live peer -> the address its heartbeat names) at the last read.
+        self._last: tuple[float, dict[PeerId, str]] = (-math.inf, {})
+        self._reader: KeyReader | None = None
+
+    async def count(self) -> int:
+        return len(await self.addresses())
+
+    async def addresses(self) -> dict[PeerId, str]:
+        """The run's live heartbeats: peer -> the address it names (`is_client` tells a
+        client-mode peer's). Their count is the group size a round waits for.
+
+        Read before every round while it is below the run's target group size (a joiner must
+        be waited for at once), but at most every LIVE_PEERS_MAX_AGE_S once it reaches it:
+        more peers cannot raise the target then, and a departure shows within the heartbeat's
+        30 s anyway. Each read is a few KB (every heartbeat record, from three nodes), paid
+        in every streaming fragment round's peak otherwise.
+        """
+        at, ids = self._last
+        fresh = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
+        if not (fresh and len(ids) >= self._config.target_group_size):
+            if self._reader is None:
+                # Re-reads transfer only heartbeats (refreshes, withdrawals) not read before.
+                self._reader = self._dht.reader(peers_key(self._config.name))
+            ids = {
+                p: v.value.decode(errors="replace") for p, v in (await self._reader.peers()).items()
+            }
+            self._last = (time.monotonic(), ids)
+        return ids
+
+    async def group_target(self, gone: Collection[PeerId] = ()) -> tuple[int, int]:
+        """(live peers, the group size to wait for): as many as are alive, within the run's
+        min and target group sizes. ``gone``: peers known dead although their heartbeat has
+        not lapsed yet (dropped from a group for not answering), not waited for."""
+        live = len((await self.addresses()).keys() - set(gone))
+        config = self._config
+        return live, max(config.min_group_size, min(config.target_group_size, live))

@@ -1,1 +1,0 @@
-"""Training: the peer lifecycle every algorithm shares, and one strategy per algorithm."""
