@@ -25,6 +25,7 @@ import pytest
 import torch
 import trio
 
+from swarmd.node.statesync.config import SyncConfig
 from swarmd.node.statesync.download import (
     GET_CHUNK,
     GET_MANIFEST,
@@ -32,7 +33,6 @@ from swarmd.node.statesync.download import (
     StateDonor,
     StateSnapshot,
     StateSyncError,
-    SyncConfig,
     SyncStats,
     download_state,
 )

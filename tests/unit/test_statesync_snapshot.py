@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarmd.node.statesync.config import SyncConfig
 from swarmd.node.statesync.download import (
     AdvertError,
     DonorConfig,
@@ -17,7 +18,6 @@ from swarmd.node.statesync.download import (
     ManifestError,
     StateAdvert,
     StateSnapshot,
-    SyncConfig,
     choose_donors,
 )
 from swarmd.node.statesync.snapshot import ALIGN, TensorEntry, chunk_hash

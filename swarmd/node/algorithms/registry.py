@@ -1,4 +1,8 @@
-"""The strategies a run config's `algo` names: one entry per algorithm, one module each."""
+"""The strategies a run config's `algo` names: one entry per algorithm, one package each.
+
+`swarmd join` hands this table to the lifecycle (peer/lifecycle.py), which never imports an
+algorithm itself.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from swarmd.node.algorithms.demo.strategy import DeMoStrategy
 from swarmd.node.algorithms.diloco.strategy import DiLoCoStrategy
 from swarmd.node.algorithms.streaming.strategy import StreamingStrategy
 from swarmd.node.algorithms.swarm.strategy import SwarmStrategy
-from swarmd.node.peer.options import JoinError
+from swarmd.node.peer import strategy
 from swarmd.node.peer.strategy import Strategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -15,9 +19,4 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 def strategy_for(algo: str) -> type[Strategy]:
-    try:
-        return STRATEGIES[algo]
-    except KeyError:  # a run config made by a newer swarmd that this one cannot train
-        raise JoinError(
-            f"this swarmd cannot train algo {algo!r} (it knows {', '.join(STRATEGIES)})"
-        ) from None
+    return strategy.strategy_for(STRATEGIES, algo)

@@ -45,8 +45,9 @@ from swarmd.node.averaging.codecs import (
     part_limit,
 )
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
-from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange, Link
+from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange
 from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
+from swarmd.node.averaging.link import Link
 from swarmd.node.averaging.proof import NONCE_BYTES
 from swarmd.node.averaging.reduction import ReductionConfig, check_contribution, l2_norm
 from swarmd.node.averaging.round import Reduction, Round

@@ -8,11 +8,10 @@ the rounds other members still read from) stays in the `Averager`, which lends i
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -28,11 +27,11 @@ from swarmd.compression import (
 )
 from swarmd.node.averaging import verify
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
-from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult, Throughput
+from swarmd.node.averaging.config import AllReduceResult
+from swarmd.node.averaging.link import Link
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
-from swarmd.node.bans import Bans, Rejection
-from swarmd.node.metrics import Metrics
+from swarmd.node.bans import Rejection
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta, payload_nbytes
@@ -43,34 +42,6 @@ log = logging.getLogger("swarmd.allreduce")
 SERVICE = "swarmd.averaging.v1.Averager"
 PUT_PART = rpc.method_path(SERVICE, "PutPart")
 GET_PART = rpc.method_path(SERVICE, "GetPart")
-
-
-@dataclass
-class Link:
-    """What every exchange of one averager shares: the client, the measured throughput,
-    metrics, and the int8 code buffers that rounds of the same key reuse."""
-
-    client: rpc.RpcClient
-    config: AllReduceConfig
-    metrics: Metrics | None
-    #: Replaces the codec for this peer's own contributions; tests inject a lying peer.
-    outgoing_encoder: Callable[[torch.Tensor], bytes] | None
-    throughput: Throughput
-    #: Whom this peer refuses, and where the evidence it finds goes (bans.py).
-    bans: Bans
-    #: Per error-feedback key and part, the int8 codes of the part this peer sent last
-    #: round: every send has finished when a round returns, so the next round reuses them
-    #: (3 x 25 MB of fresh pages per round in the 4 x 100 M benchmark, ~8% of its CPU).
-    sent_codes: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
-
-    def deadline(self, nbytes: float) -> float:
-        cfg = self.config
-        expected = nbytes / max(self.throughput.value, 1.0)
-        return min(cfg.max_deadline_s, cfg.min_deadline_s + cfg.deadline_slack * expected)
-
-    def count_bytes(self, direction: str, codec: str, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.on_averaging_bytes(direction, codec, nbytes)
 
 
 class Exchange:
@@ -108,8 +79,6 @@ class Exchange:
         self.acked: set[tuple[int, int]] = set()
         #: (part, attempt) -> the reducer's commitment served with the part (PartServed).
         self.commitments: dict[tuple[int, int], bytes] = {}
-        #: (part, attempt) -> the proof this peer checked and found to hold (verify.check).
-        self.verified: dict[tuple[int, int], apb.AcceptedProof] = {}
         #: Parts whose reducer signed two different proofs (verify.cross_check).
         self.equivocations: set[int] = set()
         self.started = time.monotonic()
@@ -135,7 +104,9 @@ class Exchange:
                 nursery.start_soon(self.reduce_own)
         rnd.obtained.set()
         if self.link.config.probes:
-            await verify.cross_check(self, time.monotonic() - self.started)
+            found = await verify.cross_check(self.rnd, self.link, time.monotonic() - self.started)
+            for j, attempt, witness in found:
+                self.equivocated(j, attempt, witness)
         if self.equivocations:
             # Every member that saw the two signatures re-reduces the part without its
             # reducer, at the same fallback reducers: they end with the same values again.
@@ -269,8 +240,12 @@ class Exchange:
         red = rnd.reduction(j, attempt)
         s, e = rnd.bounds[j]
         if self.link.config.probes:
-            committed = await trio.to_thread.run_sync(verify.commit_own, self, j, attempt, own)
+            commit = functools.partial(verify.commit_own, rnd, self.link.config, j, attempt)
+            committed, rounded = await trio.to_thread.run_sync(
+                commit, own, self.residual, self.to_send
+            )
             red.committed, red.commitment, own = committed, committed.root, committed.values
+            self.own_rounded = self.own_rounded or rounded
         # A banned member's calls are refused: waiting for its contribution would only run
         # the part into its deadline.
         red.expected -= {i for i in red.expected if i != rnd.me and self.banned(i)}
@@ -284,7 +259,7 @@ class Exchange:
                 peer = rnd.group.members[index].peer_id
                 self.link.bans.offence(peer, why, self.context(j), rnd.group.round_id.hex())
         try:
-            await verify.prove(self, j, attempt)
+            await verify.prove(self.rnd, self.link, j, attempt, self.fetch_timeout)
         finally:
             red.sealed = True
             red.release()
@@ -375,7 +350,7 @@ class Exchange:
             async with trio.open_nursery() as nursery:
 
                 async def ask() -> None:
-                    proofs.append(await verify.request_proof(self, j, 0))
+                    proofs.append(await self.request_proof(j, 0))
 
                 nursery.start_soon(ask)
                 relayed = await self.from_relays(j, self.fetch_timeout)
@@ -429,12 +404,15 @@ class Exchange:
             return refused is None
         # Asked even for a part already refused: the reducer waits for every contributor's
         # nonce before it proves anything (measured: a refused part cost each round 15 s).
-        why = await verify.check(self, j, attempt, blob, relayed, early)
+        asked = early if early is not None else await self.request_proof(j, attempt)
+        sent = self.claimed(j, attempt, relayed)
+        verdict = await verify.check(self.rnd, self.link.config, j, attempt, blob, asked, sent)
         if refused is not None:
             return False
+        why = verdict.why
         if why is None:
-            if (j, attempt) in self.verified:
-                self.rnd.accepted[(j, attempt)] = self.verified[(j, attempt)]
+            if verdict.accepted is not None:
+                self.rnd.accepted[(j, attempt)] = verdict.accepted
             return True
         # The evidence a ban needs: who, which round and part, and what did not hold.
         log.warning(
@@ -448,6 +426,27 @@ class Exchange:
         if isinstance(why, Rejection):  # the proof came from the reducer, relayed bytes or not
             self.blame(j, attempt, why)
         return False
+
+    async def request_proof(self, j: int, attempt: int) -> verify.Asked:
+        # The reducer waits up to fetch_timeout for nonces, then makes one pass over the part
+        # per contribution: about as long as a transfer of it.
+        timeout = self.fetch_timeout + self.link.deadline(self.bytes_per_part)
+        return await verify.request_proof(self.rnd, self.link.client, j, attempt, timeout)
+
+    def claimed(self, j: int, attempt: int, relayed: bool) -> verify.Sent:
+        """What this peer sent for part j, as its reducer's proof must account for it."""
+        s, e = self.rnd.bounds[j]
+        return verify.Sent(
+            relayed=relayed,
+            weight=self.weight,
+            acked=(j, attempt) in self.acked,
+            result=self.result[s:e],
+            commitment=b"" if relayed else self.commitments.get((j, attempt), b""),
+            values=self.to_send[s:e],
+            lost=None if self.residual is None else self.residual[s:e],
+            encoded=self.encoded_parts.get(j),
+            own_codec=self.link.outgoing_encoder is None,
+        )
 
     def equivocated(self, j: int, attempt: int, witness: PeerId) -> None:
         """Part j's reducer signed another proof for it, which ``witness`` accepted: the part

@@ -1,7 +1,9 @@
 """A member's side and a reducer's side of a part's proof (proof.py holds the checks).
 
-Kept apart from exchange.py, which calls these with itself: the exchange moves bytes, this
-module decides whether to trust them.
+Kept apart from exchange.py, which moves the bytes: this module decides whether to trust
+them and returns what it decided (a verdict, the members that caught an equivocation, a
+commitment), and the exchange applies it. It never holds the exchange itself, so the
+dependency runs one way: exchange -> verify.
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import trio
 
 from swarmd.compression import CompressionError, DecodeLimits, decode
+from swarmd.node.averaging.codecs import Encoded
 from swarmd.node.averaging.commit import Committed, commit, form_for
+from swarmd.node.averaging.config import AllReduceConfig
+from swarmd.node.averaging.link import Link
 from swarmd.node.averaging.proof import (
     NONCE_BYTES,
     Claim,
@@ -30,11 +35,10 @@ from swarmd.node.averaging.proof import (
     sign_proof,
     signed_by,
 )
+from swarmd.node.averaging.round import Round
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
-
-if TYPE_CHECKING:
-    from swarmd.node.averaging.exchange import Exchange
+from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.allreduce")
 
@@ -42,8 +46,62 @@ log = logging.getLogger("swarmd.allreduce")
 GET_PROOF = rpc.method_path("swarmd.averaging.v1.Averager", "GetProof")
 ACCEPTED_PROOFS = rpc.method_path("swarmd.averaging.v1.Averager", "AcceptedProofs")
 
+#: The reducer's proof for a part (or why there is none), and the nonce sent for it.
+Asked = tuple[apb.PartProof | str, bytes]
 
-async def cross_check(ex: Exchange, elapsed_s: float) -> None:
+
+@dataclass(frozen=True)
+class Sent:
+    """What this member gave a part's reducer: what the reducer's proof must account for."""
+
+    #: Whether the part came through a relay (the reducer's commitment is then not at hand).
+    relayed: bool
+    weight: float
+    #: Whether the reducer acknowledged the contribution.
+    acked: bool
+    #: The reduced part as this member decoded it.
+    result: torch.Tensor
+    #: The reducer's commitment to its own contribution, served with the part.
+    commitment: bytes
+    #: This member's values of the part, and what their encoding lost (None: no error
+    #: feedback).
+    values: torch.Tensor
+    lost: torch.Tensor | None
+    #: The bytes it sent for the part (None: none).
+    encoded: Encoded | None
+    #: Whether the round's codec made them (False: a test's own encoder did).
+    own_codec: bool
+
+
+def contribution(sent: Sent, codec: str, ranges: Ranges) -> torch.Tensor | None:
+    """The part as its reducer decoded it from this member's bytes, on ``ranges`` (None: it
+    sent none, or bytes that decode to nothing a reducer could use)."""
+    if sent.encoded is None:
+        return None
+    if sent.own_codec and codec == "fp32":
+        return gather(sent.values, ranges)
+    lost = sent.lost
+    if sent.own_codec and lost is not None:
+        # What the reducer decoded is what this member meant to send less what the codec
+        # lost (to a float32 rounding): no decoding pass over the whole part.
+        return torch.cat([sent.values[a:b] - lost[a:b] for a, b in ranges])
+    blob = b"".join(sent.encoded)
+    try:
+        limits = DecodeLimits(max_elements=sent.values.numel(), max_bytes=len(blob) * 8 + 4096)
+        return gather(decode(blob, limits), ranges)
+    except CompressionError:
+        return None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    #: Why the proof does not hold (a `Rejection` when that is evidence), or None when it does.
+    why: str | None
+    #: What this member tells fellow members it accepted (cross_check), when the proof held.
+    accepted: apb.AcceptedProof | None = None
+
+
+async def cross_check(rnd: Round, link: Link, elapsed_s: float) -> list[tuple[int, int, PeerId]]:
     """Compares the proofs this peer accepted with the other members' (BTARD's broadcast of
     what each member was told, cut to one small call per member). A member checks only its
     own entry and the reducer's, so a reducer could tell each member a story that forges an
@@ -56,11 +114,14 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
     members that did go on to the next fallback (bounded by their deadlines).
 
     Waits for the others at most half as long as the round took so far (and 1 to
-    `cross_check_s` seconds): a member that never answers costs a bounded share of a round."""
-    rnd, cfg = ex.rnd, ex.link.config
+    `cross_check_s` seconds): a member that never answers costs a bounded share of a round.
+    Returns each (part, attempt, witness) whose reducer signed another proof: the exchange
+    re-reduces those parts and bans their reducers."""
+    cfg = link.config
+    found: list[tuple[int, int, PeerId]] = []
     mine = dict(rnd.accepted)
     if not mine:
-        return
+        return found
     n = len(rnd.group.members)
     timeout = min(cfg.cross_check_s, max(1.0, 0.5 * elapsed_s))
     req = apb.AcceptedProofsRequest(round_id=rnd.group.round_id)
@@ -68,7 +129,7 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
     async def ask(i: int) -> None:
         member = rnd.group.members[i]
         try:
-            theirs = await ex.link.client.unary(
+            theirs = await link.client.unary(
                 member.address,
                 ACCEPTED_PROOFS,
                 req,
@@ -92,7 +153,7 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
             reducer = rnd.group.members[rnd.reducer_of(item.part, item.attempt)].peer_id
             args = (rnd.group.round_id, item.part, item.attempt, bytes(item.digest))
             if signed_by(reducer, bytes(item.signer_key), bytes(item.signature), *args):
-                ex.equivocated(item.part, item.attempt, member.peer_id)
+                found.append((item.part, item.attempt, member.peer_id))
 
     # Only members that can hold a proof of a part this peer accepted: not its reducer (in a
     # pair, nobody).
@@ -102,36 +163,47 @@ async def cross_check(ex: Exchange, elapsed_s: float) -> None:
         async with trio.open_nursery() as nursery:
             for i in asked:
                 nursery.start_soon(ask, i)
+    return found
 
 
-def commit_own(ex: Exchange, j: int, attempt: int, own: torch.Tensor) -> Committed:
+def commit_own(
+    rnd: Round,
+    cfg: AllReduceConfig,
+    j: int,
+    attempt: int,
+    own: torch.Tensor,
+    residual: torch.Tensor | None,
+    to_send: torch.Tensor,
+) -> tuple[Committed, bool]:
     """This peer's contribution to a part it reduces, in the round's number format and
     committed to before any member's nonce exists (commit.py). Its own part's rounding goes
     to error feedback, as its other parts' does; a fallback part's send recorded the same
-    rounding already (the same quantiser on the same values)."""
-    rnd, cfg = ex.rnd, ex.link.config
+    rounding already (the same quantiser on the same values). Also returns whether its own
+    part went in rounded (its error feedback then holds what that lost)."""
     block, _ = cfg.proof_block(rnd.codec_name)
     form = form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits)
     s, e = rnd.bounds[j]
-    residual = out = None
-    if j == rnd.me and attempt == 0 and ex.residual is not None and form.kind != "fp32":
-        residual = ex.residual[s:e]
-        ex.own_rounded = True
+    lost = out = None
+    rounded = j == rnd.me and attempt == 0 and residual is not None and form.kind != "fp32"
+    if rounded:
+        assert residual is not None
+        lost = residual[s:e]
         # `to_send` is then this round's own buffer, and its own part is read nowhere
         # else: the rounded values replace it there.
-        out = own if own.data_ptr() == ex.to_send[s:e].data_ptr() else None
-    return commit(own, form, sample_block(block), residual, out)
+        out = own if own.data_ptr() == to_send[s:e].data_ptr() else None
+    return commit(own, form, sample_block(block), lost, out), rounded
 
 
-async def prove(ex: Exchange, j: int, attempt: int) -> None:
-    """Waits for every other contributor's nonce (or the time a member may take to fetch
-    the part), then projects the contributions once for all members (proof.py)."""
-    rnd, probes = ex.rnd, ex.link.config.probes
+async def prove(rnd: Round, link: Link, j: int, attempt: int, fetch_timeout: float) -> None:
+    """Waits for every other contributor's nonce (or ``fetch_timeout``, the time a member may
+    take to fetch the part), then projects the contributions once for all members
+    (proof.py) into the reduction's `proof`."""
+    probes = link.config.probes
     red = rnd.reduction(j, attempt)
     if probes == 0 or red.decoded is None:
         return
     if not red.has_all_nonces():
-        with trio.move_on_after(ex.fetch_timeout):
+        with trio.move_on_after(fetch_timeout):
             await red.nonces_in.wait()
     red.sealed = True
     # Only the members it used: any other nonce would be one it could have made up.
@@ -140,10 +212,10 @@ async def prove(ex: Exchange, j: int, attempt: int) -> None:
         return  # nobody it used asked: nobody can check a proof
     seed = probe_seed(rnd.group.round_id, j, attempt, nonces)
     weights = {i: red.weights[i] for i in red.used}
-    cfg = ex.link.config
+    cfg = link.config
     served, (block, _), density = red.encoded, cfg.proof_block(rnd.codec_name), cfg.probe_density
     own = red.committed if rnd.me in red.used else None
-    identity = ex.link.client.identity
+    identity = link.client.identity
 
     def make() -> apb.PartProof:
         proof = make_proof(red.used, weights, nonces, seed, probes, served, block, density, own)
@@ -154,21 +226,20 @@ async def prove(ex: Exchange, j: int, attempt: int) -> None:
     red.proof = await trio.to_thread.run_sync(make)
 
 
-async def request_proof(ex: Exchange, j: int, attempt: int) -> tuple[apb.PartProof | str, bytes]:
+async def request_proof(
+    rnd: Round, client: rpc.RpcClient, j: int, attempt: int, timeout: float
+) -> Asked:
     """The reducer's proof for part j (or why there is none), and the nonce sent for it."""
-    rnd = ex.rnd
     reducer = rnd.group.members[rnd.reducer_of(j, attempt)]
     nonce = secrets.token_bytes(NONCE_BYTES)
     req = apb.ProofRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, nonce=nonce)
     try:
-        proof = await ex.link.client.unary(
+        proof = await client.unary(
             reducer.address,
             GET_PROOF,
             req,
             apb.PartProof,
-            # The reducer waits up to fetch_timeout for nonces, then makes one pass over
-            # the part per contribution: about as long as a transfer of it.
-            timeout=ex.fetch_timeout + ex.link.deadline(ex.bytes_per_part),
+            timeout=timeout,
             recipient=reducer.peer_id,
         )
     except (rpc.RpcError, OSError) as exc:
@@ -177,22 +248,21 @@ async def request_proof(ex: Exchange, j: int, attempt: int) -> tuple[apb.PartPro
 
 
 async def check(
-    ex: Exchange,
+    rnd: Round,
+    cfg: AllReduceConfig,
     j: int,
     attempt: int,
     blob: bytes | bytearray,
-    relayed: bool,
-    early: tuple[apb.PartProof | str, bytes] | None,
-) -> str | None:
-    """Asks the part's reducer for its proof (unless asked already) and checks it."""
-    rnd, cfg = ex.rnd, ex.link.config
-    proof, nonce = early if early is not None else await request_proof(ex, j, attempt)
+    asked: Asked,
+    sent: Sent,
+) -> Verdict:
+    """Checks the reducer's proof (``asked``) of part j against what this member sent."""
+    proof, nonce = asked
     if isinstance(proof, str):
-        return proof
-    s, e = rnd.bounds[j]
+        return Verdict(proof)
     reducer = rnd.reducer_of(j, attempt)
 
-    def verify() -> str | None:
+    def verify() -> Verdict:
         claim = Claim(
             round_id=rnd.group.round_id,
             part=j,
@@ -201,30 +271,24 @@ async def check(
             reducer=reducer,
             members=len(rnd.group.members),
             nonce=nonce,
-            relayed=relayed,
-            contribution=functools.partial(sent, ex, j),
-            weight=ex.weight,
-            acked=(j, attempt) in ex.acked,
-            result=ex.result[s:e],
+            relayed=sent.relayed,
+            contribution=functools.partial(contribution, sent, rnd.codec_name),
+            weight=sent.weight,
+            acked=sent.acked,
+            result=sent.result,
             blob=blob,
             codec=rnd.codec_name,
             int8_block_size=cfg.proof_block(rnd.codec_name)[0],
             int8_bits=cfg.proof_block(rnd.codec_name)[1],
             density=cfg.probe_density,
-            commitment=b"" if relayed else ex.commitments.get((j, attempt), b""),
+            commitment=sent.commitment,
             form=form_for(rnd.codec_name, cfg.int8_block_size, cfg.int8_bits),
             signer=rnd.group.members[reducer].peer_id,
         )
         why = check_proof(proof, claim, cfg.probes, cfg.reduction)
-        if why is None:
-            ex.verified[(j, attempt)] = apb.AcceptedProof(
-                part=j,
-                attempt=attempt,
-                digest=proof_digest(proof),
-                signer_key=proof.signer_key,
-                signature=proof.signature,
-            )
-        if why is None and left_out(proof, claim):
+        if why is not None:
+            return Verdict(why)
+        if left_out(proof, claim):
             log.warning(
                 "round %s: reducer %s left this peer's contribution out of part %d (attempt %d)",
                 rnd.group.round_id.hex()[:12],
@@ -232,27 +296,13 @@ async def check(
                 j,
                 attempt,
             )
-        return why
+        accepted = apb.AcceptedProof(
+            part=j,
+            attempt=attempt,
+            digest=proof_digest(proof),
+            signer_key=proof.signer_key,
+            signature=proof.signature,
+        )
+        return Verdict(None, accepted)
 
     return await trio.to_thread.run_sync(verify)
-
-
-def sent(ex: Exchange, j: int, ranges: Ranges) -> torch.Tensor | None:
-    """Part j as its reducer decoded it from this peer's bytes, on ``ranges`` (None: it
-    sent none, or bytes that decode to nothing a reducer could use)."""
-    if j not in ex.encoded_parts:
-        return None
-    s, e = ex.rnd.bounds[j]
-    mine, lost = ex.to_send[s:e], ex.residual
-    if ex.link.outgoing_encoder is None and ex.rnd.codec_name == "fp32":
-        return gather(mine, ranges)
-    if ex.link.outgoing_encoder is None and lost is not None:
-        # What the reducer decoded is what this peer meant to send less what the codec
-        # lost (to a float32 rounding): no decoding pass over the whole part.
-        return torch.cat([mine[a:b] - lost[s + a : s + b] for a, b in ranges])
-    blob = b"".join(ex.encoded_parts[j])
-    try:
-        limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
-        return gather(decode(blob, limits), ranges)
-    except CompressionError:
-        return None

@@ -1,10 +1,11 @@
 """A Byzantine peer: `swarmd join` with swarmd's own code, except that its DiLoCo optimiser
 misreports what it contributes to each round. `swarmd chaos --byzantine` swaps a peer for one
-of these for a while; tests/adversarial mounts the same lies against real peers.
+of these for a while; tests/adversarial mounts the same lies against real peers. The process
+that tells them starts from cli/liar.py: the CLI is above chaos, never the other way round.
 
-    SWARMD_LIE=weight   python -m swarmd.node.chaos.byzantine join ...  # 1e9 samples, update x -1
-    SWARMD_LIE=scale100 python -m swarmd.node.chaos.byzantine join ...  # update x 100
-    SWARMD_LIE=signflip python -m swarmd.node.chaos.byzantine join ...  # update x -1
+    SWARMD_LIE=weight   python -m swarmd.node.cli.liar join ...  # 1e9 samples, update x -1
+    SWARMD_LIE=scale100 python -m swarmd.node.cli.liar join ...  # update x 100
+    SWARMD_LIE=signflip python -m swarmd.node.cli.liar join ...  # update x -1
 
 A declared weight beyond the run's bound is evidence (every reducer bans it); a flipped or
 scaled update is finite and well-formed, so it is bounded (norm rules, robust aggregation when
@@ -13,7 +14,6 @@ the run asks for it), never proven.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the harness and schedules import this module without torch
@@ -42,13 +42,3 @@ def install(lie: str) -> None:
     if lie == "weight":
         DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
 
-
-def main() -> None:
-    from swarmd.node.cli.app import entry
-
-    install(os.environ.get(ENV_VAR, ""))
-    entry()
-
-
-if __name__ == "__main__":
-    main()

@@ -185,11 +185,11 @@ class Harness:
         self, nursery: trio.Nursery, slot: Slot, args: list[str], lie: str = ""
     ) -> None:
         """Starts ``slot``'s process: `swarmd` with ``args``, or the Byzantine peer telling
-        ``lie`` (chaos/byzantine.py) with the same arguments."""
+        ``lie`` (chaos/byzantine.py, started by cli/liar.py) with the same arguments."""
         env = {**os.environ, ENV_VAR: str(slot.plan_path), "PYTHONUNBUFFERED": "1"}
         module = "swarmd.node.cli"
         if lie:
-            env[byzantine.ENV_VAR], module = lie, "swarmd.node.chaos.byzantine"
+            env[byzantine.ENV_VAR], module = lie, "swarmd.node.cli.liar"
         proc = await trio.lowlevel.open_process(
             [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,

@@ -123,6 +123,7 @@ def read_secret(path: Path | None) -> bytes | None:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from swarmd.node.algorithms.registry import STRATEGIES
     from swarmd.node.local.config import LocalConfigError, count_workers
     from swarmd.node.peer.lifecycle import run_join
     from swarmd.node.peer.options import JoinOptions
@@ -188,7 +189,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None
-    return run_join(options)
+    return run_join(options, STRATEGIES)
 
 
 def cmd_run_secret(args: argparse.Namespace) -> int:

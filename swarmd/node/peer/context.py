@@ -9,12 +9,12 @@ metrics, progress output, the stop signal and the wait/held clocks.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import trio
 
-from swarmd.node.algorithms.demo.gather import Gatherer
-from swarmd.node.algorithms.swarm.stage_service import StageHost
 from swarmd.node.averaging.allreduce import Averager
 from swarmd.node.dht import DHTNode
 from swarmd.node.local.ranks import LocalRanks
@@ -26,6 +26,16 @@ from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.statesync.donor import StateDonor
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
+
+
+class Hosted(Protocol):
+    """A service an algorithm needs served on every peer's port from the start, before the
+    run's config (and so its algorithm) is known: DeMo's all-gather, SWARM's stage calls."""
+
+    def service(self) -> rpc.Service: ...
+
+
+H = TypeVar("H", bound=Hosted)
 
 
 @dataclass
@@ -55,11 +65,10 @@ class PeerContext:
     client: rpc.RpcClient
     dht: DHTNode
     averager: Averager
-    #: The sticky-group all-gather (DeMo's exchange), served whatever the algorithm.
-    gatherer: Gatherer
     donor: StateDonor
-    #: SWARM's Stage service (answers once a stage is attached).
-    stages: StageHost
+    #: Each algorithm's own always-served service, by `algo` (`Strategy.host`): served
+    #: whatever the run's algorithm, used only by the one that made it.
+    hosts: Mapping[str, Hosted]
     metrics: Metrics
     out: Progress
     live: LivePeers
@@ -74,6 +83,13 @@ class PeerContext:
     client_mode: bool = False
     #: This peer's other local ranks (--local-workers N > 1), once started.
     ranks: LocalRanks | None = None
+
+    def host(self, algo: str, kind: type[H]) -> H:
+        """The service ``algo``'s strategy hosts on this peer (made by its `host`)."""
+        host = self.hosts[algo]
+        if not isinstance(host, kind):
+            raise TypeError(f"{algo}'s host is a {type(host).__name__}, not a {kind.__name__}")
+        return host
 
     def batch_index(self, step: int) -> int:
         """The index of the shard's batch this process trains on at inner step `step`: the

@@ -24,9 +24,6 @@ import torch
 import trio
 
 from swarmd.node.access import AccessError, AccessMode, RunAccess, publish_list
-from swarmd.node.algorithms.demo.gather import Gatherer
-from swarmd.node.algorithms.registry import strategy_for
-from swarmd.node.algorithms.swarm.stage_service import StageHost
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
 from swarmd.node.averaging.reduction import Aggregation
 from swarmd.node.bans import Bans, Rejection
@@ -44,7 +41,7 @@ from swarmd.node.peer.progress_publish import PeerFacts, publish_progress
 from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 from swarmd.node.peer.runrecord import choose, claims, publish_config
 from swarmd.node.peer.service import Scratch, announce, peer_service
-from swarmd.node.peer.strategy import Strategy
+from swarmd.node.peer.strategy import HostParts, Strategies, Strategy, strategy_for
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.runtime.heap import settle_heap
 from swarmd.node.statesync.donor import StateDonor
@@ -63,8 +60,9 @@ ACCESS_REFRESH_S = 5.0
 class Peer:
     """The training peer; `run()` is the whole lifecycle."""
 
-    def __init__(self, options: JoinOptions) -> None:
+    def __init__(self, options: JoinOptions, strategies: Strategies) -> None:
         self.opts = options
+        self.strategies = strategies
         self.out = Progress(options.log_format)
         self.identity = Identity.load_or_create(options.state_dir)
         self.metrics = Metrics()
@@ -83,12 +81,13 @@ class Peer:
         self.averager = Averager(
             self.client, self.identity.peer_id, AllReduceConfig(), self.metrics, bans=self.bans
         )
-        self.gatherer = Gatherer(
-            self.client, self.identity.peer_id, metrics=self.metrics, bans=self.bans
-        )
         self.donor = StateDonor()
-        #: SWARM's stage calls: served by every peer, answered once a stage is attached.
-        self.stages = StageHost()
+        #: What each algorithm serves on every peer (DeMo's all-gather, SWARM's stage calls):
+        #: the run's algorithm is not known until its config is read.
+        parts = HostParts(self.client, self.identity.peer_id, self.metrics, self.bans)
+        self.hosts = {
+            algo: host for algo, s in strategies.items() if (host := s.host(parts)) is not None
+        }
         self.address = ""
         #: Set on SIGINT/SIGTERM: the trainer stops at its next step boundary.
         self.stopping = trio.Event()
@@ -116,9 +115,8 @@ class Peer:
             dataclasses.replace(s, gate=self._gate)
             for s in (
                 self.averager.service(),
-                self.gatherer.service(),
                 self.donor.service(),
-                self.stages.service(),
+                *(host.service() for host in self.hosts.values()),
             )
         ]
         self.run_paths = frozenset(rpc.method_path(s.name, m.name) for s in run for m in s.methods)
@@ -335,7 +333,7 @@ class Peer:
             raise JoinError(str(exc)) from None
 
     async def _train(self, config: RunConfig, creator: PeerId, nursery: trio.Nursery) -> None:
-        unsupported = strategy_for(config.algo).needs_reachable(self.opts)
+        unsupported = strategy_for(self.strategies, config.algo).needs_reachable(self.opts)
         if self.reach.client_mode and unsupported:
             raise JoinError(
                 f"run {config.name!r} uses {config.algo}, whose peers must all be reachable "
@@ -350,9 +348,8 @@ class Peer:
             client=self.client,
             dht=self.dht,
             averager=self.averager,
-            gatherer=self.gatherer,
             donor=self.donor,
-            stages=self.stages,
+            hosts=self.hosts,
             metrics=self.metrics,
             out=self.out,
             live=LivePeers(self.dht, config),
@@ -365,7 +362,7 @@ class Peer:
         self.averager.set_reduction(
             dataclasses.replace(self.averager.config.reduction, aggregation=aggregation)
         )
-        strategy = strategy_for(config.algo)(peer)
+        strategy = strategy_for(self.strategies, config.algo)(peer)
         await strategy.join()
         try:
             await self._start_local(peer, strategy)
@@ -453,14 +450,14 @@ LOCAL_RESTARTS = 3
 EXIT_LOCAL_RANK = 4
 
 
-def run_join(options: JoinOptions) -> int:
+def run_join(options: JoinOptions, strategies: Strategies) -> int:
     """`swarmd join`'s exit code: 0, 2 for what the user must fix, 3 if no peer answered, 4 if
     a local rank died and kept dying after LOCAL_RESTARTS restarts of the peer."""
     torch.set_num_threads(1)
     settle_heap()
     for attempt in range(LOCAL_RESTARTS + 1):
         try:
-            trio.run(Peer(options).run)
+            trio.run(Peer(options, strategies).run)
         except BaseExceptionGroup as group:
             leaf = innermost(group)
             if isinstance(leaf, JoinError):

@@ -4,7 +4,8 @@ The lifecycle (lifecycle.py) owns what every algorithm shares: identity, the ser
 services, DHT bootstrap, the run config, metrics, heartbeats, progress output, the stop signal
 and the final summary. A strategy owns how one algorithm trains and talks: what it syncs, when,
 with whom, and what state a joiner downloads. The lifecycle never branches on the algorithm; it
-looks the strategy up by the run config's `algo` (strategies.py) and calls, in this order:
+looks the strategy up by the run config's `algo` in the table it is given
+(algorithms/registry.py, passed in by `swarmd join`) and calls, in this order:
 
 1. `join()` once, before this peer's heartbeat is announced: build the model and take the
    state to start from (what a joiner downloads). Peers wait for every live heartbeat in their
@@ -24,6 +25,7 @@ from the run config by `RunConfig.diloco_config()` / `streaming_config()`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -31,9 +33,13 @@ import torch
 import trio
 from torch import nn
 
-from swarmd.node.peer.context import PeerContext
-from swarmd.node.peer.options import JoinOptions
+from swarmd.node.bans import Bans
+from swarmd.node.metrics import Metrics
+from swarmd.node.peer.context import Hosted, PeerContext
+from swarmd.node.peer.options import JoinError, JoinOptions
 from swarmd.optim.forward import InnerForward
+from swarmd.protocol import rpc
+from swarmd.protocol.identity import PeerId
 
 
 class HasForward(Protocol):
@@ -55,6 +61,16 @@ class LocalTarget:
     inner_state: dict[str, torch.Tensor] | None
 
 
+@dataclass(frozen=True)
+class HostParts:
+    """What the lifecycle has when it makes the algorithms' hosts, before any run is known."""
+
+    client: rpc.RpcClient
+    peer_id: PeerId
+    metrics: Metrics
+    bans: Bans
+
+
 class Strategy(ABC):
     """How one algorithm trains and talks; one instance per run a peer joins."""
 
@@ -65,6 +81,12 @@ class Strategy(ABC):
     def needs_reachable(cls, opts: JoinOptions) -> str | None:
         """Why a peer with these options must be reachable to train this algorithm, said at
         join to a peer others cannot dial (None: it trains in client mode, issue 27)."""
+        return None
+
+    @classmethod
+    def host(cls, parts: HostParts) -> Hosted | None:
+        """The service this algorithm needs on every peer's port from the start (None:
+        none beyond the shared ones); its strategy finds it in `PeerContext.hosts`."""
         return None
 
     def __init__(self, peer: PeerContext) -> None:
@@ -89,3 +111,16 @@ class Strategy(ABC):
     @abstractmethod
     def round(self) -> int:
         """The outer round this peer's state has reached (for the `stopped` line)."""
+
+
+#: The algorithms a peer can train, by `RunConfig.algo` (algorithms/registry.py's).
+Strategies = Mapping[str, type[Strategy]]
+
+
+def strategy_for(strategies: Strategies, algo: str) -> type[Strategy]:
+    try:
+        return strategies[algo]
+    except KeyError:  # a run config made by a newer swarmd that this one cannot train
+        raise JoinError(
+            f"this swarmd cannot train algo {algo!r} (it knows {', '.join(strategies)})"
+        ) from None

@@ -13,12 +13,10 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import trio
 
-if TYPE_CHECKING:
-    from swarmd.node.statesync.download import SyncConfig
+from swarmd.node.statesync.config import SyncConfig
 
 log = logging.getLogger("swarmd.statesync")
 

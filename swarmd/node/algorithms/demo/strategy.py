@@ -48,7 +48,7 @@ from swarmd.node.bans import Bans, Rejection
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.sharedstate import SharedState
-from swarmd.node.peer.strategy import LocalTarget, Strategy
+from swarmd.node.peer.strategy import HostParts, LocalTarget, Strategy
 from swarmd.node.runkeys import is_client
 from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.optim.demo_state import DeMoRun
@@ -102,12 +102,17 @@ def decode_payloads(
 class DeMoStrategy(Strategy):
     algo = "demo"
 
+    @classmethod
+    def host(cls, parts: HostParts) -> Gatherer:
+        """The sticky-group all-gather, served by every peer whatever its run's algorithm."""
+        return Gatherer(parts.client, parts.peer_id, metrics=parts.metrics, bans=parts.bans)
+
     def __init__(self, peer: PeerContext) -> None:
         super().__init__(peer)
         self._run: DeMoRun | None = None
         self._source: TokenSource | None = None
         self._state: SharedState | None = None
-        self.gatherer: Gatherer = peer.gatherer
+        self.gatherer = peer.host(self.algo, Gatherer)
         self.me = Member(
             peer.identity.peer_id, peer.address, peer.opts.bandwidth, client=peer.client_mode
         )

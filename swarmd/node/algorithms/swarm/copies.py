@@ -19,7 +19,7 @@ import trio
 
 from swarmd.node.algorithms.swarm import wire
 from swarmd.node.algorithms.swarm.directory import StageRecord
-from swarmd.node.algorithms.swarm.stage_service import EDGE_ROW, PART
+from swarmd.node.algorithms.swarm.stage_service import EDGE_ROW, PART, StageHost
 from swarmd.node.peer.context import PeerContext
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -107,6 +107,7 @@ class Keeper:
 
     def __init__(self, peer: PeerContext, stages: int) -> None:
         self.peer, self.stages = peer, stages
+        self.host = peer.host("swarm", StageHost)
         self.sizes: dict[str, int] = {}
         self._busy = False
         #: Counts the stages taken: a refresh begun for another stage stores nothing.
@@ -116,7 +117,7 @@ class Keeper:
         """A stage was taken: the edge sizes of this run's end stages; old copies go."""
         self.sizes = sizes
         self._taken += 1
-        self.peer.stages.copies.clear()
+        self.host.copies.clear()
 
     def after_round(
         self, nursery: trio.Nursery | None, index: int, directory: dict[PeerId, StageRecord]
@@ -131,7 +132,7 @@ class Keeper:
         try:
             got = await refresh(self.peer, index, self.stages, directory, self.sizes)
             if taken == self._taken:
-                self.peer.stages.copies.update(got)
+                self.host.copies.update(got)
         except Exception:  # a copy is best effort: the next round tries again
             log.exception("refreshing the edge copies failed")
         finally:

@@ -27,7 +27,7 @@ from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.follow import countable, state_to_follow
 from swarmd.node.algorithms.swarm.rebalance import Move, choose_move, stage_rates
-from swarmd.node.algorithms.swarm.stage_service import StageJob, StageShape
+from swarmd.node.algorithms.swarm.stage_service import StageHost, StageJob, StageShape
 from swarmd.node.averaging.allreduce import Member
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
@@ -71,6 +71,8 @@ class StageServer:
     """This peer's stage: what it serves, with whom it averages, where it moves."""
 
     def __init__(self, peer: PeerContext, swarm: SwarmConfig, audit: Path | None) -> None:
+        #: The Stage service this peer serves (stage_service.py), its stage attached to it.
+        self.host = peer.host("swarm", StageHost)
         self.peer = peer
         self.swarm = swarm
         self.job: StageJob | None = None
@@ -117,7 +119,7 @@ class StageServer:
                 f"stages (0 to {self.swarm.stages - 1})"
             )
         self.job, self.state = await self._take_stage(stage)
-        self.peer.stages.attach(self.job)
+        self.host.attach(self.job)
 
     async def _least_served(self) -> int:
         records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
@@ -180,7 +182,7 @@ class StageServer:
             if t.first
             else torch.zeros(s.batch, s.block, s.width)
         )
-        host = self.peer.stages
+        host = self.host
         if t.last_stage:
             y = torch.zeros(s.batch, s.block, dtype=torch.int64)
             await host.compute("last", lambda: t.last(x, y), job)
@@ -198,7 +200,7 @@ class StageServer:
     async def leave(self) -> None:
         if self.job is None:
             return
-        self.peer.stages.attach(None)
+        self.host.attach(None)
         with trio.CancelScope(shield=True), trio.move_on_after(5):
             await directory.withdraw(
                 self.peer.dht, self.peer.config.name, self.peer.identity.peer_id, self._record()
@@ -214,7 +216,7 @@ class StageServer:
                 stage=self._moving_to,
                 address=self.peer.address,
                 rate=min(self.job.rate, 1e6),
-                queue=self.peer.stages.queue,
+                queue=self.host.queue,
                 state="joining",
                 round=0,
             )
@@ -222,7 +224,7 @@ class StageServer:
             stage=self.job.index,
             address=self.peer.address,
             rate=min(self.job.rate, 1e6),
-            queue=self.peer.stages.queue,
+            queue=self.host.queue,
             state=state,
             round=self.job.trainer.round,
             grad_norm=min(self.job.trainer.last_grad_norm, 1e29),
@@ -324,7 +326,7 @@ class StageServer:
         meet whenever each starts its round (one that started late is waited for up to the
         gather time), and every round makes a new state (an idle one moves the round counter
         only), so no key is used twice."""
-        job, state, host = self.job, self.state, self.peer.stages
+        job, state, host = self.job, self.state, self.host
         assert job is not None and state is not None and state.last_hash is not None
         t0 = time.monotonic()
         grad, count = await host.compute("take", job.trainer.take, job)
@@ -469,5 +471,5 @@ class StageServer:
         # The old stage's gradients of the micro-batches since its last round (a move follows
         # a round at once, so few) are dropped with it.
         self.job, self.state, self._unsure = job, state, True
-        peer.stages.attach(job)
+        self.host.attach(job)
         await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())

@@ -24,10 +24,11 @@ import trio
 
 from swarmd.node.algorithms.loop import choose_shard
 from swarmd.node.algorithms.swarm.server_role import StageServer
+from swarmd.node.algorithms.swarm.stage_service import StageHost
 from swarmd.node.algorithms.swarm.trainer import MicroBatchFailed, SwarmTrainer
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.options import JoinOptions
-from swarmd.node.peer.strategy import Strategy
+from swarmd.node.peer.strategy import HostParts, Strategy
 from swarmd.workloads import TokenSource, load_source
 
 #: How long a trainer's in-flight micro-batches may take to finish once the peer is told to
@@ -50,6 +51,11 @@ class SwarmStrategy(Strategy):
             f"trainers dial the stage servers, and --role {opts.role} serves a stage; a peer "
             "behind NAT can join as --role trainer"
         )
+
+    @classmethod
+    def host(cls, parts: HostParts) -> StageHost:
+        """The Stage service every peer serves: it answers once a stage is attached."""
+        return StageHost()
 
     def __init__(self, peer: PeerContext) -> None:
         super().__init__(peer)
