@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from swarmd.node.local.attach import attach_local
-from swarmd.node.local.config import LocalConfig, choose_precision
+from swarmd.node.peer.local.attach import attach_local
+from swarmd.node.peer.local.config import LocalConfig, choose_precision
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.strategy import LocalTarget

@@ -1,7 +1,7 @@
 """What an inner step's forward and backward run through, and who else takes the step.
 
 A peer alone trains its model directly. A peer with several local ranks (`swarmd join
---local-workers N`, swarmd/node/local) runs the same step on every rank at once, each on its
+--local-workers N`, swarmd/node/peer/local) runs the same step on every rank at once, each on its
 own batch, with gradients averaged between them inside the backward (DDP): the optimisers then
 see one step on an N-times larger batch. The optimisers stay ignorant of processes and
 collectives: they ask this object for the module to call, tell it before each step (so the

@@ -1,7 +1,7 @@
 """`--local-workers`: local ranks (real processes, gloo on loopback) take a peer's inner steps.
 
 The test process is rank 0 here, as the daemon is in a run: LocalRanks starts rank 1 with
-`python -m swarmd.node.local.worker`, exactly as `swarmd join` does.
+`python -m swarmd.node.peer.local.worker`, exactly as `swarmd join` does.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarmd.node.local.attach import attach_local
-from swarmd.node.local.config import LocalConfig
-from swarmd.node.local.ranks import LocalRankError, LocalRanks
+from swarmd.node.peer.local.attach import attach_local
+from swarmd.node.peer.local.config import LocalConfig
+from swarmd.node.peer.local.ranks import LocalRankError, LocalRanks
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.strategy import LocalTarget

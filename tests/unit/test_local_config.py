@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarmd.node.local.config import (
+from swarmd.node.peer.local.config import (
     LocalConfig,
     LocalConfigError,
     choose_precision,
     count_workers,
 )
-from swarmd.node.local.protocol import batch_index
+from swarmd.node.peer.local.protocol import batch_index
 from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 
 

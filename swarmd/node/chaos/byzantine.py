@@ -41,4 +41,3 @@ def install(lie: str) -> None:
     DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
     if lie == "weight":
         DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
-

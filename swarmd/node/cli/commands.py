@@ -124,8 +124,8 @@ def read_secret(path: Path | None) -> bytes | None:
 
 def cmd_join(args: argparse.Namespace) -> int:
     from swarmd.node.algorithms.registry import STRATEGIES
-    from swarmd.node.local.config import LocalConfigError, count_workers
     from swarmd.node.peer.lifecycle import run_join
+    from swarmd.node.peer.local.config import LocalConfigError, count_workers
     from swarmd.node.peer.options import JoinOptions
     from swarmd.node.peer.runconfig import RunConfig, RunConfigError
     from swarmd.protocol.identity import PeerId

@@ -17,8 +17,8 @@ import trio
 
 from swarmd.node.averaging.allreduce import Averager
 from swarmd.node.dht import DHTNode
-from swarmd.node.local.ranks import LocalRanks
 from swarmd.node.metrics import Metrics
+from swarmd.node.peer.local.ranks import LocalRanks
 from swarmd.node.peer.membership import LivePeers
 from swarmd.node.peer.options import JoinOptions
 from swarmd.node.peer.progress import Progress, TrainStats

@@ -29,11 +29,11 @@ from swarmd.node.averaging.reduction import Aggregation
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.dht.dialback import Reachability, reachability_of
-from swarmd.node.local.attach import attach_local
-from swarmd.node.local.ranks import LocalRankError
 from swarmd.node.metrics import Metrics, MetricsServer
 from swarmd.node.peer.advertise import advertised_address
 from swarmd.node.peer.context import PeerContext
+from swarmd.node.peer.local.attach import attach_local
+from swarmd.node.peer.local.ranks import LocalRankError
 from swarmd.node.peer.membership import LivePeers, heartbeat
 from swarmd.node.peer.options import JoinError, JoinOptions
 from swarmd.node.peer.progress import Progress, report_progress

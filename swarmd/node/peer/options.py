@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarmd.node.algorithms.swarm.config import ROLES
-from swarmd.node.local.config import LocalConfig, choose_precision
+from swarmd.node.peer.local.config import LocalConfig, choose_precision
 from swarmd.node.peer.progress_record import check_text
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.protocol import rpc

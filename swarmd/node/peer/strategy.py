@@ -49,7 +49,7 @@ class HasForward(Protocol):
 
 @dataclass
 class LocalTarget:
-    """What a peer's local ranks (swarmd/node/local) need of a strategy to share its inner
+    """What a peer's local ranks (swarmd/node/peer/local) need of a strategy to share its inner
     steps: the model, its trained parameters, the optimiser whose steps they join, and how."""
 
     model: nn.Module

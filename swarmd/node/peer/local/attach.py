@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from swarmd.node.local.config import LocalConfig
-from swarmd.node.local.module import training_module
-from swarmd.node.local.protocol import WorkerSpec
-from swarmd.node.local.ranks import LocalRanks
+from swarmd.node.peer.local.config import LocalConfig
+from swarmd.node.peer.local.module import training_module
+from swarmd.node.peer.local.protocol import WorkerSpec
+from swarmd.node.peer.local.ranks import LocalRanks
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.strategy import LocalTarget
 from swarmd.optim.forward import InnerForward

@@ -1,4 +1,4 @@
-"""A local rank other than 0: `python -m swarmd.node.local.worker SPEC` (started by rank 0).
+"""A local rank other than 0: `python -m swarmd.node.peer.local.worker SPEC` (started by rank 0).
 
 It builds the run's model on its own device, joins the local process group and then only
 follows rank 0's commands (protocol.py): it opens no socket to another machine and writes
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
-from swarmd.node.local.module import training_module
-from swarmd.node.local.protocol import (
+from swarmd.node.peer.local.module import training_module
+from swarmd.node.peer.local.protocol import (
     Op,
     WorkerSpec,
     batch_index,
@@ -111,7 +111,7 @@ def run_worker(spec: WorkerSpec, rank: int, world: int, addr: str, port: int) ->
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m swarmd.node.local.worker SPEC (started by swarmd join)")
+        print("usage: python -m swarmd.node.peer.local.worker SPEC (started by swarmd join)")
         return 2
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     rank = int(os.environ["RANK"])

@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from swarmd.node.local.config import Precision
+from swarmd.node.peer.local.config import Precision
 
 
 class Autocast(nn.Module):

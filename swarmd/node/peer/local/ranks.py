@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import TCPStore
 
-from swarmd.node.local.config import LocalConfig
-from swarmd.node.local.module import training_module
-from swarmd.node.local.protocol import (
+from swarmd.node.peer.local.config import LocalConfig
+from swarmd.node.peer.local.module import training_module
+from swarmd.node.peer.local.protocol import (
     Op,
     WorkerSpec,
     batch_index,
@@ -111,7 +111,7 @@ class LocalRanks(InnerForward):
         params: Sequence[nn.Parameter],
         work_dir: Path,
     ) -> LocalRanks:
-        """Starts ranks 1..N-1 (`python -m swarmd.node.local.worker`, torchrun's environment
+        """Starts ranks 1..N-1 (`python -m swarmd.node.peer.local.worker`, torchrun's environment
         variables), waits until each has built its model, then forms the process group and
         wraps the model in DDP (which copies rank 0's parameters to every rank)."""
         timeout = datetime.timedelta(seconds=config.timeout_s)
@@ -139,7 +139,7 @@ class LocalRanks(InnerForward):
             for rank in range(1, config.workers):
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "swarmd.node.local.worker", str(spec_path)],
+                        [sys.executable, "-m", "swarmd.node.peer.local.worker", str(spec_path)],
                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                         stdout=sys.stderr,  # stdout carries rank 0's JSON lines
                     )

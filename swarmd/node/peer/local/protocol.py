@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from swarmd.node.local.config import LocalConfig
+from swarmd.node.peer.local.config import LocalConfig
 from swarmd.optim.flat import params_digest, unflatten_into
 
 
@@ -73,7 +73,7 @@ def batch_index(step: int, rank: int, world: int) -> int:
 @dataclass(frozen=True)
 class WorkerSpec:
     """Everything a local rank needs to build the same model and read its own batches; written
-    by rank 0 to a file the worker reads (`python -m swarmd.node.local.worker SPEC`)."""
+    by rank 0 to a file the worker reads (`python -m swarmd.node.peer.local.worker SPEC`)."""
 
     #: The run config, exactly as signed (RunConfig.to_json).
     run_config: str
