@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmd.node.dht import DHTNode, Value
-from swarmd.node.runkeys import CONFIG_TTL_S, access_key, config_key, members_key
+from swarmd.node.runkeys import CONFIG_TTL_S, access_key, config_key, members_key, run_prefixes
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import PeerId
 
@@ -147,7 +147,7 @@ class RunAccess:
         if self.mode == "secret" and self.secret is None:
             raise AccessError(f"run {self.run!r} is secret: give its secret (--secret-file)")
         self._key = derive_key(self.run, self.secret) if self.secret is not None else b""
-        self._run_keys = (f"swarmd/{self.run}/".encode(), f"{self.run}/".encode())
+        self._run_keys = tuple(prefix.encode() for prefix in run_prefixes(self.run))
         self._open_keys = {
             k.encode() for k in (config_key(self.run), access_key(self.run), members_key(self.run))
         }

@@ -1,8 +1,16 @@
-"""The DHT keys of a run, in a module of their own so that readers that never train (`swarmd
-dashboard`, `swarmd status`) name them without importing torch (runconfig.py and the state
-donor, whose modules define what is stored under them, do)."""
+"""Every DHT key of a run, built here and nowhere else: what lives under `swarmd/<run>/` is
+readable in one place (and access.py's filter of a run's keys can be checked against it). A
+module of its own, with no torch, so that readers that never train (`swarmd dashboard`,
+`swarmd status`) name the keys too; the modules that define what is stored under each key
+say so in its docstring."""
 
 from __future__ import annotations
+
+
+def run_prefixes(run: str) -> tuple[str, str]:
+    """What every key of ``run`` begins with (access.py filters a run's records by them)."""
+    return f"swarmd/{run}/", f"{run}/"
+
 
 #: The run config's lifetime in the DHT: records live at most a day; the creator re-publishes
 #: it while it runs.
@@ -38,10 +46,35 @@ def progress_key(run: str) -> str:
     return f"swarmd/{run}/progress"
 
 
-def advert_key(run: str) -> str:
+def advert_key(run: str, scope: str = "") -> str:
     """The DHT key under which donors of ``run`` advertise; each donor uses its peer id as
-    sub-key, so a peer has exactly one current advert and nobody can overwrite another's."""
-    return f"{run}/state"
+    sub-key, so a peer has exactly one current advert and nobody can overwrite another's.
+    A ``scope`` (a SWARM stage's state: peer/sharedstate.py) has adverts of its own."""
+    return f"{run}/{scope}/state" if scope else f"{run}/state"
+
+
+def round_key(run: str, round_no: int, fragment: int = 0) -> str:
+    """Matchmaking of one outer round (and streaming fragment): averaging/matchmaking.py."""
+    return f"swarmd/{run}/mm/{fragment}/{round_no}"
+
+
+def state_round_key(run: str, round_no: int, state_hash: bytes, fragment: int = 0) -> str:
+    """A round's matchmaking among only the peers that hold the very same state (the first
+    16 bytes of its hash): a peer that drifted can never blend its parameters into the
+    group's (algorithms/loop.py, DeMo's groups in algorithms/demo/strategy.py)."""
+    return f"{round_key(run, round_no, fragment)}/{state_hash.hex()[:16]}"
+
+
+def stage_round_key(run: str, stage: int, state_hash: bytes) -> str:
+    """A SWARM stage's averaging round, among its servers that hold the same stage state
+    (algorithms/swarm/server_role.py)."""
+    return f"swarmd/{run}/stage{stage}/{state_hash.hex()[:32]}"
+
+
+def recovery_key(run: str, stage: int) -> str:
+    """Who rebuilds a lost SWARM stage: an entry per asker, the earliest holds it
+    (algorithms/swarm/recovery.py)."""
+    return f"swarmd/{run}/stage{stage}/recovery"
 
 
 def stages_key(run: str) -> str:

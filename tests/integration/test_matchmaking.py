@@ -19,9 +19,10 @@ from swarmd.node.averaging.allreduce import (
     Member,
     allreduce_named,
 )
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.dht import DHTConfig, open_dht
 from swarmd.node.metrics import Metrics
+from swarmd.node.runkeys import round_key
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity

@@ -24,13 +24,14 @@ import trio
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceResult, Member
 from swarmd.node.averaging.lowrank import allreduce_lowrank
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.peer.strategy import LocalTarget, Strategy
+from swarmd.node.runkeys import state_round_key
 from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo, trainable
 from swarmd.optim.streaming import StreamingDiLoCo
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
@@ -285,8 +286,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         round) can never blend its different parameters into the group's: it catches up by
         state sync instead."""
         assert self.state.last_hash is not None, "the starting state is published first"
-        key = round_key(self.peer.config.name, round_no, fragment)
-        return f"{key}/{self.state.last_hash.hex()[:16]}"
+        return state_round_key(self.peer.config.name, round_no, self.state.last_hash, fragment)
 
     async def average(
         self,

@@ -112,10 +112,6 @@ class _Waits:
         return self._slept and not self._final
 
 
-def round_key(run: str, round_no: int, fragment: int = 0) -> str:
-    return f"swarmd/{run}/mm/{fragment}/{round_no}"
-
-
 @dataclass(frozen=True)
 class _Commitment:
     """A leader's group, as published in its announcement."""

@@ -101,7 +101,7 @@ class SharedState:
         self.opt = opt
         #: What part of the run's state this is ("": all of it; SWARM: one stage's, "stage2"):
         #: its adverts and its file are its own, so a stage's joiner finds that stage's donors.
-        self.key = advert_key(peer.config.name + (f"/{scope}" if scope else ""))
+        self.key = advert_key(peer.config.name, scope)
         self.path = peer.opts.state_dir / (f"{scope}-{STATE_FILE}" if scope else STATE_FILE)
         #: Measures an offered state against this peer's own before it is loaded (the
         #: strategy knows the model and data); None skips that check.

@@ -42,14 +42,13 @@ from swarmd.node.averaging.group import Group, Member
 from swarmd.node.averaging.matchmaking import (
     answering,
     form_group,
-    round_key,
 )
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.peer.strategy import HostParts, LocalTarget, Strategy
-from swarmd.node.runkeys import is_client
+from swarmd.node.runkeys import is_client, state_round_key
 from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.optim.demo_state import DeMoRun
 from swarmd.optim.diloco import trainable
@@ -280,7 +279,7 @@ class DeMoStrategy(Strategy):
             # peers split 2+2 at step 0 for a whole run. Wait the gather window for the run's
             # target instead, once.
             target = self.peer.config.target_group_size
-        key = f"{round_key(self.peer.config.name, self.run.step)}/{snap.state_hash.hex()[:16]}"
+        key = state_round_key(self.peer.config.name, self.run.step, snap.state_hash)
         mm = dataclasses.replace(self.mm, target_group_size=target, gather_s=gather_s)
         group = await form_group(self.peer.dht, key, self.me, mm)
         self.group = group if group is not None and len(group.members) > 1 else None

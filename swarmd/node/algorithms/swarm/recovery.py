@@ -34,6 +34,7 @@ from swarmd.node.dht.records import RecordError
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.sharedstate import SharedState
+from swarmd.node.runkeys import recovery_key
 from swarmd.optim.checkfree import (
     LR_SCALE,
     LayoutMismatch,
@@ -60,10 +61,6 @@ POLL_S = 1.0
 
 class RecoveryFailed(Exception):
     """The stage could not be rebuilt from its neighbours (the message says why)."""
-
-
-def recovery_key(run: str, stage: int) -> str:
-    return f"swarmd/{run}/stage{stage}/recovery"
 
 
 def trained(records: dict[PeerId, StageRecord], stage: int) -> bool:

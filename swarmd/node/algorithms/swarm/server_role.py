@@ -35,6 +35,7 @@ from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.sharedstate import SharedState
+from swarmd.node.runkeys import stage_round_key
 from swarmd.optim.stage import StageTrainer
 from swarmd.protocol.identity import PeerId
 
@@ -332,7 +333,7 @@ class StageServer:
         grad, count = await host.compute("take", job.trainer.take, job)
         peers = self._stage_peers()
         target = len(set(peers) | {self._me})
-        key = f"swarmd/{self.peer.config.name}/stage{job.index}/{state.last_hash.hex()[:32]}"
+        key = stage_round_key(self.peer.config.name, job.index, state.last_hash)
         group_size, dropped, avg, whole = 1, 0, grad, True
         if target > 1:
             group = await form_group(self.peer.dht, key, self.me, self._mm(target))
