@@ -1,2 +1,4 @@
-"""The daemon, by capability: dht/, averaging/, statesync/, training/ (the peer lifecycle and
-one strategy per algorithm), server/, runtime/, cli/, chaos/; docs/architecture.md maps them."""
+"""The daemon. peer/ is the lifecycle every algorithm shares, algorithms/ holds one package per
+algorithm (registry.py names them), and dht/, averaging/, statesync/, runtime/ and the modules
+beside them are the machinery both use; cli/, chaos/ and dashboard/ sit on top.
+docs/architecture.md maps them."""

@@ -1,7 +1,7 @@
 """One pipeline stage's training state: its layers, their accumulated gradients, AdamW.
 
-A SWARM stage server (swarmd/node/swarm) runs micro-batches through one contiguous slice of
-the model for trainers it never sees the data of. This module is the torch side of it:
+A SWARM stage server (swarmd/node/algorithms/swarm) runs micro-batches through one contiguous
+slice of the model for trainers it never sees the data of. This module is the torch side of it:
 
 - `forward(x)`: the stage's output, no graph kept (nothing is cached between calls);
 - `backward(x, grad_out)`: recomputes the forward from the inputs the trainer sends again
