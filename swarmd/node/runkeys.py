@@ -66,8 +66,8 @@ def state_round_key(run: str, round_no: int, state_hash: bytes, fragment: int = 
 
 
 def stage_round_key(run: str, stage: int, state_hash: bytes) -> str:
-    """A SWARM stage's averaging round, among its servers that hold the same stage state
-    (algorithms/swarm/server_role.py)."""
+    """A SWARM stage's averaging round, among its servers that hold the same stage state (the
+    first 32 hex digits of its hash; algorithms/swarm/server_role.py)."""
     return f"swarmd/{run}/stage{stage}/{state_hash.hex()[:32]}"
 
 
