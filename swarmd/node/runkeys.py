@@ -60,7 +60,7 @@ def round_key(run: str, round_no: int, fragment: int = 0) -> str:
 
 def state_round_key(run: str, round_no: int, state_hash: bytes, fragment: int = 0) -> str:
     """A round's matchmaking among only the peers that hold the very same state (the first
-    16 bytes of its hash): a peer that drifted can never blend its parameters into the
+    16 hex digits of its hash): a peer that drifted can never blend its parameters into the
     group's (algorithms/loop.py, DeMo's groups in algorithms/demo/strategy.py)."""
     return f"{round_key(run, round_no, fragment)}/{state_hash.hex()[:16]}"
 
