@@ -29,9 +29,10 @@ import torch
 import trio
 
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Member
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group, round_key
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.cli.app import THP_ENV
 from swarmd.node.dht import open_dht
+from swarmd.node.runkeys import round_key
 from swarmd.node.runtime.heap import settle_heap
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity

@@ -99,8 +99,8 @@ from swarmd.node.peer.runconfig import RunConfig
 from swarmd.optim import checkfree
 from swarmd.optim.stage import StageTrainer
 from swarmd.workloads import TokenSource, evaluate, lm_loss, load_source
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_join import join_cmd, start_bootstrap, wait_for
+from tests.harness.join import join_cmd, start_bootstrap, wait_for
+from tests.harness.processes import Proc, ProcessGroup
 
 STAGES = 4
 #: CheckFree+'s share of swapped micro-batches (the paper's: every other one).
@@ -377,7 +377,7 @@ def _server(root: Path, boot: str, name: str, stage: int, *extra: str) -> list[s
 
 def loopback(config: RunConfig, lost: int = 1) -> dict[str, float]:
     """The SIGKILL of stage `lost`'s only server and its rebuild by a spare, as real processes
-    (the helpers of tests/integration/test_checkfree_join.py; every child stopped at the end,
+    (started as tests/harness/swarm.py starts stages; every child stopped at the end,
     before its state directory goes). A first stage needs the run to swap (CheckFree+)."""
     with tempfile.TemporaryDirectory(prefix="swarmd-checkfree-") as tmp:
         root, processes = Path(tmp), ProcessGroup()

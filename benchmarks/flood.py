@@ -1,6 +1,6 @@
 """A run under each of issue 31's floods, next to the same run without one.
 
-Group floods: P peer processes (tests/integration/allreduce_peer.py: swarmd's Averager and a
+Group floods: P peer processes (tests/harness/allreduce_peer.py: swarmd's Averager and a
 training peer's PutTensor, serving over the real transport) time R all-reduce rounds of M
 values with no flood, then R rounds under each flood in turn, the stranger in its own process
 at nice 19:
@@ -54,7 +54,7 @@ from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER = ROOT / "tests" / "integration" / "allreduce_peer.py"
+PEER = ROOT / "tests" / "harness" / "allreduce_peer.py"
 
 
 def bulk_port(address: str) -> int:

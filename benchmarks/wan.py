@@ -40,12 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 from deploy.netns import NetnsConfig, Network, Shaping  # noqa: E402
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Member  # noqa: E402
-from swarmd.node.averaging.matchmaking import (  # noqa: E402
-    MatchmakingConfig,
-    form_group,
-    round_key,
-)
+from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group  # noqa: E402
 from swarmd.node.dht import DHTNode  # noqa: E402
+from swarmd.node.runkeys import round_key  # noqa: E402
 from swarmd.protocol import rpc  # noqa: E402
 from swarmd.protocol.identity import Identity  # noqa: E402
 

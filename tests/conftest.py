@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import ProcessGroup
+from tests.harness.processes import ProcessGroup
 
 
 @pytest.fixture

@@ -30,8 +30,9 @@ from swarmd.protocol import rpc
 from swarmd.protocol.dht_pb2 import PingRequest
 from swarmd.protocol.framing import TensorMeta
 from swarmd.protocol.identity import Identity
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_join import TINY_RUN, events_until_exit, join_cmd, start_bootstrap
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import TINY_RUN
 
 LONE_RUN = TINY_RUN.replace("min_group_size = 2", "min_group_size = 1")
 

@@ -20,7 +20,8 @@ from swarmd.node.peer.service import PING
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity
-from tests.helpers import ProcessGroup, hello_of, swarmd_cmd
+from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.transport import hello_of
 
 CONNECTIONS = 200
 #: Pings must come back within this much, each, while the flood holds its connections.

@@ -16,7 +16,7 @@ import trio
 from benchmarks._dht_flood import SOURCE, DhtFlood, Target, contacts
 from swarmd.node.dht import open_dht
 from swarmd.protocol.identity import Identity
-from tests.helpers import ProcessGroup, swarmd_cmd
+from tests.harness.processes import ProcessGroup, swarmd_cmd
 
 DAEMONS = 3
 KEYS = 20

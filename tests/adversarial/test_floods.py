@@ -20,8 +20,9 @@ from benchmarks._memory_flood import MemoryFlood
 from benchmarks.flood import Slowloris, rss_mb
 from swarmd.node.averaging.exchange import PUT_PART
 from swarmd.node.peer.service import PUT_TENSOR
-from tests.helpers import ROOT, Proc, ProcessGroup, hello_of
-from tests.integration.allreduce_peer import local_values
+from tests.harness.allreduce_peer import local_values
+from tests.harness.processes import HARNESS, Proc, ProcessGroup
+from tests.harness.transport import hello_of
 
 NUMEL = 50_000
 PEERS = 3
@@ -41,7 +42,7 @@ def _round(peers: list[Proc], name: str) -> list[dict[str, object]]:
 
 def _group(processes: ProcessGroup, tmp_path: Path) -> tuple[list[Proc], torch.Tensor]:
     """A group of PEERS all-reduce processes after one calm round, and their exact mean."""
-    script = str(ROOT / "tests" / "integration" / "allreduce_peer.py")
+    script = str(HARNESS / "allreduce_peer.py")
     cfg = {"numel": NUMEL, "out_dir": str(tmp_path)}
     peers = processes.start_many(
         [[sys.executable, script, json.dumps({**cfg, "index": i})] for i in range(PEERS)],

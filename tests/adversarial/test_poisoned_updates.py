@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_join import TINY_RUN, events_until_exit, join_cmd, start_bootstrap
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import TINY_RUN
 
 STEPS = 60  # 12 rounds of 5 inner steps
 
@@ -47,7 +48,7 @@ def _run(
     procs: list[Proc] = []
     for i, cmd in enumerate(cmds):
         if lie and i == size - 1:
-            cmd = [sys.executable, "-m", "tests.adversarial.lying_peer", *cmd[3:]]
+            cmd = [sys.executable, "-m", "tests.harness.lying_peer", *cmd[3:]]
         procs.append(processes.start(cmd, env={"SWARMD_LIE": lie} if lie else None))
     honest = procs[:-1] if lie else procs
     logs = [events_until_exit(p, timeout=240) for p in honest]

@@ -18,7 +18,7 @@ from swarmd.node.peer.service import PING
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.identity import Identity
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
 
 PINGS = 1000
 IN_FLIGHT = 8

@@ -23,15 +23,10 @@ from swarmd.node.statesync.donor import DONOR_SERVICE
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as spb
 from swarmd.protocol.identity import Identity, PeerId
-from tests.adversarial.attacker import publish_own
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
-from tests.integration.test_join import (
-    TINY_RUN,
-    events_until_exit,
-    join_cmd,
-    start_bootstrap,
-    wait_for,
-)
+from tests.harness.attacker import publish_own
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
+from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.runs import TINY_RUN
 
 GET_MANIFEST = rpc.method_path(DONOR_SERVICE, "GetManifest")
 GET_CHUNK = rpc.method_path(DONOR_SERVICE, "GetChunk")

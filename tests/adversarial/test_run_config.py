@@ -11,15 +11,10 @@ import signal
 import time
 from pathlib import Path
 
-from tests.adversarial.attacker import forged_config, publish_config
-from tests.helpers import ProcessGroup
-from tests.integration.test_join import (
-    TINY_RUN,
-    events_until_exit,
-    join_cmd,
-    start_bootstrap,
-    wait_for,
-)
+from tests.harness.attacker import forged_config, publish_config
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
+from tests.harness.processes import ProcessGroup
+from tests.harness.runs import TINY_RUN
 
 
 def _refused(processes: ProcessGroup, tmp: Path, boot: str, name: str, *extra: str) -> str:

@@ -15,21 +15,16 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_join import (
-    TINY_RUN,
-    events_until_exit,
-    join_cmd,
-    start_bootstrap,
-    wait_for,
-)
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import TINY_RUN
 
 STEPS = 150  # 30 rounds of 5 inner steps: the attack lands mid-run
 
 
 def attacker_cmd(boot: str, run_file: Path, attack: str, keys: int = 1) -> list[str]:
     return [
-        sys.executable, "-m", "tests.adversarial.attacker_peer", "--boot", boot,
+        sys.executable, "-m", "tests.harness.attacker_peer", "--boot", boot,
         "--run", "t", "--run-file", str(run_file), "--attack", attack, "--keys", str(keys),
     ]  # fmt: skip
 

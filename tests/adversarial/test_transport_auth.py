@@ -32,7 +32,8 @@ from swarmd.protocol.framing import header_frame
 from swarmd.protocol.identity import Identity
 from swarmd.protocol.session import MAC_CHUNK_BYTES, sealed_nbytes
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import Proc, ProcessGroup, hello_of, swarmd_cmd
+from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.transport import hello_of
 
 Tamper = Callable[[int, bytearray], None]  # (offset of this chunk in its direction, chunk)
 

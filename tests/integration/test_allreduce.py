@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -18,51 +15,16 @@ from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta
 from swarmd.protocol.identity import Identity
-from tests.helpers import ROOT, Proc, ProcessGroup
-from tests.integration.allreduce_peer import local_values, round_id
-
-NUMEL = 50_000
-WEIGHTS = [1.0, 2.0, 3.0, 4.0]
-
-
-def start_peers(
-    processes: ProcessGroup, tmp_path: Path, behaviors: dict[int, str] | None = None, **cfg: Any
-) -> list[Proc]:
-    script = str(ROOT / "tests" / "integration" / "allreduce_peer.py")
-    commands = []
-    for i in range(4):
-        config = {
-            "index": i,
-            "numel": NUMEL,
-            "weight": WEIGHTS[i],
-            "behavior": (behaviors or {}).get(i, "honest"),
-            "out_dir": str(tmp_path),
-            **cfg,
-        }
-        commands.append([sys.executable, script, json.dumps(config)])
-    return processes.start_many(commands, stdin=True)
-
-
-def members(peers: list[Proc]) -> list[list[str]]:
-    return sorted([str(p.info["peer_id"]), p.address] for p in peers)
-
-
-def run_round(peers: list[Proc], everyone: list[Proc], name: str) -> list[dict[str, Any]]:
-    for p in peers:
-        p.send({"round": name, "members": members(everyone)})
-    return [p.receive(timeout=60) for p in peers]
-
-
-def weighted_mean(indices: list[int]) -> torch.Tensor:
-    acc = torch.zeros(NUMEL, dtype=torch.float64)
-    for i in indices:
-        acc += local_values(i, NUMEL).double() * WEIGHTS[i]
-    return (acc / sum(WEIGHTS[i] for i in indices)).float()
-
-
-def load(out: dict[str, Any]) -> torch.Tensor:
-    tensor: torch.Tensor = torch.load(out["file"])
-    return tensor
+from tests.harness.allreduce import (
+    NUMEL,
+    load_result,
+    members,
+    run_round,
+    start_peers,
+    weighted_mean,
+)
+from tests.harness.allreduce_peer import local_values, round_id
+from tests.harness.processes import ProcessGroup
 
 
 def test_four_peers_fp32_exact_weighted_mean(processes: ProcessGroup, tmp_path: Path) -> None:
@@ -70,7 +32,7 @@ def test_four_peers_fp32_exact_weighted_mean(processes: ProcessGroup, tmp_path: 
     for name in ("r1", "r2"):
         outs = run_round(peers, peers, name)
         assert all(o["ok"] and o["dropped"] == [] and o["failed_parts"] == [] for o in outs)
-        results = [load(o) for o in outs]
+        results = [load_result(o) for o in outs]
         assert torch.equal(results[0], weighted_mean([0, 1, 2, 3]))
         assert all(torch.equal(r, results[0]) for r in results)
 
@@ -79,7 +41,7 @@ def test_four_peers_int8_within_bound(processes: ProcessGroup, tmp_path: Path) -
     peers = start_peers(processes, tmp_path, codec="int8")
     outs = run_round(peers, peers, "q1")
     assert all(o["ok"] for o in outs)
-    results = [load(o) for o in outs]
+    results = [load_result(o) for o in outs]
     assert all(torch.equal(r, results[0]) for r in results)  # the same bytes everywhere
     truth = weighted_mean([0, 1, 2, 3])
     # Each sender's part is quantised once (error <= absmax/254 per block), the mean once more.
@@ -107,7 +69,7 @@ def test_peer_killed_or_stopped_mid_round(
     for o in outs:
         assert o["ok"], o
         assert o["dropped"] == [victim_id]
-    results = [load(o) for o in outs]
+    results = [load_result(o) for o in outs]
     assert torch.equal(results[0], weighted_mean([0, 1, 3]))
     assert all(torch.equal(r, results[0]) for r in results)
 
@@ -120,7 +82,7 @@ def test_bad_sender_is_dropped(processes: ProcessGroup, tmp_path: Path, behavior
     honest = [o for i, o in enumerate(outs) if i != 1]
     for o in honest:
         assert o["ok"] and o["dropped"] == [bad_id], o
-    results = [load(o) for o in honest]
+    results = [load_result(o) for o in honest]
     assert all(torch.equal(r, results[0]) for r in results)
     # The liar reduced its own part honestly (its own values never crossed the wire); every
     # other part is the mean of the three honest peers.
@@ -160,7 +122,7 @@ def test_lying_reducer_is_refused_and_its_part_re_reduced(
     honest = [o for i, o in enumerate(outs) if i != 1]
     for o in honest:
         assert o["ok"] and liar_part in o["recovered_parts"], o
-    results = [load(o) for o in honest]
+    results = [load_result(o) for o in honest]
     assert all(torch.equal(r, results[0]) for r in results)
     all_four, without = weighted_mean([0, 1, 2, 3]), weighted_mean([0, 2, 3])
     for j, (s, e) in enumerate(part_bounds(NUMEL, [1.0] * 4)):
@@ -194,7 +156,7 @@ def test_an_equivocating_reducer_is_caught_by_comparing_proofs(
     honest = [o for i, o in enumerate(outs) if i != 1]
     for o in honest:
         assert o["ok"] and liar_part in o["recovered_parts"], o
-    results = [load(o) for o in honest]
+    results = [load_result(o) for o in honest]
     assert all(torch.equal(r, results[0]) for r in results)
     # fp32: exactly a mean of honest contributions there (all three, unless one reached the
     # fallback reducer after its deadline), never the lie.

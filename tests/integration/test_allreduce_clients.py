@@ -10,11 +10,9 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_allreduce import load, start_peers, weighted_mean
-
-#: Nothing listens on port 1 of loopback: a dial there is refused at once.
-UNREACHABLE = "127.0.0.1:1"
+from tests.harness.allreduce import load_result, start_peers, weighted_mean
+from tests.harness.clients import UNREACHABLE
+from tests.harness.processes import Proc, ProcessGroup
 
 
 def client_members(peers: list[Proc], clients: set[int]) -> list[list[object]]:
@@ -35,7 +33,7 @@ def test_two_clients_of_four_get_the_exact_mean(processes: ProcessGroup, tmp_pat
         outs = [p.receive(timeout=60) for p in peers]
         assert all(o["ok"] and o["dropped"] == [] and o["failed_parts"] == [] for o in outs), outs
         assert all(o["recovered_parts"] == [] for o in outs), outs  # nothing went round a relay
-        results = [load(o) for o in outs]
+        results = [load_result(o) for o in outs]
         assert torch.equal(results[0], weighted_mean([0, 1, 2, 3]))
         assert all(torch.equal(r, results[0]) for r in results)
 
@@ -47,7 +45,7 @@ def test_int8_with_clients_agrees_everywhere(processes: ProcessGroup, tmp_path: 
         p.send({"round": "q", "members": group})
     outs = [p.receive(timeout=60) for p in peers]
     assert all(o["ok"] and o["failed_parts"] == [] for o in outs), outs
-    results = [load(o) for o in outs]
+    results = [load_result(o) for o in outs]
     assert all(torch.equal(r, results[0]) for r in results)
     err = float((results[0] - weighted_mean([0, 1, 2, 3])).abs().max())
     assert err < 0.05, err
@@ -73,6 +71,6 @@ def test_a_reducer_killed_mid_round_leaves_its_part_to_the_other(
     # so they drop nobody. Everyone obtained the victim's part another way.
     assert outs[2]["dropped"] == [victim] and outs[0]["dropped"] == outs[1]["dropped"] == []
     assert all(o["ok"] and o["failed_parts"] == [] and o["recovered_parts"] for o in outs), outs
-    results = [load(o) for o in outs]
+    results = [load_result(o) for o in outs]
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.allclose(results[0], weighted_mean([0, 1, 2]), atol=1e-6)

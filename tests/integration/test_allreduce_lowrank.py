@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig, orthogonalize
-from tests.helpers import ProcessGroup
-from tests.integration.allreduce_peer import local_values
-from tests.integration.test_allreduce import WEIGHTS, load, members, run_round, start_peers
+from tests.harness.allreduce import WEIGHTS, load_result, members, run_round, start_peers
+from tests.harness.allreduce_peer import local_values
+from tests.harness.processes import ProcessGroup
 
 # Two matrices that compress at rank 4, a 1-D tensor and a small matrix (64 values < 16 * 4
 # factor values: it would not shrink) that both travel whole.
@@ -75,7 +75,7 @@ def test_four_peers_lowrank_equals_the_in_process_reference(
     for k, name in enumerate(("r1", "r2", "r3")):
         outs = run_round(peers, peers, name)
         assert all(o["ok"] and o["dropped"] == [] for o in outs), outs
-        results = [load(o) for o in outs]
+        results = [load_result(o) for o in outs]
         assert all(torch.equal(r, results[0]) for r in results)  # the same bytes everywhere
         torch.testing.assert_close(results[0], expected[k], rtol=1e-4, atol=1e-5)
     # Rank 4 of a 64 x 48 matrix is not the matrix: the result is an approximation...
@@ -102,6 +102,6 @@ def test_survivors_of_a_member_killed_mid_round_agree(
     for o in outs:
         assert o["ok"], o
         assert o["dropped"] == [victim_id]
-    results = [load(o) for o in outs]
+    results = [load_result(o) for o in outs]
     assert all(torch.equal(r, results[0]) for r in results)
     torch.testing.assert_close(results[0], reference([0, 1, 3], rounds=1)[0], rtol=1e-4, atol=1e-5)

@@ -14,9 +14,9 @@ import torch
 from swarmd.compression import DecodeLimits, TopKCodec, TopKConfig, decode
 from swarmd.node.averaging.group import part_bounds
 from swarmd.node.averaging.reduction import ReductionConfig, aggregate
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.allreduce_peer import local_values
-from tests.integration.test_allreduce import NUMEL, WEIGHTS, load, members, run_round, start_peers
+from tests.harness.allreduce import NUMEL, WEIGHTS, load_result, members, run_round, start_peers
+from tests.harness.allreduce_peer import local_values
+from tests.harness.processes import Proc, ProcessGroup
 
 # 4 parts of 12,500 values: twelve whole chunks of 1024 and a short one each.
 CONFIG = TopKConfig(chunk=1024, density=1 / 32, bits=2)
@@ -95,7 +95,7 @@ def test_four_peers_topk_equal_the_in_process_reference(
         assert all(o["ok"] and o["dropped"] == [] and o["failed_parts"] == [] for o in outs)
         # Every reducer's proof held (a refused part would have been recovered elsewhere).
         assert all(o["recovered_parts"] == [] for o in outs), outs
-        results = [load(o) for o in outs]
+        results = [load_result(o) for o in outs]
         assert all(torch.equal(r, want) for r in results), name
         check_against_the_sum(want, sent)
     # Sparse on the wire: each member sent at most k of every chunk of each part.
@@ -120,7 +120,7 @@ def test_topk_member_killed_or_stopped_mid_round(
     for o in outs:
         assert o["ok"], o
         assert o["dropped"] == [victim_id]
-    results = [load(o) for o in outs]
+    results = [load_result(o) for o in outs]
     ((want, sent),) = reference([0, 1, 3], positions(peers), rounds=1)
     assert all(torch.equal(r, want) for r in results)
     check_against_the_sum(want, sent)
@@ -137,7 +137,7 @@ def test_topk_reducer_serving_a_flipped_part_is_refused(
     honest = [o for i, o in enumerate(outs) if i != 1]
     for o in honest:
         assert o["ok"] and where[1] in o["recovered_parts"], o
-    results = [load(o) for o in honest]
+    results = [load_result(o) for o in honest]
     ((all_four, _),) = reference([0, 1, 2, 3], where, rounds=1)
     ((without, _),) = reference([0, 2, 3], where, rounds=1)
     for j, (s, e) in enumerate(part_bounds(NUMEL, [1.0] * 4)):

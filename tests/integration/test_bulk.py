@@ -22,7 +22,8 @@ from swarmd.protocol.framing import TensorMeta, header_frame, payload_segments
 from swarmd.protocol.identity import Identity
 from swarmd.protocol.session import CALLER, CallerKey, seal_payload
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import Hello, ProcessGroup, hello_of, peak_rss_kib, rpc_server_cmd, swarmd_cmd
+from tests.harness.processes import ProcessGroup, peak_rss_kib, swarmd_cmd
+from tests.harness.transport import Hello, hello_of, rpc_server_cmd
 
 SINK = "/swarmd.test.Test/Sink"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, swarmd_cmd
+from tests.harness.processes import ROOT, swarmd_cmd
 
 
 def run_chaos(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:

@@ -11,35 +11,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
-from tests.integration.test_join import start_bootstrap, wait_for
-from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop, _trainer
-
-
-def three_stages(processes: ProcessGroup, tmp_path: Path, run: str) -> tuple[str, list[Proc]]:
-    """A bootstrap, a server on each of 3 stages (the first creates `run`), serving; then a
-    trainer. Returns the bootstrap address and [s0, s1, s2, trainer]."""
-    (tmp_path / "run.toml").write_text(run)
-    boot = start_bootstrap(processes, tmp_path)
-    create = ("--create-run", str(tmp_path / "run.toml"))
-    servers = processes.start_many(
-        [
-            _server(tmp_path, "s0", boot, 0, *create),
-            _server(tmp_path, "s1", boot, 1),
-            _server(tmp_path, "s2", boot, 2),
-        ],
-        timeout=START_S,
-    )
-    for s in servers:
-        wait_for(s, "stage", timeout=START_S)
-    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
-    return boot, [*servers, trainer]
+from tests.harness.join import stop_and_collect, wait_for
+from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.runs import SWARM_RUN
+from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
 
 
 def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
-    boot, (s0, s1, s2, trainer) = three_stages(processes, tmp_path, SWARM_RUN)
+    boot, (s0, s1, s2, trainer) = start_three_stages(processes, tmp_path, SWARM_RUN)
     # Every stage has stepped (the neighbours publish their gradient norms with their records).
     for s in (s0, s1, s2):
         while (e := s.receive(timeout=60))["event"] != "stage_round" or e["micro_batches"] == 0:
@@ -50,11 +31,12 @@ def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
     assert missing["stage"] == 1
     lost_at = time.monotonic()
     racers = processes.start_many(
-        [_server(tmp_path, "r1", boot, 1), _server(tmp_path, "r2", boot, 1)], timeout=START_S
+        [stage_server_cmd(tmp_path, "r1", boot, 1), stage_server_cmd(tmp_path, "r2", boot, 1)],
+        timeout=STAGE_START_S,
     )
     before: list[list[dict[str, Any]]] = [[], []]
     for r, seen in zip(racers, before, strict=True):
-        while (e := r.receive(timeout=START_S))["event"] != "stage":
+        while (e := r.receive(timeout=STAGE_START_S))["event"] != "stage":
             seen.append(e)
         seen.append(e)
     origins = sorted(seen[-1]["origin"] for seen in before)
@@ -90,7 +72,7 @@ def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
         rounds_of.append(e)
     back = wait_for(trainer, "stage_back", timeout=30)
     assert back["stage"] == 1
-    runs = _stop([trainer, s0, s2, *racers])
+    runs = stop_and_collect([trainer, s0, s2, *racers])
     done = next(e for e in runs[0] if e["event"] == "trainer_done")
     assert done["micro_batches"] > 0
     recovered = [e for events in runs for e in events if e["event"] == "stage_recovered"]

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ProcessGroup
-from tests.integration.test_checkfree_join import three_stages
-from tests.integration.test_join import wait_for
-from tests.integration.test_swarm_join import START_S, SWARM_RUN, _server, _stop
+from tests.harness.join import stop_and_collect, wait_for
+from tests.harness.processes import ProcessGroup
+from tests.harness.runs import SWARM_RUN
+from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
 
 
 def _trained_round(proc: Any, timeout: float = 60) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
     run = SWARM_RUN + "swarm_swap = 0.5\n"
-    boot, (s0, s1, s2, trainer) = three_stages(processes, tmp_path, run)
+    boot, (s0, s1, s2, trainer) = start_three_stages(processes, tmp_path, run)
     first_loss = _trained_round(s2)["loss"]
     for s in (s0, s1):
         _trained_round(s)
@@ -35,9 +35,9 @@ def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
     s0.process.send_signal(signal.SIGKILL)
     missing = wait_for(trainer, "stage_missing", timeout=60)
     assert missing["stage"] == 0
-    (r0,) = processes.start_many([_server(tmp_path, "r0", boot, 0)], timeout=START_S)
+    (r0,) = processes.start_many([stage_server_cmd(tmp_path, "r0", boot, 0)], timeout=STAGE_START_S)
     before: list[dict[str, Any]] = []
-    while (e := r0.receive(timeout=START_S))["event"] != "stage":
+    while (e := r0.receive(timeout=STAGE_START_S))["event"] != "stage":
         before.append(e)
     assert e["origin"] == "checkfree+", before
     (rec,) = [e for e in before if e["event"] == "stage_recovered"]
@@ -47,7 +47,7 @@ def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
     assert 0 < after["recovery_s"] < 30, after
     assert wait_for(trainer, "stage_back", timeout=30)["stage"] == 0
     losses = [_trained_round(s2)["loss"] for _ in range(3)]
-    runs = _stop([trainer, s1, s2, r0])
+    runs = stop_and_collect([trainer, s1, s2, r0])
     done = next(e for e in runs[0] if e["event"] == "trainer_done")
     assert done["micro_batches"] > 0, done
     # The pipeline trains on through the rebuilt stage (a smoke check: how the rebuild compares

@@ -9,11 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ProcessGroup
-from tests.integration.test_demo_join import DEMO_RUN
-from tests.integration.test_join import TINY_RUN, events_until_exit, join_cmd, start_bootstrap
-from tests.integration.test_streaming_join import STREAMING_RUN
-from tests.integration.test_swarm_join import SWARM_RUN
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
+from tests.harness.processes import ProcessGroup
+from tests.harness.runs import DEMO_RUN, STREAMING_RUN, SWARM_RUN, TINY_RUN
 
 
 @pytest.mark.parametrize("algo", ["diloco", "streaming-diloco"])

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ROOT, Proc, ProcessGroup, swarmd_cmd
-from tests.integration.hostile_publisher import SCRIPT, XSS
+from tests.harness.hostile_publisher import SCRIPT, XSS
+from tests.harness.processes import HARNESS, Proc, ProcessGroup, swarmd_cmd
 
 
 def get(url: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -40,7 +40,7 @@ def start_dashboards(processes: ProcessGroup, boot: str, runs: list[str]) -> dic
 
 def start_world(processes: ProcessGroup, tmp: Path) -> tuple[str, Proc]:
     boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp / "boot"))).address
-    script = ROOT / "tests" / "integration" / "hostile_publisher.py"
+    script = HARNESS / "hostile_publisher.py"
     publisher = processes.start([sys.executable, str(script), boot], timeout=60)
     return boot, publisher
 

@@ -23,9 +23,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from swarmd.node.peer.membership import HEARTBEAT_TTL_S
-from tests.helpers import ROOT, ProcessGroup, swarmd_cmd
-from tests.integration.hostile_publisher import SCRIPT, XSS
-from tests.integration.test_join import TINY_RUN
+from tests.harness.hostile_publisher import SCRIPT, XSS
+from tests.harness.processes import HARNESS, ProcessGroup, swarmd_cmd
+from tests.harness.runs import TINY_RUN
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -102,15 +102,15 @@ def test_live_run_in_a_browser(
         "return c.plot.data.slice(1).flat().filter(v => v !== null && v !== undefined).length;"
     )
     until(lambda: browser.execute_script(loss_points) >= 6, 90, "loss points of 2 rounds")
-    # Bytes a step against data-parallel: both series drawn, the swarm's far below (DiLoCo
+    # Bytes a step against data-parallel: both series drawn, the peers' far below (DiLoCo
     # with int8 parts syncs every 5 steps here), the ratio shown in the run's facts.
     bytes_series = (
         "const c = window.swarmdDashboard.charts.bytes; if (!c) return [];"
         "return c.plot.data.slice(1);"
     )
     until(lambda: len(browser.execute_script(bytes_series)[0]) >= 2, 60, "bytes points")
-    swarm, ddp = browser.execute_script(bytes_series)
-    assert 0 < swarm[-1] < ddp[-1], (swarm, ddp)
+    peers_bytes, ddp = browser.execute_script(bytes_series)
+    assert 0 < peers_bytes[-1] < ddp[-1], (peers_bytes, ddp)
     until(lambda: "fewer" in browser.find_element(By.ID, "bytes-ratio").text, 10, "bytes ratio")
     assert "peer 1" in browser.find_element(By.CSS_SELECTOR, "#peers tbody").text
 
@@ -134,7 +134,7 @@ def test_hostile_values_are_text_in_a_browser(
     processes: ProcessGroup, tmp_path: Path, browser: webdriver.Chrome
 ) -> None:
     boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp_path / "boot"))).address
-    script = ROOT / "tests" / "integration" / "hostile_publisher.py"
+    script = HARNESS / "hostile_publisher.py"
     publisher = processes.start([sys.executable, str(script), boot], timeout=60)
     browser.get(start_dashboard(processes, boot, "evil"))
     until(lambda: len(rows(browser)) == 3, 30, "3 rows")

@@ -9,12 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ProcessGroup
-from tests.integration.test_join import TINY_RUN, events_until_exit, join_cmd, start_bootstrap
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
+from tests.harness.processes import ProcessGroup
+from tests.harness.runs import DEMO_RUN
 
-DEMO_RUN = TINY_RUN.replace("min_group_size = 2", "min_group_size = 3") + (
-    'algo = "demo"\ndemo_topk = 8\ndemo_chunk = 16\n'
-)
 START_S = 120.0
 
 

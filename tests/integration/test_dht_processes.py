@@ -13,7 +13,7 @@ import trio
 
 from swarmd.node.dht import open_dht
 from swarmd.protocol.identity import Identity
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
 
 
 def test_five_daemons_serve_stores_and_gets_and_survive_a_death(

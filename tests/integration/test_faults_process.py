@@ -8,7 +8,7 @@ from pathlib import Path
 
 from swarmd.protocol import faults
 from swarmd.protocol.faults import FaultPlan
-from tests.helpers import ProcessGroup, swarmd_cmd
+from tests.harness.processes import ProcessGroup, swarmd_cmd
 
 
 def ping(address: str) -> subprocess.CompletedProcess[str]:

@@ -17,10 +17,10 @@ from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta
 from swarmd.protocol.identity import Identity
-from tests.helpers import ROOT, Proc, ProcessGroup
-from tests.integration.gather_peer import digest, payload
+from tests.harness.gather_peer import digest, payload
+from tests.harness.processes import HARNESS, Proc, ProcessGroup
 
-SCRIPT = str(ROOT / "tests" / "integration" / "gather_peer.py")
+SCRIPT = str(HARNESS / "gather_peer.py")
 PAYLOAD = 200_000
 
 

@@ -8,7 +8,6 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -17,55 +16,9 @@ import swarmd
 from swarmd.node.dht import open_dht
 from swarmd.node.peer.runconfig import CONFIG_TTL_S, RunConfig, config_key
 from swarmd.protocol.identity import Identity
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
-
-# Six rounds of H=5 are too few for the paper's outer momentum 0.9 to warm up: it overshoots
-# (seen: validation loss 5.5 -> 3.2 -> 6.9 under CI load). 0.5 still exercises Nesterov momentum.
-TINY_RUN = """\
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-batch_size = 4
-inner_steps = 5
-inner_lr = 0.003
-outer_momentum = 0.5
-min_group_size = 2
-"""
-
-
-def events_until_exit(proc: Proc, timeout: float = 120.0) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            events.append(proc.receive(timeout=max(0.1, deadline - time.monotonic())))
-        except AssertionError:
-            break  # exited (or timed out: the exit code check below tells which)
-    proc.process.wait(timeout=10)
-    return events
-
-
-def wait_for(proc: Proc, kind: str, timeout: float = 90.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        event = proc.receive(timeout=max(0.1, deadline - time.monotonic()))
-        if event.get("event") == kind:
-            return event
-    raise AssertionError(f"no {kind!r} event within {timeout}s")
-
-
-def join_cmd(tmp: Path, name: str, boot: str, *extra: str, steps: int = 30) -> list[str]:
-    return swarmd_cmd(
-        "join", "--run", "t", "--peers", boot, "--log-format", "json",
-        "--state-dir", str(tmp / name), "--progress-interval", "60",
-        "--max-steps", str(steps), *extra,
-    )  # fmt: skip
-
-
-def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
-    boot = processes.start(swarmd_cmd("dht", "--state-dir", str(tmp / "boot")))
-    return boot.address
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
+from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.runs import TINY_RUN
 
 
 @pytest.mark.parametrize("codec", ["int8", "topk", "lowrank"])
@@ -295,7 +248,7 @@ def test_status_reports_config_peers_and_round(processes: ProcessGroup, tmp_path
 
 def test_user_model_from_the_run_config(processes: ProcessGroup, tmp_path: Path) -> None:
     run = TINY_RUN.replace("min_group_size = 2", "min_group_size = 1")
-    (tmp_path / "run.toml").write_text(run + 'model = "tests.integration.user_model:bigram"\n')
+    (tmp_path / "run.toml").write_text(run + 'model = "tests.harness.user_model:bigram"\n')
     boot = start_bootstrap(processes, tmp_path)
     peer = processes.start(
         join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10)

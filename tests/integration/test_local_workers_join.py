@@ -11,14 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ProcessGroup
-from tests.integration.test_join import (
-    TINY_RUN,
-    events_until_exit,
-    join_cmd,
-    start_bootstrap,
-    wait_for,
-)
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
+from tests.harness.processes import ProcessGroup
+from tests.harness.runs import TINY_RUN
 
 
 def _alive(pid: int) -> bool:

@@ -4,86 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import torch
 import trio
 
-from swarmd.node.averaging.allreduce import (
-    AllReduceConfig,
-    Averager,
-    CodecName,
-    Group,
-    Member,
-    allreduce_named,
-)
+from swarmd.node.averaging.allreduce import AllReduceConfig, CodecName, Group, allreduce_named
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
-from swarmd.node.dht import DHTConfig, open_dht
-from swarmd.node.metrics import Metrics
 from swarmd.node.runkeys import round_key
 from swarmd.protocol import averaging_pb2 as apb
-from swarmd.protocol import rpc
-from swarmd.protocol.identity import Identity
-
-FAST = MatchmakingConfig(target_group_size=4, min_group_size=2, gather_s=3.0, commit_wait_s=3.0)
-
-
-class Peer:
-    def __init__(
-        self, identity: Identity, averager: Averager, dht: object, address: str, metrics: Metrics
-    ) -> None:
-        self.metrics = metrics
-        self.identity = identity
-        self.averager = averager
-        self.dht = dht
-        self.member = Member(identity.peer_id, address)
-
-
-@asynccontextmanager
-async def swarm(n: int, config: AllReduceConfig | None = None) -> AsyncIterator[list[Peer]]:
-    async with AsyncExitStack() as stack:
-        peers: list[Peer] = []
-        bootstrap: list[str] = []
-        for _ in range(n):
-            identity = Identity.generate()
-            client = rpc.RpcClient(identity)
-            stack.callback(client.close)
-            metrics = Metrics()
-            averager = Averager(
-                client, identity.peer_id, config or AllReduceConfig(codec="fp32"), metrics
-            )
-            node, server = await stack.enter_async_context(
-                open_dht(
-                    identity,
-                    bootstrap=bootstrap,
-                    config=DHTConfig(lookup_timeout_s=2.0),
-                    extra_services=[averager.service()],
-                )
-            )
-            bootstrap = bootstrap or [str(server.address)]
-            peers.append(Peer(identity, averager, node, str(server.address), metrics))
-        yield peers
-
-
-async def _form_all(peers: list[Peer], key: str, config: MatchmakingConfig) -> list[Group | None]:
-    groups: list[Group | None] = [None] * len(peers)
-
-    async def one(i: int) -> None:
-        groups[i] = await form_group(peers[i].dht, key, peers[i].member, config)  # type: ignore[arg-type]
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(peers)):
-            nursery.start_soon(one, i)
-    return groups
+from tests.harness.matchmaking import FAST, Peer, form_all, matchmaking_peers
 
 
 def test_peers_asking_at_once_agree_on_one_group_and_average() -> None:
     async def main() -> None:
-        async with swarm(4) as peers:
+        async with matchmaking_peers(4) as peers:
             with trio.fail_after(20):
-                groups = await _form_all(peers, round_key("run", 1), FAST)
+                groups = await form_all(peers, round_key("run", 1), FAST)
             assert all(g is not None for g in groups)
             assert len({g.round_id for g in groups if g}) == 1
             group = groups[0]
@@ -113,10 +50,10 @@ def test_peers_asking_at_once_agree_on_one_group_and_average() -> None:
 
 def test_group_forms_with_whoever_is_there_after_the_deadline() -> None:
     async def main() -> None:
-        async with swarm(3) as peers:
+        async with matchmaking_peers(3) as peers:
             # Target 4, only 3 show up: after gather_s they go on with 3 (min is 2).
             start = trio.current_time()
-            groups = await _form_all(peers, round_key("run", 2), FAST)
+            groups = await form_all(peers, round_key("run", 2), FAST)
             assert trio.current_time() - start >= FAST.gather_s - 0.5
             assert len({g.round_id for g in groups if g}) == 1
             assert all(g is not None and len(g.members) == 3 for g in groups)
@@ -126,7 +63,7 @@ def test_group_forms_with_whoever_is_there_after_the_deadline() -> None:
 
 def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
     async def main() -> None:
-        async with swarm(3) as peers:
+        async with matchmaking_peers(3) as peers:
             quick = MatchmakingConfig(
                 target_group_size=3, min_group_size=2, gather_s=1.0, commit_wait_s=1.0
             )
@@ -135,7 +72,7 @@ def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
                 await form_group(peers[0].dht, round_key("run", 3), peers[0].member, quick) is None
             )  # type: ignore[arg-type]
             # Round 4: everyone is there, including the peer that missed round 3.
-            groups = await _form_all(peers, round_key("run", 4), quick)
+            groups = await form_all(peers, round_key("run", 4), quick)
             assert len({g.round_id for g in groups if g}) == 1 and all(groups)
 
     trio.run(main)
@@ -143,8 +80,8 @@ def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
 
 def test_named_tensors_travel_with_a_codec_per_tensor() -> None:
     async def main() -> None:
-        async with swarm(3) as peers:
-            groups = await _form_all(peers, round_key("run", 5), FAST)
+        async with matchmaking_peers(3) as peers:
+            groups = await form_all(peers, round_key("run", 5), FAST)
             group = groups[0]
             assert group is not None and all(g == group for g in groups)
             named = [{"bias": torch.randn(300), "weight": torch.randn(300, 300)} for _ in peers]
@@ -194,8 +131,8 @@ def test_zstd_framed_int8_parts_shrink_and_average_within_the_int8_bound() -> No
         config = AllReduceConfig(codec="int8", int8_block_size=4096, zstd_level=level)
 
         async def main(config: AllReduceConfig = config, level: int | None = level) -> None:
-            async with swarm(3, config) as peers:
-                groups = await _form_all(peers, round_key("run", 7), FAST)
+            async with matchmaking_peers(3, config) as peers:
+                groups = await form_all(peers, round_key("run", 7), FAST)
                 group = groups[0]
                 assert group is not None and all(g == group for g in groups)
                 results: list[torch.Tensor] = [torch.empty(0)] * 3
@@ -230,7 +167,7 @@ async def _average_all(
     outs: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """One all-reduce round of all `peers` (a group formed under `key`): their results."""
-    groups = await _form_all(peers, key, dataclasses.replace(FAST, target_group_size=len(peers)))
+    groups = await form_all(peers, key, dataclasses.replace(FAST, target_group_size=len(peers)))
     group = groups[0]
     assert group is not None and all(g == group for g in groups)
     results: list[torch.Tensor] = [torch.empty(0)] * len(peers)
@@ -259,7 +196,7 @@ def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round()
         v[::5] = -1e-9  # averages that round to int8 code 0: +0.0 everywhere, not -0.0 at one
 
     async def main() -> None:
-        async with swarm(3, AllReduceConfig(codec="int8")) as peers:
+        async with matchmaking_peers(3, AllReduceConfig(codec="int8")) as peers:
             for r, codec in enumerate(("int8", "fp16", "fp32")):
                 # Separate keys: no error-feedback residual carries from one round to the other.
                 fresh = await _average_all(peers, round_key("run", 10 + 2 * r), values, codec)
@@ -280,9 +217,9 @@ def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round()
 
 def test_a_latecomer_does_not_group_with_peers_already_committed() -> None:
     async def main() -> None:
-        async with swarm(4) as peers:
+        async with matchmaking_peers(4) as peers:
             key = round_key("run", 6)
-            early = await _form_all(peers[:3], key, FAST)
+            early = await form_all(peers[:3], key, FAST)
             assert all(g is not None and len(g.members) == 3 for g in early)
             # Their announcements are still in the DHT, but they have averaged and moved on.
             quick = MatchmakingConfig(
@@ -299,12 +236,12 @@ def test_a_peer_that_announced_and_died_does_not_block_the_round() -> None:
     the others must leave it out and form their group, not wait for its record and skip."""
 
     async def main() -> None:
-        async with swarm(4) as peers:
+        async with matchmaking_peers(4) as peers:
             key = round_key("run", 9)
             ghost, *live = sorted(peers, key=lambda p: p.identity.peer_id)
             dead = apb.MemberInfo(address="127.0.0.1:1", bandwidth=1e8).SerializeToString()
             await ghost.dht.store(key, dead, ghost.dht.now() + 60, subkey=str(ghost.member.peer_id))  # type: ignore[attr-defined]
-            groups = await _form_all(live, key, FAST)
+            groups = await form_all(live, key, FAST)
             assert all(g is not None for g in groups), groups
             members = {tuple(m.peer_id for m in g.members) for g in groups if g is not None}
             assert members == {tuple(p.identity.peer_id for p in live)}
@@ -319,7 +256,7 @@ def test_a_peer_still_gathering_goes_at_once_when_a_leader_commits_to_it() -> No
     passes, by which time the leader has dropped it from the all-reduce."""
 
     async def main() -> None:
-        async with swarm(3) as peers:
+        async with matchmaking_peers(3) as peers:
             key = round_key("run", 11)
             leader, follower = sorted(peers, key=lambda p: p.identity.peer_id)[:2]
             content = MatchmakingConfig(
@@ -355,7 +292,7 @@ def test_news_stored_on_a_waiting_peers_own_node_ends_its_wait_before_the_next_p
     then, not at their next poll (a poll later was about a second of every streaming round)."""
 
     async def main() -> None:
-        async with swarm(4) as peers:
+        async with matchmaking_peers(4) as peers:
             key = round_key("run", 12)
             slow_polls = MatchmakingConfig(
                 target_group_size=4, min_group_size=2, gather_s=10.0, commit_wait_s=10.0,

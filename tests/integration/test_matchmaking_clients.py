@@ -9,21 +9,21 @@ import pytest
 import torch
 import trio
 
-from swarmd.node.averaging.matchmaking import round_key
-from tests.integration.test_allreduce_clients import UNREACHABLE
-from tests.integration.test_matchmaking import FAST, _form_all, swarm
+from swarmd.node.runkeys import round_key
+from tests.harness.clients import UNREACHABLE
+from tests.harness.matchmaking import FAST, form_all, matchmaking_peers
 
 
 def test_the_two_lowest_ids_unreachable_still_average_with_the_rest() -> None:
     """The lowest ids are the clients, so a leader chosen by id alone would be one of them."""
 
     async def main() -> None:
-        async with swarm(4) as peers:
+        async with matchmaking_peers(4) as peers:
             peers.sort(key=lambda p: p.identity.peer_id)
             for p in peers[:2]:
                 p.member = dataclasses.replace(p.member, address=UNREACHABLE, client=True)
             with trio.fail_after(30):
-                groups = await _form_all(peers, round_key("run", 1), FAST)
+                groups = await form_all(peers, round_key("run", 1), FAST)
             assert all(g is not None for g in groups), groups
             assert len({g.round_id for g in groups if g}) == 1
             group = groups[0]
@@ -49,11 +49,11 @@ def test_the_two_lowest_ids_unreachable_still_average_with_the_rest() -> None:
 
 def test_only_unreachable_peers_form_no_group(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        async with swarm(2) as peers:
+        async with matchmaking_peers(2) as peers:
             for p in peers:
                 p.member = dataclasses.replace(p.member, address=UNREACHABLE, client=True)
             with trio.fail_after(30):
-                groups = await _form_all(peers, round_key("run", 2), FAST)
+                groups = await form_all(peers, round_key("run", 2), FAST)
             assert groups == [None, None]
             assert "are all unreachable (client mode)" in caplog.text
 
@@ -65,13 +65,13 @@ def test_the_lowest_reachable_peer_leads_even_when_the_cut_would_leave_it_out() 
     first would leave two clients and no leader, and nobody would average."""
 
     async def main() -> None:
-        async with swarm(4) as peers:
+        async with matchmaking_peers(4) as peers:
             peers.sort(key=lambda p: p.identity.peer_id)
             for p in peers[:2]:
                 p.member = dataclasses.replace(p.member, address=UNREACHABLE, client=True)
             pair = dataclasses.replace(FAST, target_group_size=2, gather_s=2.0)
             with trio.fail_after(30):
-                groups = await _form_all(peers, round_key("run", 3), pair)
+                groups = await form_all(peers, round_key("run", 3), pair)
             # The lowest reachable peer and the lowest id overall average together.
             first, second = groups[0], groups[2]
             assert first is not None and second is not None, groups

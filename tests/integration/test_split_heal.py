@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
-from tests.integration.test_join import TINY_RUN
+from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.runs import TINY_RUN
 
 HOSTS = ["127.0.0.21", "127.0.0.22", "127.0.0.23", "127.0.0.24"]  # creator, p1 | p2, p3
 SIDES = [HOSTS[:2], HOSTS[2:]]

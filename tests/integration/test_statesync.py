@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,9 +38,10 @@ from swarmd.node.statesync.download import (
 from swarmd.protocol import rpc
 from swarmd.protocol import statesync_pb2 as pb
 from swarmd.protocol.identity import Identity
-from tests.integration.statesync_donor import make_state
+from tests.harness.processes import HARNESS
+from tests.harness.statesync_donor import make_state
 
-DONOR = Path(__file__).with_name("statesync_donor.py")
+DONOR = HARNESS / "statesync_donor.py"
 MB = 24.0  # state size argument of the test donors: 20 chunks of 1 MiB
 
 #: name -> donor options. "a" is the healthy donor every test may use; it is slow enough (50 ms

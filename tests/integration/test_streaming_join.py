@@ -12,14 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_join import TINY_RUN, events_until_exit, join_cmd, start_bootstrap
-
-# H=4 in P=2 fragments: a fragment round every 2 inner steps, begun 1 step early (τ=1).
-STREAMING_RUN = (
-    TINY_RUN.replace("inner_steps = 5", "inner_steps = 4")
-    + 'algo = "streaming-diloco"\nfragments = 2\noverlap_steps = 1\nmix_alpha = 0.5\n'
-)
+from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import STREAMING_RUN
 
 #: For the tests that need every turn averaged by all three: with min_group_size = 2 the first
 #: two peers up can finish all 8 turns (~1.2 s) before the third has started training (seen:

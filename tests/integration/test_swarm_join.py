@@ -22,41 +22,13 @@ from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.framing import TensorMeta
 from swarmd.protocol.identity import Identity
-from tests.helpers import Proc, ProcessGroup
-from tests.integration.test_join import events_until_exit, join_cmd, start_bootstrap, wait_for
+from tests.harness.join import events_until_exit, start_bootstrap, stop_and_collect, wait_for
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import SWARM_RUN
+from tests.harness.swarm import STAGE_START_S, stage_server_cmd, trainer_cmd
 
-SWARM_RUN = """\
-n_layer = 3
-n_head = 2
-n_embd = 32
-block_size = 32
-batch_size = 4
-inner_lr = 0.003
-data_shards = 4
-algo = "swarm"
-swarm_stages = 3
-swarm_round_s = 3.0
-swarm_rebalance_s = 0
-"""
-START_S = 120.0
 #: Micro-batches of each trainer in the first test: enough for rounds after the joiner's.
 STEPS = 400
-
-
-def _server(tmp: Path, name: str, boot: str, stage: int, *extra: str) -> list[str]:
-    return join_cmd(
-        tmp, name, boot, "--role", "server", "--stage", str(stage), *extra, steps=1_000_000
-    )
-
-
-def _trainer(tmp: Path, name: str, boot: str, steps: int, *extra: str) -> list[str]:
-    return join_cmd(tmp, name, boot, "--role", "trainer", *extra, steps=steps)
-
-
-def _stop(procs: list[Proc]) -> list[list[dict[str, Any]]]:
-    for p in procs:
-        p.process.send_signal(signal.SIGTERM)
-    return [events_until_exit(p, timeout=60) for p in procs]
 
 
 def _longest_run(numbers: list[int]) -> int:
@@ -81,33 +53,35 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     create = ("--create-run", str(tmp_path / "run.toml"))
     servers = processes.start_many(
         [
-            _server(tmp_path, "s0a", boot, 0, *create),
-            _server(tmp_path, "s0b", boot, 0),
-            _server(tmp_path, "s1a", boot, 1),
-            _server(tmp_path, "s1b", boot, 1),
-            _server(tmp_path, "s2a", boot, 2),
-            _server(tmp_path, "s2b", boot, 2),
+            stage_server_cmd(tmp_path, "s0a", boot, 0, *create),
+            stage_server_cmd(tmp_path, "s0b", boot, 0),
+            stage_server_cmd(tmp_path, "s1a", boot, 1),
+            stage_server_cmd(tmp_path, "s1b", boot, 1),
+            stage_server_cmd(tmp_path, "s2a", boot, 2),
+            stage_server_cmd(tmp_path, "s2b", boot, 2),
         ],
-        timeout=START_S,
+        timeout=STAGE_START_S,
     )
     for s in servers:
-        wait_for(s, "stage", timeout=START_S)
+        wait_for(s, "stage", timeout=STAGE_START_S)
     trainers = processes.start_many(
-        [_trainer(tmp_path, "t0", boot, STEPS), _trainer(tmp_path, "t1", boot, STEPS)],
-        timeout=START_S,
+        [trainer_cmd(tmp_path, "t0", boot, STEPS), trainer_cmd(tmp_path, "t1", boot, STEPS)],
+        timeout=STAGE_START_S,
     )
     # Once the pipeline has trained a round, a third server joins stage 1.
     while (e := servers[2].receive(timeout=90))["event"] != "stage_round" or e["round"] < 1:
         pass
-    (joiner,) = processes.start_many([_server(tmp_path, "s1c", boot, 1)], timeout=START_S)
-    joined = wait_for(joiner, "stage", timeout=START_S)
+    (joiner,) = processes.start_many(
+        [stage_server_cmd(tmp_path, "s1c", boot, 1)], timeout=STAGE_START_S
+    )
+    joined = wait_for(joiner, "stage", timeout=STAGE_START_S)
     assert joined["origin"] == "group" and joined["round"] >= 1, joined
     trained = [events_until_exit(t, timeout=240) for t in trainers]
     assert all(t.process.returncode == 0 for t in trainers), [t.stderr_tail for t in trainers]
     for events in trained:
         done = next(e for e in events if e["event"] == "trainer_done")
         assert done["micro_batches"] == STEPS, done
-    runs = _stop([*servers, joiner])
+    runs = stop_and_collect([*servers, joiner])
 
     by_stage: dict[int, list[list[dict[str, Any]]]] = collections.defaultdict(list)
     for events in runs:
@@ -159,17 +133,19 @@ def test_a_killed_server_s_hops_are_retried_and_no_micro_batch_is_lost_or_double
     names = ["s0", "s1a", "s1b", "s2"]
     servers = processes.start_many(
         [
-            _server(tmp_path, "s0", boot, 0, audit, "--create-run", str(tmp_path / "run.toml")),
-            _server(tmp_path, "s1a", boot, 1, audit),
-            _server(tmp_path, "s1b", boot, 1, audit),
-            _server(tmp_path, "s2", boot, 2, audit),
+            stage_server_cmd(
+                tmp_path, "s0", boot, 0, audit, "--create-run", str(tmp_path / "run.toml")
+            ),
+            stage_server_cmd(tmp_path, "s1a", boot, 1, audit),
+            stage_server_cmd(tmp_path, "s1b", boot, 1, audit),
+            stage_server_cmd(tmp_path, "s2", boot, 2, audit),
         ],
-        timeout=START_S,
+        timeout=STAGE_START_S,
     )
     for s in servers:
-        wait_for(s, "stage", timeout=START_S)
+        wait_for(s, "stage", timeout=STAGE_START_S)
     steps = 240
-    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, steps, audit)])
+    (trainer,) = processes.start_many([trainer_cmd(tmp_path, "t", boot, steps, audit)])
     victim = servers[1]
     while (e := victim.receive(timeout=90))["event"] != "stage_round" or e["micro_batches"] == 0:
         pass
@@ -182,7 +158,7 @@ def test_a_killed_server_s_hops_are_retried_and_no_micro_batch_is_lost_or_double
     retried = [e for e in events if e["event"] == "stage_retry"]
     assert retried and all(e["stage"] == 1 for e in retried), retried
     assert time.monotonic() - killed_at < 200
-    _stop([s for s in servers if s is not victim])
+    stop_and_collect([s for s in servers if s is not victim])
     completed = (tmp_path / "t" / COMPLETED_FILE).read_text().split()
     assert sorted(int(c) for c in completed) == list(range(steps))  # each once, none lost
     applied = {n: (tmp_path / n / AUDIT_FILE).read_text().split() for n in names}
@@ -213,8 +189,10 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
     (tmp_path / "run.toml").write_text(SWARM_RUN)
     boot = start_bootstrap(processes, tmp_path)
     create = ("--create-run", str(tmp_path / "run.toml"))
-    (server,) = processes.start_many([_server(tmp_path, "s1", boot, 1, *create)], timeout=START_S)
-    wait_for(server, "stage", timeout=START_S)
+    (server,) = processes.start_many(
+        [stage_server_cmd(tmp_path, "s1", boot, 1, *create)], timeout=STAGE_START_S
+    )
+    wait_for(server, "stage", timeout=STAGE_START_S)
     nan = torch.zeros(2, 8, 32)
     nan[1, 3, 5] = float("nan")
     good = torch.randn(2, 8, 32)
@@ -280,16 +258,16 @@ def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_pat
     create = ("--create-run", str(tmp_path / "run.toml"))
     servers = processes.start_many(
         [
-            _server(tmp_path, "a", boot, 0, *create),
-            _server(tmp_path, "b", boot, 0),
-            _server(tmp_path, "c", boot, 0),
-            _server(tmp_path, "slow", boot, 1, "--slowdown", "4"),
+            stage_server_cmd(tmp_path, "a", boot, 0, *create),
+            stage_server_cmd(tmp_path, "b", boot, 0),
+            stage_server_cmd(tmp_path, "c", boot, 0),
+            stage_server_cmd(tmp_path, "slow", boot, 1, "--slowdown", "4"),
         ],
-        timeout=START_S,
+        timeout=STAGE_START_S,
     )
     for s in servers:
-        wait_for(s, "stage", timeout=START_S)
-    (trainer,) = processes.start_many([_trainer(tmp_path, "t", boot, 1_000_000)])
+        wait_for(s, "stage", timeout=STAGE_START_S)
+    (trainer,) = processes.start_many([trainer_cmd(tmp_path, "t", boot, 1_000_000)])
     moved: Proc | None = None
     seen: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     deadline = time.monotonic() + 90
@@ -317,7 +295,7 @@ def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_pat
             while (e := s.receive(timeout=60))["event"] != "stage_round" or e["group_size"] != 2:
                 pass
             assert e["stage"] == 0, e
-    runs = _stop([trainer, *servers])
+    runs = stop_and_collect([trainer, *servers])
     assert all(t.process.returncode == 0 for t in [trainer]), trainer.stderr_tail
     # Only one server moved (the move read above; no other after it).
     later = [e for events in runs for e in events if e["event"] == "rebalance"]

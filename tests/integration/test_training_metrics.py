@@ -10,8 +10,9 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from tests.helpers import ROOT, ProcessGroup, swarmd_cmd
-from tests.integration.test_join import TINY_RUN, wait_for
+from tests.harness.join import wait_for
+from tests.harness.processes import ROOT, ProcessGroup, swarmd_cmd
+from tests.harness.runs import TINY_RUN
 
 PROMTOOL = "/usr/bin/promtool"
 

@@ -20,15 +20,8 @@ from swarmd.protocol.framing import TAG_DATA, TensorMeta, header_frame, iter_fra
 from swarmd.protocol.identity import Identity
 from swarmd.protocol.session import CALLER, CallerKey, seal_frames
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.helpers import (
-    Hello,
-    Proc,
-    ProcessGroup,
-    hello_of,
-    peak_rss_kib,
-    rpc_server_cmd,
-    swarmd_cmd,
-)
+from tests.harness.processes import Proc, ProcessGroup, peak_rss_kib, swarmd_cmd
+from tests.harness.transport import Hello, hello_of, rpc_server_cmd
 
 TEST = "/swarmd.test.Test"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.multinode import compose_helpers as ch
+from tests.harness import docker_compose as ch
 
 IMAGE = os.environ.get("SWARMD_TEST_IMAGE", "swarmd:compose-test")
 RUN = "composetest"
@@ -50,7 +50,7 @@ def image(docker: list[str]) -> str:
 
 
 @pytest.fixture
-def swarm(docker: list[str], image: str) -> Iterator[ch.Compose]:
+def peers(docker: list[str], image: str) -> Iterator[ch.Compose]:
     ch.remove_leftovers(docker)
     compose = ch.Compose(docker, ch.project_name(), {"SWARMD_IMAGE": image, "SWARMD_RUN": RUN})
     try:
@@ -71,12 +71,12 @@ def outer_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e.get("event") == "outer_step"]
 
 
-def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(swarm: ch.Compose) -> None:
-    (bootstrap,) = swarm.containers("bootstrap")
+def test_worker_killed_others_go_on_restarted_it_resumes_and_agrees(peers: ch.Compose) -> None:
+    (bootstrap,) = peers.containers("bootstrap")
     assert ch.inspect(bootstrap, "{{.State.Health.Status}}") == "healthy"
     # Test traffic stays on this machine: the peers' network has no way out.
-    assert ch.inspect(f"{swarm.project}_swarm", "{{.Internal}}") == "true"
-    trainers = swarm.containers("creator") + swarm.containers("worker")
+    assert ch.inspect(f"{peers.project}_swarm", "{{.Internal}}") == "true"
+    trainers = peers.containers("creator") + peers.containers("worker")
     assert len(trainers) == 3
     victim, survivors = trainers[-1], trainers[:-1]
     names = {c: ch.inspect(c, "{{.Name}}").lstrip("/") for c in [bootstrap, *trainers]}

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from deploy.netns import NetnsConfig, NetnsError, Network, Shaping
-from tests.helpers import ProcessGroup, swarmd_cmd
-from tests.integration.test_join import events_until_exit
-from tests.multinode.test_netns import RUN, Event, Hosts, peers
+from tests.harness.join import events_until_exit
+from tests.harness.netns import RUN, Event, Hosts, peers
+from tests.harness.processes import ProcessGroup, swarmd_cmd
 
 __all__ = ["peers"]  # the fixture, re-used
 

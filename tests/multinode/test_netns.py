@@ -17,34 +17,22 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from deploy.netns import NetnsConfig, NetnsError, Network, Shaping, check_usable
-from tests.helpers import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.netns import RUN, Event, Hosts, peers
+from tests.harness.processes import HARNESS, ProcessGroup, swarmd_cmd
+
+__all__ = ["peers"]  # the fixture
 
 RATE_MBIT = 20
 RATE = f"{RATE_MBIT}mbit"
 HOSTS = 4
 CUT = 3
-
-# Tiny model and H=5 so outer steps come every few seconds; matchmaking dominates a round.
-RUN = """\
-n_layer = 1
-n_head = 2
-n_embd = 32
-block_size = 32
-batch_size = 4
-inner_steps = 5
-inner_lr = 0.003
-outer_momentum = 0.5
-min_group_size = 2
-"""
-
-Event = dict[str, Any]
 
 
 def make_network(hosts: int) -> Network:
@@ -70,7 +58,7 @@ def net() -> Iterator[Network]:
         network.down()
 
 
-PROBE = [sys.executable, str(Path(__file__).with_name("netns_probe.py"))]
+PROBE = [sys.executable, str(HARNESS / "netns_probe.py")]
 
 
 def test_hosts_have_addresses_a_shaped_link_and_can_be_cut_and_healed(
@@ -107,67 +95,6 @@ def test_hosts_have_addresses_a_shaped_link_and_can_be_cut_and_healed(
         net.down()  # idempotent
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in left for ns in net.namespaces())
-
-
-@pytest.fixture
-def peers() -> Iterator[ProcessGroup]:
-    """Like the `processes` fixture, but SIGKILLs first: a peer honours SIGTERM at its next step
-    boundary, which mid-matchmaking is up to 25 s away (graceful leave is test_join's)."""
-    group = ProcessGroup()
-    try:
-        yield group
-    finally:
-        for proc in group.procs:
-            if proc.process.poll() is None:
-                proc.process.kill()
-        group.close()
-
-
-class Hosts:
-    """Collects each host's JSON events as they arrive, without blocking on any one host."""
-
-    def __init__(self, procs: list[Proc]) -> None:
-        self.procs = procs
-        self.events: list[list[Event]] = [[] for _ in procs]
-
-    def drain(self) -> None:
-        for proc, events in zip(self.procs, self.events, strict=True):
-            while not proc._lines.empty():
-                events.append(proc.receive(timeout=1))
-            if proc.process.poll() is not None and proc._lines.empty():
-                raise AssertionError(
-                    f"{proc.process.args[-1]} exited ({proc.process.returncode}):\n"
-                    + "".join(proc.stderr_tail)
-                )
-
-    def wait(self, what: str, done: Callable[[], bool], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self.drain()
-            if done():
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not within {timeout}s: {what}\n{self.timeline()}")
-            time.sleep(0.2)
-
-    def outer(self, i: int, since: float = 0.0) -> list[Event]:
-        return [e for e in self.events[i] if e["event"] == "outer_step" and e["time"] >= since]
-
-    def timeline(self) -> str:
-        lines = []
-        for i, events in enumerate(self.events):
-            lines.append(
-                f"host {i}: "
-                + ", ".join(
-                    f"{e['event']}(r{e.get('round')},{e.get('status', '')},"
-                    f"g{e.get('group_size', '')},{str(e.get('state_hash', ''))[:6]},"
-                    f"t{e['time'] % 1000:.1f})"
-                    for e in events
-                    if e["event"] in ("outer_step", "state_synced", "run_joined", "training")
-                )
-            )
-            lines.extend("    " + line.rstrip() for line in list(self.procs[i].stderr_tail)[-5:])
-        return "\n".join(lines)
 
 
 # 90-120 s measured on 2 cores shared with other work (load average ~15): over the default

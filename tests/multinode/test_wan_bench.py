@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.harness.processes import ROOT
 
 
 @pytest.mark.timeout(300)

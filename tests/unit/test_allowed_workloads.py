@@ -18,9 +18,7 @@ def test_builtins_are_always_allowed() -> None:
     allowed.check_data("builtin")
 
 
-@pytest.mark.parametrize(
-    "model", ["os:abort", "subprocess:run", "tests.integration.user_model:bigram"]
-)
+@pytest.mark.parametrize("model", ["os:abort", "subprocess:run", "tests.harness.user_model:bigram"])
 def test_code_named_by_a_run_is_refused_unless_given_locally(model: str) -> None:
     with pytest.raises(WorkloadNotAllowed, match=f"--model {model}"):
         AllowedWorkloads().check_model(model)

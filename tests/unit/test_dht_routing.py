@@ -79,7 +79,7 @@ def test_one_subnet_cannot_fill_buckets_or_the_table() -> None:
     v6 = [table.seen(peer_in_bucket(own, 250), f"[2001:db8:1:{i}::1]:7000") for i in range(3)]
     assert v6 == [True, True, False]
     assert table.seen(peer_in_bucket(own, 250), "[2001:db8:2::1]:7000")
-    # Loopback is exempt (single-machine swarms and tests).
+    # Loopback is exempt (peers all on one machine, and tests).
     loop = [table.seen(peer_in_bucket(own, 240), f"127.0.0.1:{9000 + i}") for i in range(10)]
     assert all(loop)
 

@@ -6,21 +6,23 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
-import trio
 from torch import nn
 
 from swarmd.node.averaging.allreduce import AllReduceResult
-from swarmd.optim import DiLoCo, DiLoCoConfig, OuterStepReport
+from swarmd.optim import DiLoCo, DiLoCoConfig
 from swarmd.workloads import GPT, GPTConfig, builtin_corpus, evaluate
-from tests.helpers import random_batches
-
-TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
-Batch = tuple[torch.Tensor, torch.Tensor]
-Average = Callable[[torch.Tensor, float], Awaitable[torch.Tensor | None]]
+from tests.harness.diloco import (
+    TINY_GPT,
+    Batch,
+    average_alone,
+    outer_step_together,
+    run_outer_step,
+    tiny_batches,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -28,75 +30,19 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _batches(n: int, seed: int, batch: int = 4, block: int = 16) -> list[Batch]:
-    return random_batches(n, seed, batch, block)
-
-
 def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-async def _identity(pg: torch.Tensor, weight: float) -> torch.Tensor:
-    return pg
 
 
 async def _fail(pg: torch.Tensor, weight: float) -> None:
     return None
 
 
-def _outer(opt: DiLoCo, average: Average) -> OuterStepReport:
-    async def go() -> OuterStepReport:
-        return await opt.outer_step(average)
-
-    return trio.run(go)
-
-
-class MeanGroup:
-    """K peers that meet in-process: each contributes (tensor, weight); all receive the
-    weighted mean once everyone has contributed, like a lossless all-reduce."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self.contributions: dict[int, tuple[torch.Tensor, float]] = {}
-        self.done = trio.Event()
-        self.mean: torch.Tensor | None = None
-
-    def member(self, index: int) -> Average:
-        async def average(pg: torch.Tensor, weight: float) -> torch.Tensor:
-            self.contributions[index] = (pg.clone(), weight)
-            if len(self.contributions) == self.k:
-                total = sum(w for _, w in self.contributions.values())
-                self.mean = sum(t * (w / total) for t, w in self.contributions.values())
-                self.done.set()
-            await self.done.wait()
-            assert self.mean is not None
-            return self.mean.clone()
-
-        return average
-
-
-def _outer_group(peers: Sequence[DiLoCo]) -> tuple[MeanGroup, list[OuterStepReport]]:
-    group = MeanGroup(len(peers))
-    reports: list[OuterStepReport | None] = [None] * len(peers)
-
-    async def run_one(i: int) -> None:
-        reports[i] = await peers[i].outer_step(group.member(i))
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            for i in range(len(peers)):
-                nursery.start_soon(run_one, i)
-
-    trio.run(main)
-    assert all(r is not None for r in reports)
-    return group, [r for r in reports if r is not None]
-
-
 def test_one_peer_h1_lr1_no_momentum_is_plain_adamw() -> None:
     config = DiLoCoConfig(inner_steps=1, inner_lr=3e-3, outer_lr=1.0, outer_momentum=0.0)
-    model = GPT(TINY, seed=0)
+    model = GPT(TINY_GPT, seed=0)
     opt = DiLoCo(model, config)
-    reference = GPT(TINY, seed=0)
+    reference = GPT(TINY_GPT, seed=0)
     adamw = torch.optim.AdamW(
         reference.parameters(),
         lr=config.inner_lr,
@@ -104,10 +50,10 @@ def test_one_peer_h1_lr1_no_momentum_is_plain_adamw() -> None:
         eps=config.inner_eps,
         weight_decay=config.inner_weight_decay,
     )
-    for batch in _batches(6, seed=1):
+    for batch in tiny_batches(6, seed=1):
         loss = opt.inner_step(batch)
         assert opt.should_sync()
-        report = _outer(opt, _identity)
+        report = run_outer_step(opt, average_alone)
         assert report.status == "averaged" and not opt.should_sync()
 
         adamw.zero_grad()
@@ -125,12 +71,12 @@ def test_one_peer_h1_lr1_no_momentum_is_plain_adamw() -> None:
 
 
 def test_pseudo_gradient_sign_and_outer_step() -> None:
-    model = GPT(TINY, seed=0)
+    model = GPT(TINY_GPT, seed=0)
     opt = DiLoCo(
         model, DiLoCoConfig(inner_steps=2, inner_lr=1e-2, outer_lr=0.5, outer_momentum=0.0)
     )
     start = opt.flat_params()
-    for batch in _batches(2, seed=2):
+    for batch in tiny_batches(2, seed=2):
         opt.inner_step(batch)
     local = opt.flat_params()
     pg = opt.pseudo_gradient()
@@ -144,15 +90,15 @@ def test_pseudo_gradient_sign_and_outer_step() -> None:
 
 
 def test_outer_nesterov_momentum_matches_the_formula() -> None:
-    model = GPT(TINY, seed=0)
+    model = GPT(TINY_GPT, seed=0)
     opt = DiLoCo(model, DiLoCoConfig(inner_steps=1, inner_lr=1e-2))
     assert opt.config.outer_lr == 0.7 and opt.config.outer_momentum == 0.9
     theta = opt.global_flat()
     buf = torch.zeros_like(theta)
-    for batch in _batches(3, seed=3):
+    for batch in tiny_batches(3, seed=3):
         opt.inner_step(batch)
         pg = opt.pseudo_gradient()
-        _outer(opt, _identity)
+        run_outer_step(opt, average_alone)
         buf = 0.9 * buf + pg
         theta = theta - 0.7 * (pg + 0.9 * buf)
         torch.testing.assert_close(opt.global_flat(), theta, rtol=0, atol=1e-6)
@@ -167,8 +113,8 @@ def test_outer_nesterov_momentum_matches_the_formula() -> None:
 def test_four_peers_stay_identical_after_each_outer_step() -> None:
     k, h = 4, 3
     config = DiLoCoConfig(inner_steps=h, inner_lr=3e-3)
-    peers = [DiLoCo(GPT(TINY, seed=0), config) for _ in range(k)]
-    data = [_batches(3 * h, seed=10 + i, batch=2 + i) for i in range(k)]  # unequal batches
+    peers = [DiLoCo(GPT(TINY_GPT, seed=0), config) for _ in range(k)]
+    data = [tiny_batches(3 * h, seed=10 + i, batch=2 + i) for i in range(k)]  # unequal batches
     initial = peers[0].global_flat()
     for rnd in range(3):
         for i, peer in enumerate(peers):
@@ -177,7 +123,7 @@ def test_four_peers_stay_identical_after_each_outer_step() -> None:
             assert peer.should_sync()
         # Before the outer step the local models differ (different data).
         assert not torch.equal(peers[0].flat_params(), peers[1].flat_params())
-        group, reports = _outer_group(peers)
+        group, reports = outer_step_together(peers)
         assert [r.weight for r in reports] == [float(h * (2 + i)) for i in range(k)]
         assert {r.round for r in reports} == {rnd + 1}
         assert all(r.status == "averaged" for r in reports)
@@ -201,16 +147,16 @@ def _train(opt: DiLoCo, batches: Sequence[Batch]) -> None:
     for batch in batches:
         opt.inner_step(batch)
         if opt.should_sync():
-            _outer(opt, _identity)
+            run_outer_step(opt, average_alone)
 
 
 def test_state_round_trip_resumes_bit_identically() -> None:
     config = DiLoCoConfig(inner_steps=3, inner_lr=3e-3)
-    data = _batches(20, seed=4)
-    uninterrupted = DiLoCo(GPT(TINY, seed=0), config)
+    data = tiny_batches(20, seed=4)
+    uninterrupted = DiLoCo(GPT(TINY_GPT, seed=0), config)
     _train(uninterrupted, data)
 
-    first = DiLoCo(GPT(TINY, seed=0), config)
+    first = DiLoCo(GPT(TINY_GPT, seed=0), config)
     _train(first, data[:10])  # three rounds and one step into the fourth
     assert first.round == 3 and first.steps_since_sync == 1
     global_state, local_state = first.state_dict(), first.local_state_dict()
@@ -221,7 +167,7 @@ def test_state_round_trip_resumes_bit_identically() -> None:
         | {f"outer_momentum.{n}" for n in first.names}
     )
 
-    resumed = DiLoCo(GPT(TINY, seed=99), config)  # different init: everything must come back
+    resumed = DiLoCo(GPT(TINY_GPT, seed=99), config)  # different init: everything must come back
     resumed.load_state_dict(global_state)
     resumed.load_local_state_dict(local_state)
     _train(resumed, data[10:])
@@ -235,14 +181,14 @@ def test_state_round_trip_resumes_bit_identically() -> None:
 def test_local_state_is_a_cpu_copy() -> None:
     """Saved local state must not alias the live tensors (the daemon writes it to disk while
     training goes on) and is on the CPU, so a peer can restart on another device."""
-    opt = DiLoCo(GPT(TINY, seed=0), DiLoCoConfig(inner_steps=5))
-    _train(opt, _batches(2, seed=1))
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=5))
+    _train(opt, tiny_batches(2, seed=1))
     saved = opt.local_state_dict()
     before = {k: v.clone() for k, v in saved.items()}
     assert all(v.device.type == "cpu" for v in saved.values())
-    _train(opt, _batches(2, seed=2))  # moves the parameters and the AdamW moments
+    _train(opt, tiny_batches(2, seed=2))  # moves the parameters and the AdamW moments
     assert all(torch.equal(saved[k], before[k]) for k in saved)
-    restored = DiLoCo(GPT(TINY, seed=3), DiLoCoConfig(inner_steps=5))
+    restored = DiLoCo(GPT(TINY_GPT, seed=3), DiLoCoConfig(inner_steps=5))
     restored.load_state_dict(opt.state_dict())
     restored.load_local_state_dict(saved)
     for p in restored.model.parameters():
@@ -252,10 +198,10 @@ def test_local_state_is_a_cpu_copy() -> None:
 
 def test_joiner_adopts_the_global_state() -> None:
     config = DiLoCoConfig(inner_steps=2, inner_lr=3e-3)
-    donor = DiLoCo(GPT(TINY, seed=0), config)
-    _train(donor, _batches(4, seed=5))
-    donor.inner_step(_batches(1, seed=6)[0])  # local progress is not part of the global state
-    joiner = DiLoCo(GPT(TINY, seed=1), config)
+    donor = DiLoCo(GPT(TINY_GPT, seed=0), config)
+    _train(donor, tiny_batches(4, seed=5))
+    donor.inner_step(tiny_batches(1, seed=6)[0])  # local progress is not part of the global state
+    joiner = DiLoCo(GPT(TINY_GPT, seed=1), config)
     joiner.load_state_dict(donor.state_dict())
     assert joiner.round == donor.round == 2
     assert torch.equal(joiner.global_flat(), donor.global_flat())
@@ -263,7 +209,7 @@ def test_joiner_adopts_the_global_state() -> None:
     assert joiner.steps_since_sync == 0 and not joiner.inner_optimizer.state
     # Same next pseudo-gradient -> same outer step as a donor that had just synced.
     donor.load_state_dict(donor.state_dict())
-    b = _batches(2, seed=7)
+    b = tiny_batches(2, seed=7)
     _train(donor, b)
     donor_inner = {id(p): s for p, s in donor.inner_optimizer.state.items()}
     assert donor_inner  # the donor's reload kept AdamW's state; the joiner started fresh
@@ -272,7 +218,7 @@ def test_joiner_adopts_the_global_state() -> None:
 
 
 def test_load_state_dict_refuses_bad_states() -> None:
-    opt = DiLoCo(GPT(TINY, seed=0), DiLoCoConfig(inner_steps=1))
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=1))
     good = opt.state_dict()
     before = opt.global_flat()
     missing = dict(good)
@@ -292,27 +238,27 @@ def test_load_state_dict_refuses_bad_states() -> None:
 
 def test_failed_averaging_applies_the_local_pseudo_gradient() -> None:
     config = DiLoCoConfig(inner_steps=2, inner_lr=3e-3)
-    data = _batches(2, seed=8)
-    failed, alone = DiLoCo(GPT(TINY, seed=0), config), DiLoCo(GPT(TINY, seed=0), config)
+    data = tiny_batches(2, seed=8)
+    failed, alone = DiLoCo(GPT(TINY_GPT, seed=0), config), DiLoCo(GPT(TINY_GPT, seed=0), config)
     for opt in (failed, alone):
         for b in data:
             opt.inner_step(b)
-    report = _outer(failed, _fail)
+    report = run_outer_step(failed, _fail)
     assert report.status == "local" and report.reason == "averaging failed"
     assert report.round == 1
-    _outer(alone, _identity)
+    run_outer_step(alone, average_alone)
     assert torch.equal(failed.global_flat(), alone.global_flat())
     assert failed.steps_since_sync == 0
 
 
 def test_non_finite_average_falls_back_to_local() -> None:
-    opt = DiLoCo(GPT(TINY, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
-    opt.inner_step(_batches(1, seed=9)[0])
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
+    opt.inner_step(tiny_batches(1, seed=9)[0])
 
     async def poisoned(pg: torch.Tensor, weight: float) -> torch.Tensor:
         return torch.full_like(pg, math.inf)
 
-    report = _outer(opt, poisoned)
+    report = run_outer_step(opt, poisoned)
     assert report.status == "local" and report.reason is not None
     assert bool(torch.isfinite(opt.global_flat()).all())
 
@@ -320,13 +266,13 @@ def test_non_finite_average_falls_back_to_local() -> None:
 def test_deferred_failure_keeps_training_and_carries_the_weight() -> None:
     h = 2
     config = DiLoCoConfig(inner_steps=h, inner_lr=3e-3, on_failure="defer")
-    opt = DiLoCo(GPT(TINY, seed=0), config)
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), config)
     start = opt.global_flat()
-    data = _batches(2 * h, seed=11)
+    data = tiny_batches(2 * h, seed=11)
     for b in data[:h]:
         opt.inner_step(b)
     local = opt.flat_params()
-    report = _outer(opt, _fail)
+    report = run_outer_step(opt, _fail)
     assert report.status == "deferred" and report.round == 0 and opt.round == 0
     assert torch.equal(opt.global_flat(), start) and torch.equal(opt.flat_params(), local)
     assert not opt.should_sync()  # trains another H steps before trying again
@@ -340,34 +286,34 @@ def test_deferred_failure_keeps_training_and_carries_the_weight() -> None:
         torch.testing.assert_close(pg, start - opt.flat_params())
         return pg
 
-    report = _outer(opt, record)
+    report = run_outer_step(opt, record)
     assert seen == [2 * h * 4.0] and report.inner_steps == 2 * h and opt.round == 1
 
 
 def test_exception_in_averaging_leaves_state_unchanged() -> None:
-    opt = DiLoCo(GPT(TINY, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
-    opt.inner_step(_batches(1, seed=12)[0])
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
+    opt.inner_step(tiny_batches(1, seed=12)[0])
     before = (opt.global_flat(), opt.flat_params(), opt.round, opt.steps_since_sync)
 
     async def boom(pg: torch.Tensor, weight: float) -> torch.Tensor:
         raise RuntimeError("no group")
 
     with pytest.raises(RuntimeError, match="no group"):
-        _outer(opt, boom)
+        run_outer_step(opt, boom)
     assert torch.equal(before[0], opt.global_flat()) and torch.equal(before[1], opt.flat_params())
     assert (opt.round, opt.steps_since_sync) == before[2:]
 
 
 def test_accepts_the_all_reduce_result() -> None:
-    opt = DiLoCo(GPT(TINY, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
-    opt.inner_step(_batches(1, seed=13)[0])
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
+    opt.inner_step(tiny_batches(1, seed=13)[0])
 
     async def partial(pg: torch.Tensor, weight: float) -> AllReduceResult:
         return AllReduceResult(
             pg * 0.5, dropped=set(), failed_parts=[1], recovered_parts=[], duration_s=0.0
         )
 
-    report = _outer(opt, partial)
+    report = run_outer_step(opt, partial)
     assert report.status == "partial" and report.round == 1
 
 
@@ -398,7 +344,7 @@ def test_loss_decreases_on_the_builtin_corpus() -> None:
     for batch in source.train_batches(0, 1, 8, 64, seed=0):
         opt.inner_step(batch)
         if opt.should_sync():
-            _outer(opt, _identity)
+            run_outer_step(opt, average_alone)
         if opt.round == 5:
             break
     after = evaluate(opt.model, val)

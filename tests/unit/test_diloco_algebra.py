@@ -7,7 +7,13 @@ import torch
 
 from swarmd.optim import DiLoCo, DiLoCoConfig
 from swarmd.workloads import GPT
-from tests.unit.test_diloco import TINY, _batches, _identity, _outer, _outer_group
+from tests.harness.diloco import (
+    TINY_GPT,
+    average_alone,
+    outer_step_together,
+    run_outer_step,
+    tiny_batches,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -26,14 +32,14 @@ def test_inner_sgd_h1_outer_lr1_no_momentum_is_data_parallel_sgd() -> None:
         outer_lr=1.0,
         outer_momentum=0.0,
     )
-    peers = [DiLoCo(GPT(TINY, seed=0), config) for _ in range(k)]
-    reference = GPT(TINY, seed=0)
+    peers = [DiLoCo(GPT(TINY_GPT, seed=0), config) for _ in range(k)]
+    reference = GPT(TINY_GPT, seed=0)
     sgd = torch.optim.SGD(reference.parameters(), lr=lr)
     for step in range(4):
-        batches = [_batches(1, seed=100 * step + i)[0] for i in range(k)]
+        batches = [tiny_batches(1, seed=100 * step + i)[0] for i in range(k)]
         for peer, batch in zip(peers, batches, strict=True):
             peer.inner_step(batch)
-        _outer_group(peers)
+        outer_step_together(peers)
         # Data parallel: every worker's gradient on its own batch, averaged, one SGD step.
         sgd.zero_grad()
         for x, y in batches:
@@ -48,11 +54,11 @@ def test_inner_sgd_h1_outer_lr1_no_momentum_is_data_parallel_sgd() -> None:
 
 def test_one_peer_outer_lr1_no_momentum_is_the_identity() -> None:
     config = DiLoCoConfig(inner_steps=3, outer_lr=1.0, outer_momentum=0.0)
-    opt = DiLoCo(GPT(TINY, seed=0), config)
-    for batch in _batches(3, seed=7):
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), config)
+    for batch in tiny_batches(3, seed=7):
         opt.inner_step(batch)
     before = [p.detach().clone() for p in opt.model.parameters()]
-    _outer(opt, _identity)
+    run_outer_step(opt, average_alone)
     # The outer step moved the global weights exactly onto where the inner steps went.
     for p, q in zip(opt.model.parameters(), before, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)

@@ -178,7 +178,7 @@ def test_the_shared_machinery_imports_nothing_above_it(package: str) -> None:
 
 #: What the lifecycle may read of an algorithm: the run config validates every algorithm's
 #: settings when it is read, before the run's algorithm (and so its strategy) is known.
-LIFECYCLE_MAY_READ = {"swarmd.node.algorithms.swarm.config", "swarmd.node.algorithms.swarm"}
+LIFECYCLE_MAY_READ = {"swarmd.node.algorithms.swarm.config"}
 
 
 def test_the_lifecycle_imports_no_algorithm() -> None:

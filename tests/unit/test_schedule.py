@@ -12,7 +12,7 @@ import torch
 from swarmd.optim import DiLoCo, DiLoCoConfig, StreamingConfig, StreamingDiLoCo
 from swarmd.optim.schedule import LrSchedule
 from swarmd.workloads import GPT, GPTConfig
-from tests.helpers import random_batches
+from tests.harness.batches import random_batches
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 

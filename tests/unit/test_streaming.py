@@ -31,7 +31,7 @@ from swarmd.optim import (
 )
 from swarmd.optim.streaming import layer_units, split_fragments, state_age
 from swarmd.workloads import GPT, GPTConfig, builtin_corpus, evaluate
-from tests.helpers import random_batches
+from tests.harness.batches import random_batches
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -58,7 +58,7 @@ def _assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
         assert torch.equal(a[key], b[key]), key
 
 
-# -- the in-process swarm -------------------------------------------------------------------
+# -- the in-process peers -------------------------------------------------------------------
 
 
 class Rendezvous:
@@ -155,7 +155,7 @@ async def drive(
     return trace
 
 
-def run_swarm(
+def run_peers(
     peers: Sequence[StreamingDiLoCo],
     data: Sequence[Sequence[Batch]],
     meet: Rendezvous,
@@ -195,7 +195,7 @@ def test_one_fragment_no_overlap_no_mixing_is_exactly_diloco() -> None:
         stream = [StreamingDiLoCo(GPT(TINY, seed=0), StreamingConfig(base)) for _ in range(k)]
         plain = [DiLoCo(GPT(TINY, seed=0), base) for _ in range(k)]
         data = [_batches(h * turns, seed=20 + i, batch=2 + i) for i in range(k)]
-        traces = run_swarm(stream, data, Rendezvous(k, fail_turns=[failed]))
+        traces = run_peers(stream, data, Rendezvous(k, fail_turns=[failed]))
 
         async def plain_run(plain: list[DiLoCo], data: list[list[Batch]]) -> None:
             meet = Rendezvous(k, fail_turns=[failed])
@@ -238,7 +238,7 @@ def test_matrix_with_a_failed_round_ends_identical(fragments: int, tau: int, alp
     initial = peers[0].state_dict()
     data = [_batches(h * cycles, seed=100 + i, batch=1 + i) for i in range(k)]
     meet = Rendezvous(k, fail_turns=[failed])
-    traces = run_swarm(peers, data, meet)
+    traces = run_peers(peers, data, meet)
 
     turns = cycles * fragments
     for trace in traces:
@@ -278,7 +278,7 @@ def test_trainer_keeps_stepping_while_the_round_is_on_the_wire() -> None:
                 await trio.sleep(0)
             raise AssertionError("the trainer did not step while its round was in flight")
 
-        (trace,) = run_swarm([opt], [_batches(2 * h, seed=5)], meet, delay=late)
+        (trace,) = run_peers([opt], [_batches(2 * h, seed=5)], meet, delay=late)
         assert trace.steps_in_flight == [tau] * 4
         assert [r.status for r in trace.reports] == ["averaged"] * 4
 
@@ -330,7 +330,7 @@ def test_eager_stand_in_replaced_equals_applying_the_average(alpha: float) -> No
     torch.testing.assert_close(eager.flat_params(), plain.flat_params(), rtol=0, atol=1e-6)
 
 
-def test_eager_swarm_with_late_rounds_ends_identical() -> None:
+def test_eager_peers_with_late_rounds_end_identical() -> None:
     """Rounds arrive 2 steps after the outer step: every peer applies stand-ins, replaces
     them when the average comes, and all end with the same global state."""
     h, p, tau, k = 8, 2, 1, 3
@@ -346,7 +346,7 @@ def test_eager_swarm_with_late_rounds_ends_identical() -> None:
             await trio.sleep(0)
         raise AssertionError("the trainer did not keep stepping after its stand-in")
 
-    traces = run_swarm(peers, data, Rendezvous(k, fail_turns=[2]), delay=late)
+    traces = run_peers(peers, data, Rendezvous(k, fail_turns=[2]), delay=late)
     for trace in traces:
         statuses = [r.status for r in trace.reports]
         assert statuses == ["eager", "averaged"] * 2 + ["eager", "deferred", "eager", "averaged"]
@@ -371,7 +371,7 @@ def test_a_dead_peer_does_not_stall_the_others() -> None:
     data = [_batches(3 * h, seed=60 + i) for i in range(k)]
     data[2] = data[2][: h // p]  # one turn, then it is gone
     meet = Rendezvous(k, deadline_s=5.0)
-    traces = run_swarm(peers, data, meet)
+    traces = run_peers(peers, data, meet)
     for trace in traces[:2]:
         assert [r.status for r in trace.reports] == ["averaged"] * 6
         assert [r.turn for r in trace.reports] == list(range(1, 7))
@@ -424,7 +424,7 @@ def test_joiner_and_restart_take_every_fragment_state(layout: str) -> None:
     data = _batches(6 * h, seed=8)
     ref = StreamingDiLoCo(GPT(TINY, seed=0), config)
     meet = Rendezvous(1)
-    run_swarm([ref], [data[: 3 * h // p]], meet)  # three turns: mid-cycle, fragment 1 next
+    run_peers([ref], [data[: 3 * h // p]], meet)  # three turns: mid-cycle, fragment 1 next
     state, local = ref.state_dict(), ref.local_state_dict()
     assert int(state["turn"]) == 3 and ref.current_fragment == 1
     assert any(state["outer_momentum." + n].abs().sum() > 0 for n in ref.fragment_names(1))
@@ -440,8 +440,8 @@ def test_joiner_and_restart_take_every_fragment_state(layout: str) -> None:
     again.load_state_dict(state)
     again.load_local_state_dict(local)
     rest = data[3 * h // p :]
-    run_swarm([ref], [rest], Rendezvous(1))
-    run_swarm([again], [rest], Rendezvous(1))
+    run_peers([ref], [rest], Rendezvous(1))
+    run_peers([again], [rest], Rendezvous(1))
     _assert_same_state(again.state_dict(), ref.state_dict())
     assert torch.equal(again.flat_params(), ref.flat_params())
 
@@ -537,7 +537,7 @@ def test_two_peers_learn_the_builtin_corpus() -> None:
     peers = [StreamingDiLoCo(GPT(config, seed=0), stream) for _ in range(2)]
     data = [list(itertools.islice(source.train_batches(i, 2, 8, 64, seed=0), 40)) for i in range(2)]
     before = evaluate(peers[0].model, val)
-    run_swarm(peers, data, Rendezvous(2))
+    run_peers(peers, data, Rendezvous(2))
     after = evaluate(peers[0].model, val)
     print(f"validation loss {before:.3f} -> {after:.3f} in 40 steps")
     assert after < before - 1.5, (before, after)

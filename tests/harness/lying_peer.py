@@ -2,11 +2,11 @@
 DiLoCo optimiser misreports what it contributes to each round (swarmd/node/chaos/byzantine.py,
 the peer `swarmd chaos --byzantine` runs), or its reductions lie.
 
-    SWARMD_LIE=weight   python -m tests.adversarial.lying_peer join ...   # 1e9 samples, update x -1
-    SWARMD_LIE=scale100 python -m tests.adversarial.lying_peer join ...   # update x 100
-    SWARMD_LIE=signflip python -m tests.adversarial.lying_peer join ...   # update x -1
-    SWARMD_LIE=reducer  python -m tests.adversarial.lying_peer join ...   # serves its part x -1
-    SWARMD_LIE=forger   python -m tests.adversarial.lying_peer join ...   # ... and forges its proof
+    SWARMD_LIE=weight   python -m tests.harness.lying_peer join ...   # 1e9 samples, update x -1
+    SWARMD_LIE=scale100 python -m tests.harness.lying_peer join ...   # update x 100
+    SWARMD_LIE=signflip python -m tests.harness.lying_peer join ...   # update x -1
+    SWARMD_LIE=reducer  python -m tests.harness.lying_peer join ...   # serves its part x -1
+    SWARMD_LIE=forger   python -m tests.harness.lying_peer join ...   # ... and forges its proof
     SWARMD_LIE=equivocator ...                                # ... a different proof per member
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
@@ -23,7 +23,7 @@ import torch
 from swarmd.node.averaging import round as round_module
 from swarmd.node.chaos import byzantine
 from swarmd.node.cli.app import entry
-from tests.adversarial import forger
+from tests.harness import forger
 
 LIE = os.environ.get("SWARMD_LIE", "")
 

@@ -95,7 +95,7 @@ async def main(cfg: dict[str, Any]) -> None:
     averager = Averager(client, identity.peer_id, config, outgoing_encoder=liar)
     if behavior in ("forge", "equivocate"):
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script
-        from tests.adversarial import forger
+        from tests.harness import forger
 
         forger.install() if behavior == "forge" else forger.install_equivocator()
     if behavior in ("flip", "x-20"):

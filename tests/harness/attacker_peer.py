@@ -1,6 +1,6 @@
 """A hostile peer process: throwaway keys that advertise a forged state of the run and serve it.
 
-    python -m tests.adversarial.attacker_peer --boot ADDR --run-file run.toml --run t \\
+    python -m tests.harness.attacker_peer --boot ADDR --run-file run.toml --run t \\
         --attack scrambled|nan|huge [--keys 2] [--round 1000000]
 
 scrambled: the run's own layout, parameters replaced by large noise (finite: it loads).

@@ -1,5 +1,5 @@
 """Reducers that know about proofs, installed into a peer process by
-tests/adversarial/lying_peer.py and tests/integration/allreduce_peer.py. Both serve their part
+tests/harness/lying_peer.py and tests/harness/allreduce_peer.py. Both serve their part
 negated and fill in an entry of the proof so that the weighted mean of the entries matches
 what they served:
 

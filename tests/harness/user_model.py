@@ -1,4 +1,4 @@
-"""A user's own model for `model = "tests.integration.user_model:bigram"` in a run file."""
+"""A user's own model for `model = "tests.harness.user_model:bigram"` in a run file."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class FakeClock:
 
 
 @dataclass
-class Swarm:
+class Peers:
     nodes: list[DHTNode] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     scopes: list[trio.CancelScope] = field(default_factory=list)
@@ -58,11 +58,11 @@ class Swarm:
 
 
 @asynccontextmanager
-async def swarm(
+async def dht_peers(
     n: int, *, config: DHTConfig | None = None, clock: Callable[[], float] = time.time
-) -> AsyncIterator[Swarm]:
+) -> AsyncIterator[Peers]:
     """n nodes, each joining through up to three random earlier ones."""
-    s = Swarm()
+    s = Peers()
     rng = random.Random(n)
 
     async def host(peers: list[str], *, task_status: trio.TaskStatus[None]) -> None:
@@ -95,7 +95,7 @@ async def swarm(
 def test_64_nodes_every_node_gets_what_any_stored_even_after_20_percent_die() -> None:
     async def main() -> None:
         rng = random.Random(1)
-        async with swarm(64) as s:
+        async with dht_peers(64) as s:
             assert min(len(n.table) for n in s.nodes) >= 10
             stored: dict[str, bytes] = {}
             for i in rng.sample(range(64), 24):
@@ -129,7 +129,7 @@ def test_64_nodes_every_node_gets_what_any_stored_even_after_20_percent_die() ->
 
 def test_sub_keys_from_many_owners_merge_and_announce_watch() -> None:
     async def main() -> None:
-        async with swarm(16) as s:
+        async with dht_peers(16) as s:
             key = "run/demo/round/17"
             for i in range(10):
                 await s.nodes[i].store(key, b"ready%d" % i, time.time() + TTL, subkey=f"n{i}")
@@ -190,7 +190,7 @@ def test_expired_values_disappear_on_a_fake_clock() -> None:
     clock = FakeClock()
 
     async def main() -> None:
-        async with swarm(8, clock=clock) as s:
+        async with dht_peers(8, clock=clock) as s:
             await s.nodes[0].store("short", b"v", clock.now + 10)
             await s.nodes[0].store("long", b"w", clock.now + 100)
             await s.nodes[1].store("dict", b"x", clock.now + 10, subkey="a")
@@ -213,7 +213,7 @@ def test_expired_values_disappear_on_a_fake_clock() -> None:
 
 def test_forged_oversized_and_replayed_stores_are_refused() -> None:
     async def main() -> None:
-        async with swarm(4) as s:
+        async with dht_peers(4) as s:
             target = s.nodes[1]
             address = s.addresses[1]
             me = Identity.generate()
@@ -286,7 +286,7 @@ def test_forged_oversized_and_replayed_stores_are_refused() -> None:
 
 def test_getters_ignore_forged_records_served_by_malicious_nodes() -> None:
     async def main() -> None:
-        async with swarm(7) as s:
+        async with dht_peers(7) as s:
             await s.nodes[0].store("cfg", b"honest", time.time() + 60)
             honest = s.nodes[0].storage.get(b"cfg")[0]
             forged = dataclasses.replace(honest, value=b"evil", expires_ms=honest.expires_ms + 5000)
@@ -307,7 +307,7 @@ def test_getters_ignore_forged_records_served_by_malicious_nodes() -> None:
 
 def test_dead_nodes_are_routed_around_and_evicted() -> None:
     async def main() -> None:
-        async with swarm(12) as s:
+        async with dht_peers(12) as s:
             await s.nodes[0].store("x", b"1", time.time() + 60)
             dead = [2, 5, 7]
             for i in dead:
@@ -329,7 +329,7 @@ def test_dead_nodes_are_routed_around_and_evicted() -> None:
 
 def test_find_answers_many_targets_in_one_call() -> None:
     async def main() -> None:
-        async with swarm(6) as s:
+        async with dht_peers(6) as s:
             await s.nodes[0].store("a", b"1", time.time() + 60)
             client = rpc.RpcClient(Identity.generate())
             try:
@@ -351,7 +351,7 @@ def test_find_answers_many_targets_in_one_call() -> None:
 
 def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
     async def main() -> None:
-        async with swarm(6) as s:
+        async with dht_peers(6) as s:
             # Node 0 must hold all three (what is measured is its answer). A store that timed
             # out on a loaded machine is redone, as its owner's republishing would (seen in
             # CI: 2 of 3, a join's rebootstrap timed out under load).
@@ -407,7 +407,7 @@ def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
 
 def test_a_key_reader_transfers_only_new_records_and_light_reads_ask_one_node() -> None:
     async def main() -> None:
-        async with swarm(8) as s:
+        async with dht_peers(8) as s:
             reader_node = s.nodes[7]
             for node in s.nodes[:3]:
                 await node.store("round", b"me", time.time() + 60, subkey=str(node.peer_id))
@@ -456,7 +456,7 @@ def test_config_is_validated() -> None:
 
 def test_own_records_are_republished_before_they_expire() -> None:
     async def main() -> None:
-        async with swarm(8) as s:
+        async with dht_peers(8) as s:
             owner = s.nodes[0]
             # 16 s of life: the first republish is due at about 7 s, and a slow replica (a
             # loaded CI machine: 8 s of life left 3.5 s of slack and failed once) is retried at
@@ -490,7 +490,7 @@ def test_periodic_refresh_evicts_dead_contacts_without_any_lookup() -> None:
     config = DHTConfig(refresh_interval_s=0.3, stale_after_s=0.2, timeouts=TimeoutPolicy(min_s=1.0))
 
     async def main() -> None:
-        async with swarm(6, config=config) as s:
+        async with dht_peers(6, config=config) as s:
             dead = s.nodes[3].peer_id
             assert all(dead in n.table for i, n in enumerate(s.nodes) if i != 3)
             s.kill(3)
@@ -508,7 +508,7 @@ def test_a_node_that_lost_every_contact_rejoins_within_seconds() -> None:
     config = DHTConfig(refresh_interval_s=120, bootstrap_timeout_s=0.5)
 
     async def main() -> None:
-        async with swarm(3, config=config) as s:
+        async with dht_peers(3, config=config) as s:
             cut = s.nodes[2]
             attempts = 0
             rejoin = cut.bootstrap
@@ -536,7 +536,7 @@ def test_stores_in_a_small_network_skip_the_node_lookup_until_the_network_change
     them; a node that joins shows in the routing table and brings the lookup back."""
 
     async def main() -> None:
-        async with swarm(6) as s:
+        async with dht_peers(6) as s:
             writer = s.nodes[0]
             lookups: list[bytes | None] = []
             lookup = writer._lookup

@@ -1,4 +1,5 @@
-"""Helpers for tests that run real processes on loopback with OS-chosen ports."""
+"""Real processes on loopback with OS-chosen ports: start them, read the JSON lines they
+print, and kill them all at teardown (the `processes` fixture of tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,13 @@ import queue
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import trio
-
 from swarmd.node.runtime.children import stop_all
-from swarmd.protocol import rpc
-from swarmd.protocol import swarmd_pb2 as pb
-from swarmd.protocol.identity import Identity, PeerId
-from swarmd.protocol.session import verify_server_key
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+#: This package: the peer programs tests start by path live here.
+HARNESS = ROOT / "tests" / "harness"
 
 
 class Proc:
@@ -133,23 +128,6 @@ def swarmd_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "swarmd.node.cli", *args]
 
 
-def rpc_server_cmd(config: dict[str, object] | None = None) -> list[str]:
-    script = ROOT / "tests" / "integration" / "rpc_test_server.py"
-    return [sys.executable, str(script), json.dumps(config or {})]
-
-
-def random_batches(
-    n: int, seed: int, batch: int, block: int = 16
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Seeded random byte-token (input, next-token target) batches for optimiser tests."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(0, 256, (batch, block + 1), generator=g)
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
-
-
 def peak_rss_kib(pid: int) -> int:
     """A process's peak resident memory (VmHWM), in KiB."""
     with open(f"/proc/{pid}/status") as fh:
@@ -157,27 +135,3 @@ def peak_rss_kib(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise AssertionError("no VmHWM")
-
-
-@dataclass(frozen=True)
-class Hello:
-    """What a server says about itself: where its bulk plane is and whom to address."""
-
-    port: int
-    peer_id: PeerId
-    kx_public: bytes
-
-
-def hello_of(address: str) -> Hello:
-    async def ask() -> pb.BulkInfo:
-        client = rpc.RpcClient(Identity.generate())
-        try:
-            return await client.unary(
-                address, rpc.GET_BULK_INFO, pb.BulkInfoRequest(), pb.BulkInfo, timeout=5
-            )
-        finally:
-            client.close()
-
-    info = trio.run(ask)
-    peer_id = verify_server_key(info.public_key, info.kx_public, info.kx_signature)
-    return Hello(int(info.port), peer_id, info.kx_public)
