@@ -2,8 +2,8 @@
 
 A strategy gets one `PeerContext` and nothing else from the lifecycle, so what every algorithm
 may rely on is written down in one place: the run's config, this peer's identity and address,
-the DHT, the RPC client, the averager and state donor already served on the peer's port,
-metrics, progress output, the stop signal and the wait/held clocks.
+the DHT, the RPC client, the averager, the state donor and each algorithm's host already
+served on the peer's port, metrics, progress output, the stop signal and the wait/held clocks.
 """
 
 from __future__ import annotations
