@@ -444,7 +444,8 @@ class Exchange:
             commitment=b"" if relayed else self.commitments.get((j, attempt), b""),
             values=self.to_send[s:e],
             lost=None if self.residual is None else self.residual[s:e],
-            encoded=self.encoded_parts.get(j),
+            encoded=self.encoded_parts,
+            part=j,
             own_codec=self.link.outgoing_encoder is None,
         )
 

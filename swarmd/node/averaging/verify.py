@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -67,8 +68,10 @@ class Sent:
     #: feedback).
     values: torch.Tensor
     lost: torch.Tensor | None
-    #: The bytes it sent for the part (None: none).
-    encoded: Encoded | None
+    #: The bytes it sent, by part, read when a probe needs them (the part may still be
+    #: encoding when the claim is made); this part's are `encoded[part]`, if any.
+    encoded: Mapping[int, Encoded]
+    part: int
     #: Whether the round's codec made them (False: a test's own encoder did).
     own_codec: bool
 
@@ -76,7 +79,8 @@ class Sent:
 def contribution(sent: Sent, codec: str, ranges: Ranges) -> torch.Tensor | None:
     """The part as its reducer decoded it from this member's bytes, on ``ranges`` (None: it
     sent none, or bytes that decode to nothing a reducer could use)."""
-    if sent.encoded is None:
+    encoded = sent.encoded.get(sent.part)
+    if encoded is None:
         return None
     if sent.own_codec and codec == "fp32":
         return gather(sent.values, ranges)
@@ -85,7 +89,7 @@ def contribution(sent: Sent, codec: str, ranges: Ranges) -> torch.Tensor | None:
         # What the reducer decoded is what this member meant to send less what the codec
         # lost (to a float32 rounding): no decoding pass over the whole part.
         return torch.cat([sent.values[a:b] - lost[a:b] for a, b in ranges])
-    blob = b"".join(sent.encoded)
+    blob = b"".join(encoded)
     try:
         limits = DecodeLimits(max_elements=sent.values.numel(), max_bytes=len(blob) * 8 + 4096)
         return gather(decode(blob, limits), ranges)
