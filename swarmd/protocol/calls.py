@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import trio
+from google.protobuf.message import Message
 
 from swarmd.protocol.errors import AuthError, MalformedHeader, ProtocolError
 from swarmd.protocol.identity import PeerId
@@ -99,3 +100,22 @@ def to_rpc_error(exc: BaseException) -> RpcError:
     if isinstance(exc, trio.TooSlowError):
         return RpcError(StatusCode.DEADLINE_EXCEEDED, "handler timed out")
     return RpcError(StatusCode.INTERNAL, f"{type(exc).__name__} in handler")
+
+
+M = TypeVar("M", bound=Message)
+
+
+class UnaryCaller(Protocol):
+    """What a component that only makes unary calls needs of a client: RpcClient over gRPC,
+    or the simulator's in-memory network (swarmd/sim), which carries the same signed bytes."""
+
+    async def unary(
+        self,
+        address: str,
+        path: str,
+        request: Message,
+        response_type: type[M],
+        *,
+        timeout: float | None = None,
+        recipient: PeerId | None = None,
+    ) -> M: ...

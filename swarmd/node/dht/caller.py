@@ -13,12 +13,12 @@ keeps forged ids (chosen to sit next to a key) out of it.
 from __future__ import annotations
 
 import secrets
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import trio
 from google.protobuf.message import Message
 
 from swarmd.node.dht.routing import RoutingTable
@@ -110,7 +110,7 @@ class Caller:
     def __init__(
         self,
         identity: Identity,
-        client: rpc.RpcClient,
+        client: rpc.UnaryCaller,
         table: RoutingTable,
         policy: TimeoutPolicy,
     ) -> None:
@@ -141,7 +141,7 @@ class Caller:
         peer_id: PeerId | None,
         timeout: float | None = None,
     ) -> R:
-        start = time.perf_counter()
+        start = trio.current_time()
         response = await self.client.unary(
             address, path, request, response_type,
             timeout=self.rtt.timeout() if timeout is None else timeout,
@@ -150,7 +150,7 @@ class Caller:
         # An answer is a measurement even under a longer deadline: the bootstrap ping's is the
         # first one, and without it the join's self-lookup ran on the initial estimate (its
         # slow stall timer left some nodes of a 64-node swarm with 5 contacts instead of 10+).
-        self.rtt.sample(time.perf_counter() - start)
+        self.rtt.sample(trio.current_time() - start)
         return response
 
     def _accept(

@@ -154,7 +154,7 @@ class Reachability:
 
 
 async def check_reachability(
-    client: rpc.RpcClient,
+    client: rpc.UnaryCaller,
     nodes: Sequence[str],
     port: int,
     bulk_port: int = 0,
@@ -208,7 +208,7 @@ async def check_reachability(
 
 async def reachability_of(
     setting: str,
-    client: rpc.RpcClient,
+    client: rpc.UnaryCaller,
     nodes: Sequence[str],
     port: int,
     bulk_port: int = 0,

@@ -38,6 +38,8 @@ class _Candidate:
     distance: int
     state: str = "new"  # new | asked | answered | failed
     stalled: bool = False
+    #: Answers between the caller and this node: 1 for its own contacts.
+    hops: int = 1
     asked_at: float = 0.0
 
 
@@ -52,6 +54,9 @@ class LookupResult:
     holders: int = 0
     queried: int = 0
     failed: int = 0
+    #: Hops to the first node that held a record (key lookups), else to the closest node
+    #: that answered; 0 when nobody answered.
+    hops: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,12 +122,16 @@ class _Lookup:
         answered = [c for c in self.candidates.values() if c.state == "answered"]
         answered.sort(key=lambda c: c.distance)
         self.result.closest = [(c.peer_id, c.address) for c in answered[: self.params.k]]
+        if not self.result.hops and answered:
+            self.result.hops = answered[0].hops
         return self.result
 
-    def consider(self, peer_id: PeerId, address: str) -> None:
+    def consider(self, peer_id: PeerId, address: str, hops: int = 1) -> None:
         if peer_id == self.own or peer_id in self.candidates or self.table.in_backoff(peer_id):
             return
-        self.candidates[peer_id] = _Candidate(peer_id, address, node_id(peer_id) ^ self.target)
+        self.candidates[peer_id] = _Candidate(
+            peer_id, address, node_id(peer_id) ^ self.target, hops=hops
+        )
 
     def shortlist(self) -> list[_Candidate]:
         live = [c for c in self.candidates.values() if c.state != "failed"]
@@ -166,7 +175,7 @@ class _Lookup:
                 self.result.failed += 1
             else:
                 c.state = "answered"
-                self.absorb(resp)
+                self.absorb(resp, c.hops)
             return
         waiting = [c for c in self.candidates.values() if c.state == "asked" and not c.stalled]
         if waiting:
@@ -189,7 +198,7 @@ class _Lookup:
             return
         self.send.send_nowait((c, resp))
 
-    def absorb(self, resp: pb.FindResponse) -> None:
+    def absorb(self, resp: pb.FindResponse, hops: int) -> None:
         found = resp.results[0]
         for node in found.nodes[: self.params.k]:
             try:
@@ -197,7 +206,7 @@ class _Lookup:
                 parse_address(node.address)
             except ValueError:
                 continue
-            self.consider(peer_id, node.address)
+            self.consider(peer_id, node.address, hops + 1)
         if self.key is None or not (found.records or found.omitted):
             return
         now = self.clock()
@@ -213,3 +222,5 @@ class _Lookup:
             self.result.records.append(record)
             held = True
         self.result.holders += held
+        if held and not self.result.hops:
+            self.result.hops = hops

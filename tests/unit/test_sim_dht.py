@@ -1,0 +1,74 @@
+"""The simulator's DHT: real DHTNodes on the in-memory network, in virtual time.
+
+A simulated minute of joins, stores, a third of the nodes killed and reads costs seconds, and
+the figures are the DHT's own: a read must still find every key past the dead nodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from swarmd.node.sim.dht import DhtScenario, run_dht, seeded_identity
+from swarmd.node.sim.network import NetworkConfig, SimNetwork
+from swarmd.protocol import dht_pb2 as pb
+from swarmd.protocol import rpc
+
+
+def test_reads_find_every_key_after_a_third_of_the_nodes_die() -> None:
+    report = run_dht(DhtScenario(nodes=60, gets=60, killed=0.3, seed=3))
+    assert report.killed == 18
+    assert report.found == report.gets
+    assert 1 <= report.median_hops <= 4
+    # The run took virtual time (a minute of joins, the settling, RTTs of 10-300 ms) ...
+    assert report.virtual_s > 60
+    # ... and every request was a real signed call between the nodes.
+    assert report.calls > 60 * 10
+
+
+def test_a_call_takes_its_round_trip_and_a_dead_host_its_callers_deadline() -> None:
+
+    rng = random.Random(0)
+    net = SimNetwork(NetworkConfig(rtt_min_s=0.1, rtt_max_s=0.1), seed=0)
+    a, b = net.add_host(seeded_identity(rng)), net.add_host(seeded_identity(rng))
+    calls: list[str] = []
+
+    async def ping(req: pb.PingRequest, ctx: rpc.CallContext) -> pb.PingResponse:
+        assert ctx.peer_id == a.identity.peer_id and ctx.peer == f"ipv4:{a.address}"
+        calls.append(ctx.method)
+        return pb.PingResponse()
+
+    net.serve(b, [rpc.Service("t.v1.T", [rpc.unary("Ping", pb.PingRequest, ping)])])
+    client = net.client(a)
+    path = rpc.method_path("t.v1.T", "Ping")
+
+    async def main() -> None:
+        t0 = trio.current_time()
+        await client.unary(b.address, path, pb.PingRequest(), pb.PingResponse, timeout=5)
+        assert trio.current_time() - t0 == pytest.approx(0.1)  # one round trip
+        net.kill(b.address)
+        t0 = trio.current_time()
+        with pytest.raises(rpc.RpcError) as err:
+            await client.unary(b.address, path, pb.PingRequest(), pb.PingResponse, timeout=5)
+        assert err.value.code is rpc.StatusCode.DEADLINE_EXCEEDED
+        assert trio.current_time() - t0 == pytest.approx(5.0)
+        with pytest.raises(rpc.RpcError) as err:
+            await client.unary(a.address, "/t.v1.T/Nope", pb.PingRequest(), pb.PingResponse)
+        assert err.value.code is rpc.StatusCode.UNIMPLEMENTED
+
+    net.serve(a, [])
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert calls == [path]
+
+
+def test_scenarios_are_validated() -> None:
+    with pytest.raises(ValueError):
+        DhtScenario(nodes=1)
+    with pytest.raises(ValueError):
+        DhtScenario(killed=1.0)
+    with pytest.raises(ValueError):
+        NetworkConfig(rtt_min_s=0.3, rtt_max_s=0.1)
+    with pytest.raises(ValueError):
+        NetworkConfig(loss=1.0)
