@@ -72,3 +72,9 @@ def test_scenarios_are_validated() -> None:
         NetworkConfig(rtt_min_s=0.3, rtt_max_s=0.1)
     with pytest.raises(ValueError):
         NetworkConfig(loss=1.0)
+
+
+def test_one_seed_replays_the_same_run_and_another_seed_does_not() -> None:
+    first, again, other = (run_dht(DhtScenario(nodes=30, gets=20, seed=s)) for s in (5, 5, 6))
+    assert first.log_hash == again.log_hash and first.calls == again.calls
+    assert other.log_hash != first.log_hash

@@ -9,6 +9,7 @@ keys and nodes spread uniformly over the same space.
 from __future__ import annotations
 
 import hashlib
+import random
 import secrets
 
 from swarmd.protocol.identity import PeerId
@@ -48,7 +49,9 @@ def bucket_index(own: int, other: int) -> int:
     return d.bit_length() - 1
 
 
-def random_id_in_bucket(own: int, index: int) -> int:
-    """A uniformly random id whose bucket (relative to ``own``) is ``index``: for refreshes."""
-    low = secrets.randbits(index) if index > 0 else 0
+def random_id_in_bucket(own: int, index: int, rng: random.Random | None = None) -> int:
+    """A uniformly random id whose bucket (relative to ``own``) is ``index``: for refreshes.
+    ``rng``: the simulator's seeded source; a node draws from the OS's."""
+    bits = rng.getrandbits if rng is not None else secrets.randbits
+    low = bits(index) if index > 0 else 0
     return own ^ ((1 << index) | low)

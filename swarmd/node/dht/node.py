@@ -68,10 +68,14 @@ class DHTNode:
         *,
         clock: Callable[[], float] = time.time,
         timer: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         self.config = config or DHTConfig()
         #: Intervals (contacts' staleness, refresh): the simulator passes trio's clock.
         self._timer = timer
+        #: Jitter and refresh targets; the simulator passes its seeded source so that one seed
+        #: replays a run, a node draws from the OS's.
+        self._rng = rng or random.SystemRandom()
         self.identity = identity
         self.peer_id = identity.peer_id
         self._clock = clock
@@ -157,7 +161,7 @@ class DHTNode:
     async def _refresh_loop(self) -> None:
         cfg = self.config
         while True:
-            with trio.move_on_after(cfg.refresh_interval_s * random.uniform(0.5, 1.0)):
+            with trio.move_on_after(cfg.refresh_interval_s * self._rng.uniform(0.5, 1.0)):
                 # A node that lost every contact (a partition evicts them all) cannot heal
                 # through lookups, which need contacts: it rejoins within seconds, not a minute.
                 while len(self.table) or not self._bootstrap:
@@ -176,7 +180,7 @@ class DHTNode:
                 for contact in self.table.stale(now - cfg.stale_after_s)[: cfg.k]:
                     nursery.start_soon(self._ping_quietly, contact.address, contact.peer_id)
                 for index in self.table.refresh_targets(now - cfg.refresh_interval_s):
-                    target = random_id_in_bucket(self.table.own_id, index)
+                    target = random_id_in_bucket(self.table.own_id, index, self._rng)
                     nursery.start_soon(self._lookup, target, None, None)
 
     async def _ping_quietly(self, address: str, peer_id: PeerId) -> None:
@@ -187,7 +191,7 @@ class DHTNode:
         """Re-publish every interval, or at half the remaining lifetime if that comes first,
         so that a record reaches nodes that joined near its key before it expires."""
         wait = min(self.config.republish_interval_s, max(1.0, (record.expires - now) / 2))
-        return now + wait * random.uniform(0.8, 1.0)
+        return now + wait * self._rng.uniform(0.8, 1.0)
 
     async def _republish_loop(self) -> None:
         while True:

@@ -54,6 +54,9 @@ class DhtReport:
     median_hops: float
     p90_hops: float
     calls: int
+    #: The network's trace digest (every call: when, who, to whom, what): equal on every run
+    #: of one seed.
+    log_hash: str
     virtual_s: float
     wall_s: float
 
@@ -85,6 +88,7 @@ class _Swarm:
                 scenario.dht,
                 clock=self.net.wall,
                 timer=trio.current_time,
+                rng=random.Random(self.rng.getrandbits(64)),
             )
             self.net.serve(host, [node.service()])
             self.hosts.append(host)
@@ -158,6 +162,7 @@ async def _scenario(scenario: DhtScenario) -> DhtReport:
         median_hops=statistics.median(hops) if hops else float("nan"),
         p90_hops=float(hops[int(0.9 * (len(hops) - 1))]) if hops else float("nan"),
         calls=swarm.net.calls,
+        log_hash=swarm.net.trace.hexdigest(),
         virtual_s=trio.current_time() - t0,
         wall_s=time.monotonic() - wall0,
     )
@@ -172,8 +177,12 @@ def run_dht(scenario: DhtScenario) -> DhtReport:
 
 def seed_process(seed: int) -> None:
     """Seeds what the code under simulation draws from besides the scenario's own sources:
-    the `random` module (DHT refresh and republish jitter) and trio's scheduler, which
-    shuffles each batch of runnable tasks with a private RNG (no public seam yet; the runtime
-    seam of issue 45 replaces this)."""
+    the `random` module (DHT refresh and republish jitter) and trio's scheduler.
+
+    trio wakes tasks whose deadlines tie in the order of their cancel scopes' id() (memory
+    addresses), then shuffles each batch with a private RNG; the flag below is the one
+    Hypothesis and pytest-trio set to make it sort each batch by task creation order before
+    a seeded shuffle. Without it two runs of one seed differed in the calls they made."""
     random.seed(seed)
+    setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 (Final)
     trio._core._run._r.seed(seed)

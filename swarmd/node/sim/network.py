@@ -82,6 +82,9 @@ class SimNetwork:
         #: Partition sides: a call between hosts on different sides is not delivered.
         self._side: dict[str, int] = {}
         self.calls = 0
+        #: Digest of every call delivered (virtual time, caller, callee, method, size): two runs
+        #: of one seed must end with the same one.
+        self.trace = hashlib.blake2b(digest_size=16)
 
     def wall(self) -> float:
         """The simulated wall clock (record expiry, request timestamps)."""
@@ -188,6 +191,9 @@ class SimClient:
             recipient = host.identity.peer_id
         signed = me.identity.sign_request(path, body, recipient=recipient, now=net.wall())
         net.calls += 1
+        net.trace.update(
+            f"{trio.current_time():.9f}|{me.address}|{address}|{path}|{len(body)}\n".encode()
+        )
         me.sent_bytes += len(body) + len(signed.signature) + len(path)
         await trio.sleep(one_way)
         if not net.reachable(me.address, address):
