@@ -27,6 +27,7 @@ from swarmd.node.cli.options import (
 )
 from swarmd.node.cli.parser_keys import add_identity, add_run
 from swarmd.node.cli.parser_net import add_join_network
+from swarmd.node.cli.simulate import add_sim
 from swarmd.protocol.address import Address
 
 #: runconfig.ALGORITHMS, spelled out so that parsing a command line imports no torch (a DHT
@@ -472,4 +473,5 @@ _BUILDERS: tuple[Callable[[Subparsers], None], ...] = (
     _add_dashboard,
     _add_demo,
     _add_chaos,
+    add_sim,
 )

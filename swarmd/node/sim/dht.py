@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -114,9 +115,18 @@ class _Swarm:
         self.scopes[i].cancel()
 
 
-async def _scenario(scenario: DhtScenario) -> DhtReport:
+async def _scenario(scenario: DhtScenario, progress: Callable[[str], None]) -> DhtReport:
+    wall0 = time.monotonic()
+
+    def say(what: str) -> None:
+        progress(
+            f"[{time.monotonic() - wall0:7.1f}s wall, {trio.current_time():6.1f}s virtual] {what}"
+        )
+
+    say(f"making {scenario.nodes} nodes (seed {scenario.seed})")
     swarm, rng = _Swarm(scenario), random.Random(scenario.seed + 1)
-    t0, wall0 = trio.current_time(), time.monotonic()
+    t0 = trio.current_time()
+    say(f"joining them over {scenario.join_window_s:g} virtual seconds")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(swarm.run_node, 0, 0.0)
         await trio.sleep(1.0)
@@ -130,12 +140,14 @@ async def _scenario(scenario: DhtScenario) -> DhtReport:
             node = swarm.nodes[rng.randrange(scenario.nodes)]
             await node.store(key, key.encode(), expires)
 
+        say(f"storing {len(keys)} keys")
         async with trio.open_nursery() as stores:
             for key in keys:
                 stores.start_soon(store, key)
         doomed = rng.sample(range(scenario.nodes), int(scenario.killed * scenario.nodes))
         for i in doomed:
             swarm.kill(i)
+        say(f"killed {len(doomed)} nodes; reading every key from a live node")
         await trio.sleep(scenario.settle_s)
         dead = set(doomed)
         live = [i for i in range(scenario.nodes) if i not in dead]
@@ -168,11 +180,12 @@ async def _scenario(scenario: DhtScenario) -> DhtReport:
     )
 
 
-def run_dht(scenario: DhtScenario) -> DhtReport:
-    """Runs the scenario in virtual time (trio's MockClock, autojump)."""
+def run_dht(scenario: DhtScenario, progress: Callable[[str], None] | None = None) -> DhtReport:
+    """Runs the scenario in virtual time (trio's MockClock, autojump); ``progress`` hears
+    each phase as it begins."""
     seed_process(scenario.seed)
     clock = trio.testing.MockClock(autojump_threshold=0)
-    return trio.run(_scenario, scenario, clock=clock)
+    return trio.run(_scenario, scenario, progress or (lambda _: None), clock=clock)
 
 
 def seed_process(seed: int) -> None:
