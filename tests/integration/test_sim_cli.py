@@ -68,3 +68,19 @@ def test_a_bad_scenario_is_a_usage_error_naming_the_key(tmp_path: Path) -> None:
     assert done.returncode == 2 and "[network]" in done.stderr
     done = sim(str(tmp_path / "missing.toml"))
     assert done.returncode == 2 and "cannot read" in done.stderr
+
+
+def test_a_sweep_names_each_failing_seed_and_what_it_broke(tmp_path: Path) -> None:
+    # Three peers in groups of at most two: one is alone every round, whatever the design,
+    # so an invariant of nobody alone fails on every seed.
+    scenario = tmp_path / "mm.toml"
+    scenario.write_text(
+        'kind = "matchmaking"\npeers = 3\nrounds = 1\njoin_window_s = 5\n'
+        "[matchmaking]\ntarget_group_size = 2\n[invariants]\nmax_alone_share = 0\n"
+    )
+    done = sim(str(scenario), "--seed", "1", "--sweep", "2", "--quiet")
+    assert done.returncode == 1, done.stderr
+    assert "failing seeds (replay with --seed N): 1 2" in done.stdout
+    assert "of peers alone a round > 0.0%" in done.stdout
+    last = figures(done)
+    assert last["failed"] == "2" and float(last["mm_alone_share"]) >= 0.333

@@ -78,20 +78,3 @@ def test_one_seed_replays_the_same_run_and_another_seed_does_not() -> None:
     first, again, other = (run_dht(DhtScenario(nodes=30, gets=20, seed=s)) for s in (5, 5, 6))
     assert first.log_hash == again.log_hash and first.calls == again.calls
     assert other.log_hash != first.log_hash
-
-
-def test_invariants_name_what_a_run_broke() -> None:
-    from swarmd.node.sim.dht import DhtReport
-    from swarmd.node.sim.scenario import Invariants
-
-    def report(found: int, hops: float) -> DhtReport:
-        return DhtReport(
-            nodes=10, killed=3, gets=100, found=found, median_hops=hops, p90_hops=hops,
-            calls=1, log_hash="x", virtual_s=1.0, wall_s=1.0,
-        )  # fmt: skip
-
-    rules = Invariants(min_success=0.99, max_median_hops=4)
-    assert rules.broken(report(100, 2)) == []
-    assert rules.broken(report(98, 2)) == ["success 0.9800 < 0.99 (2 of 100 gets failed)"]
-    assert rules.broken(report(100, 5)) == ["median hops 5 > 4"]
-    assert len(rules.broken(report(0, float("nan")))) == 2  # nothing found: both broken

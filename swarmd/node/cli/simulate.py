@@ -1,7 +1,7 @@
 """`swarmd sim`: the simulator's command (swarmd/node/sim): its options and what it prints.
 
-Last line: ``seeds=... failed=... dht_success=... dht_median_hops=... log_hash=...`` (for a
-sweep, the figures and hash of its last seed); exit code 1 if any seed broke an invariant.
+Last line: ``seeds=... failed=... <the kind's figures> log_hash=...`` (for a sweep, the
+figures and hash of its last seed); exit code 1 if any seed broke an invariant.
 """
 
 from __future__ import annotations
@@ -33,6 +33,20 @@ loss = 0.0          # share of messages lost
 [invariants]
 min_success = 0.99
 max_median_hops = 4
+
+or rounds of group formation (DiLoCo's matchmaking) among many peers:
+
+kind = "matchmaking"
+peers = 200
+rounds = 3
+arrival_spread_s = 2  # peers become ready over this many virtual seconds
+
+[matchmaking]
+target_group_size = 16
+gather_s = 5
+
+[invariants]
+max_alone_share = 1.0 # share of peers a round that may get no group
 """
 
 
@@ -40,8 +54,9 @@ def add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "sim",
         help="the swarm on one machine in virtual time: a scenario, a seed, a replayable run",
-        description="Runs a scenario on the simulator: real swarmd components (today the DHT: "
-        "real nodes, records, signed requests and lookups) on an in-memory network with "
+        description="Runs a scenario on the simulator: real swarmd components (today the DHT "
+        "and matchmaking: real nodes, records, signed requests, lookups and group formation) "
+        "on an in-memory network with "
         "per-link latency, loss, dead hosts and partitions, in virtual time (trio's MockClock), "
         "so that thousands of nodes run on one core. One seed replays a run exactly: the last "
         "line's log_hash is equal on every run of a seed. --sweep K runs K seeds and prints "
@@ -64,10 +79,11 @@ def cmd_sim(args: argparse.Namespace) -> int:
         scenario = load_scenario(args.scenario)
     except ScenarioError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
-    first = scenario.dht.seed if args.seed is None else args.seed
+    first = scenario.spec.seed if args.seed is None else args.seed
     if args.log_level.upper() != "DEBUG":
         # Thousands of nodes each saying it joined is noise, not progress.
         logging.getLogger("swarmd.dht").setLevel(logging.WARNING)
+        logging.getLogger("swarmd.matchmaking").setLevel(logging.WARNING)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     out = None
     if args.out is not None:
@@ -76,20 +92,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
     failed: list[int] = []
     last = None
     try:
-        for seed, report, broken in sweep(scenario, first, args.sweep, progress):
-            last = report
-            verdict = "ok" if not broken else "FAILED: " + "; ".join(broken)
+        for outcome in sweep(scenario, first, args.sweep, progress):
+            last = outcome
+            verdict = "ok" if not outcome.broken else "FAILED: " + "; ".join(outcome.broken)
             print(
-                f"seed {seed}: {report.found}/{report.gets} gets found, median hops "
-                f"{report.median_hops:g}, p90 {report.p90_hops:g}, {report.calls} calls, "
-                f"{report.virtual_s:.0f}s virtual in {report.wall_s:.1f}s, log {report.log_hash}: "
-                f"{verdict}",
+                f"seed {outcome.seed}: {outcome.summary}, log {outcome.log_hash}: {verdict}",
                 flush=True,
             )
-            if broken:
-                failed.append(seed)
+            if outcome.broken:
+                failed.append(outcome.seed)
             if out is not None:
-                row = {"seed": seed, "broken": broken, **report.__dict__}
+                row = {"seed": outcome.seed, "broken": outcome.broken, **outcome.row}
                 out.write(json.dumps(row) + "\n")
     finally:
         if out is not None:
@@ -97,8 +110,6 @@ def cmd_sim(args: argparse.Namespace) -> int:
     assert last is not None
     if failed:
         print(f"failing seeds (replay with --seed N): {' '.join(map(str, failed))}")
-    print(
-        f"seeds={args.sweep} failed={len(failed)} dht_success={last.success:.4f} "
-        f"dht_median_hops={last.median_hops:g} log_hash={last.log_hash}"
-    )
+    shown = " ".join(f"{k}={v}" for k, v in last.figures.items())
+    print(f"seeds={args.sweep} failed={len(failed)} {shown} log_hash={last.log_hash}")
     return EXIT_BROKEN if failed else EXIT_OK

@@ -72,21 +72,23 @@ def seeded_identity(rng: random.Random) -> Identity:
     return Identity(Ed25519PrivateKey.from_private_bytes(rng.randbytes(32)))
 
 
-class _Swarm:
-    def __init__(self, scenario: DhtScenario) -> None:
-        self.scenario = scenario
-        self.rng = random.Random(scenario.seed)
-        self.net = SimNetwork(scenario.network, scenario.seed)
+class DhtSwarm:
+    """N real DHTNodes on one SimNetwork, each in its own cancel scope (killing one cancels
+    its tasks and silences its host). Identities and RNGs come from ``seed``."""
+
+    def __init__(self, nodes: int, network: NetworkConfig, dht: DHTConfig, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.net = SimNetwork(network, seed)
         self.hosts: list[Host] = []
         self.nodes: list[DHTNode] = []
         self.scopes: list[trio.CancelScope] = []
-        for _ in range(scenario.nodes):
+        for _ in range(nodes):
             identity = seeded_identity(self.rng)
             host = self.net.add_host(identity)
             node = DHTNode(
                 identity,
                 self.net.client(host),
-                scenario.dht,
+                dht,
                 clock=self.net.wall,
                 timer=trio.current_time,
                 rng=random.Random(self.rng.getrandbits(64)),
@@ -95,20 +97,26 @@ class _Swarm:
             self.hosts.append(host)
             self.nodes.append(node)
             self.scopes.append(trio.CancelScope())
-        self.joined = [False] * scenario.nodes
+        self.joined: list[int] = []
 
-    async def run_node(self, i: int, delay: float) -> None:
+    async def join(self, nursery: trio.Nursery, window_s: float) -> None:
+        """Starts every node: the first at once, the others at uniform random times over
+        ``window_s`` (each bootstraps from the first and two that joined before it); returns
+        once the window is over and the last joiner has had time to finish."""
+        nursery.start_soon(self._run_node, 0, 0.0)
+        await trio.sleep(1.0)
+        for i in range(1, len(self.nodes)):
+            nursery.start_soon(self._run_node, i, self.rng.uniform(0, window_s))
+        await trio.sleep(window_s + 5.0)
+
+    async def _run_node(self, i: int, delay: float) -> None:
         with self.scopes[i]:
             await trio.sleep(delay)
-            earlier = [j for j in range(i) if self.joined[j]]
-            boot = [self.hosts[0].address] + [
-                self.hosts[j].address for j in self.rng.sample(earlier, min(2, len(earlier)))
-            ]
-            node = self.nodes[i]
-            node_run = node.run
+            others = self.rng.sample(self.joined, min(2, len(self.joined)))
+            boot = [self.hosts[0].address] + [self.hosts[j].address for j in others]
             async with trio.open_nursery() as nursery:
-                await nursery.start(node_run, 4000, boot if i else [])
-                self.joined[i] = True
+                await nursery.start(self.nodes[i].run, 4000, boot if i else [])
+                self.joined.append(i)
 
     def kill(self, i: int) -> None:
         self.net.kill(self.hosts[i].address)
@@ -124,15 +132,12 @@ async def _scenario(scenario: DhtScenario, progress: Callable[[str], None]) -> D
         )
 
     say(f"making {scenario.nodes} nodes (seed {scenario.seed})")
-    swarm, rng = _Swarm(scenario), random.Random(scenario.seed + 1)
+    swarm = DhtSwarm(scenario.nodes, scenario.network, scenario.dht, scenario.seed)
+    rng = random.Random(scenario.seed + 1)
     t0 = trio.current_time()
     say(f"joining them over {scenario.join_window_s:g} virtual seconds")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(swarm.run_node, 0, 0.0)
-        await trio.sleep(1.0)
-        for i in range(1, scenario.nodes):
-            nursery.start_soon(swarm.run_node, i, rng.uniform(0, scenario.join_window_s))
-        await trio.sleep(scenario.join_window_s + 5.0)
+        await swarm.join(nursery, scenario.join_window_s)
         keys = [f"sim/key/{i}" for i in range(scenario.gets)]
         expires = swarm.net.wall() + 3600
 

@@ -1,13 +1,15 @@
-"""`swarmd sim SCENARIO.toml`: a scenario file, its invariants, and seed sweeps.
+"""`swarmd sim SCENARIO.toml`: scenario files, their invariants, and seed sweeps.
 
-A scenario is a TOML table named like DhtScenario's fields, plus ``kind`` and a ``[network]``
-table (NetworkConfig's fields, RTTs in milliseconds) and an ``[invariants]`` table. A sweep
-runs seeds S, S+1, ..., S+K-1 and hands back each failing seed with the invariant it broke:
+A scenario file names its ``kind`` and sets that kind's fields (DhtScenario's or
+MatchScenario's) at top level, with tables for the parts: ``[network]`` (NetworkConfig, RTTs
+in milliseconds), ``[matchmaking]`` (MatchmakingConfig) and ``[invariants]``. A sweep runs
+seeds S, S+1, ..., S+K-1 and hands back each failing seed with the invariant it broke:
 `swarmd sim FILE --seed N` then replays that run exactly (TigerBeetle's VOPR does the same
 for its cluster).
 
-Only ``kind = "dht"`` is simulated so far; training scenarios (DiLoCo groups, SWARM) need
-the tensor plane and the training peers on the simulated network.
+Kinds so far: ``dht`` (store, kill, read) and ``matchmaking`` (rounds of group formation).
+Training scenarios (DiLoCo groups averaging, SWARM pipelines) need the tensor plane and the
+training peers on the simulated network.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from swarmd.node.sim.dht import DhtReport, DhtScenario, run_dht
+from swarmd.node.averaging.matchmaking import MatchmakingConfig
+from swarmd.node.sim.dht import DhtScenario, run_dht
+from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
 
-KINDS = ("dht",)
+KINDS = ("dht", "matchmaking")
+
+Progress = Callable[[str], None]
 
 
 class ScenarioError(ValueError):
@@ -30,7 +36,7 @@ class ScenarioError(ValueError):
 
 
 @dataclass(frozen=True)
-class Invariants:
+class DhtInvariants:
     """What every run of a DHT scenario must show, whatever its seed."""
 
     min_success: float = 0.99
@@ -42,23 +48,85 @@ class Invariants:
         if not self.max_median_hops >= 1:
             raise ValueError("invariants.max_median_hops must be at least 1")
 
-    def broken(self, report: DhtReport) -> list[str]:
-        """Each invariant the run broke, as a sentence; empty when it kept them all."""
-        out = []
-        if report.success < self.min_success:
-            out.append(
-                f"success {report.success:.4f} < {self.min_success} "
-                f"({report.gets - report.found} of {report.gets} gets failed)"
-            )
-        if not report.median_hops <= self.max_median_hops:
-            out.append(f"median hops {report.median_hops:g} > {self.max_median_hops:g}")
-        return out
+
+@dataclass(frozen=True)
+class MatchInvariants:
+    """What every run of a matchmaking scenario must show. ``max_alone_share``: the largest
+    share of peers, averaged over rounds, that may get no group (1.0: not checked)."""
+
+    max_alone_share: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_alone_share <= 1:
+            raise ValueError("invariants.max_alone_share is a share between 0 and 1")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One seed's run: a line for people, figures for the last line, what broke."""
+
+    seed: int
+    summary: str
+    figures: dict[str, str]
+    log_hash: str
+    broken: list[str]
+    row: dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Scenario:
-    dht: DhtScenario
-    invariants: Invariants
+    spec: DhtScenario | MatchScenario
+    invariants: DhtInvariants | MatchInvariants
+
+    def run(self, seed: int, progress: Progress | None = None) -> Outcome:
+        spec = dataclasses.replace(self.spec, seed=seed)
+        if isinstance(spec, DhtScenario):
+            assert isinstance(self.invariants, DhtInvariants)
+            return _dht_outcome(spec, self.invariants, progress)
+        assert isinstance(self.invariants, MatchInvariants)
+        return _match_outcome(spec, self.invariants, progress)
+
+
+def _dht_outcome(spec: DhtScenario, rules: DhtInvariants, progress: Progress | None) -> Outcome:
+    r = run_dht(spec, progress)
+    broken = []
+    if r.success < rules.min_success:
+        broken.append(
+            f"success {r.success:.4f} < {rules.min_success} ({r.gets - r.found} of {r.gets} "
+            "gets failed)"
+        )
+    if not r.median_hops <= rules.max_median_hops:
+        broken.append(f"median hops {r.median_hops:g} > {rules.max_median_hops:g}")
+    summary = (
+        f"{r.found}/{r.gets} gets found, median hops {r.median_hops:g}, p90 {r.p90_hops:g}, "
+        f"{r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
+    )
+    figures = {"dht_success": f"{r.success:.4f}", "dht_median_hops": f"{r.median_hops:g}"}
+    return Outcome(spec.seed, summary, figures, r.log_hash, broken, dataclasses.asdict(r))
+
+
+def _match_outcome(
+    spec: MatchScenario, rules: MatchInvariants, progress: Progress | None
+) -> Outcome:
+    r = run_matchmaking(spec, progress)
+    broken = []
+    inconsistent = sum(f.inconsistent for f in r.rounds)
+    if inconsistent:
+        broken.append(f"{inconsistent} peer(s) held a group record that disagrees with others")
+    alone_share = r.mean_alone / r.peers
+    if alone_share > rules.max_alone_share:
+        broken.append(f"{alone_share:.1%} of peers alone a round > {rules.max_alone_share:.1%}")
+    summary = (
+        f"{r.peers} peers, target {spec.matchmaking.target_group_size}: "
+        f"{r.mean_groups:.1f} groups and {r.mean_alone:.1f} peers alone a round, "
+        f"{r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
+    )
+    figures = {
+        "mm_groups": f"{r.mean_groups:.2f}",
+        "mm_alone_share": f"{alone_share:.4f}",
+        "mm_median_form_s": f"{max(f.median_form_s for f in r.rounds):.2f}",
+    }
+    return Outcome(spec.seed, summary, figures, r.log_hash, broken, dataclasses.asdict(r))
 
 
 def _build(cls: type[Any], table: dict[str, Any], where: str) -> Any:
@@ -75,7 +143,7 @@ def _build(cls: type[Any], table: dict[str, Any], where: str) -> Any:
 def load_scenario(path: Path | None) -> Scenario:
     """The scenario in ``path`` (None: the built-in default, a 1,000-node DHT)."""
     if path is None:
-        return Scenario(DhtScenario(), Invariants())
+        return Scenario(DhtScenario(), DhtInvariants())
     try:
         data = tomllib.loads(path.read_text())
     except OSError as exc:
@@ -91,15 +159,20 @@ def load_scenario(path: Path | None) -> Scenario:
     for ms in ("rtt_min_ms", "rtt_max_ms"):
         if ms in network:
             network[ms.replace("_ms", "_s")] = network.pop(ms) / 1000
-    invariants = _build(Invariants, data.pop("invariants", {}), f"{path} [invariants]")
     data["network"] = _build(NetworkConfig, network, f"{path} [network]")
-    return Scenario(_build(DhtScenario, data, str(path)), invariants)
+    rules_table = data.pop("invariants", {})
+    if kind == "dht":
+        rules = _build(DhtInvariants, rules_table, f"{path} [invariants]")
+        return Scenario(_build(DhtScenario, data, str(path)), rules)
+    mm = _build(MatchmakingConfig, data.pop("matchmaking", {}), f"{path} [matchmaking]")
+    data["matchmaking"] = mm
+    rules = _build(MatchInvariants, rules_table, f"{path} [invariants]")
+    return Scenario(_build(MatchScenario, data, str(path)), rules)
 
 
 def sweep(
-    scenario: Scenario, first_seed: int, count: int, progress: Callable[[str], None] | None = None
-) -> Iterator[tuple[int, DhtReport, list[str]]]:
-    """Runs seeds first_seed .. first_seed+count-1; yields each with its report and what broke."""
+    scenario: Scenario, first_seed: int, count: int, progress: Progress | None = None
+) -> Iterator[Outcome]:
+    """Runs seeds first_seed .. first_seed+count-1, one outcome each."""
     for seed in range(first_seed, first_seed + count):
-        report = run_dht(dataclasses.replace(scenario.dht, seed=seed), progress)
-        yield seed, report, scenario.invariants.broken(report)
+        yield scenario.run(seed, progress)
