@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -53,6 +52,7 @@ from swarmd.node.averaging.reduction import ReductionConfig, check_contribution,
 from swarmd.node.averaging.round import Reduction, Round
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.metrics import Metrics
+from swarmd.node.runtime import offload
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import RECEIVE_BUFFERS, TensorMeta, payload_nbytes
@@ -226,7 +226,7 @@ class Averager:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "weight must be finite and > 0")
         limits = DecodeLimits(max_elements=red.numel, max_bytes=part_limit(red.numel))
         try:
-            value, backing = await trio.to_thread.run_sync(decode_contribution, data, limits)
+            value, backing = await offload.run_sync(decode_contribution, data, limits)
         except CompressionError as exc:
             red.add(sender, None, 0.0, Rejection(f"undecodable: {exc}", "undecodable"))
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {exc}") from None
@@ -313,7 +313,7 @@ class Averager:
             raise ValueError("this peer is not a member of the group")
         if group.round_id in self._rounds or group.round_id in self._stale:
             raise ValueError("round id already used")
-        now = time.monotonic()
+        now = trio.current_time()
         for rid, old in list(self._rounds.items()):
             if old.finished_at is None:
                 continue
@@ -361,20 +361,20 @@ class Averager:
             raise ValueError("allreduce takes a flat float32 tensor")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError("weight must be finite and > 0")
-        start = time.monotonic()
+        start = trio.current_time()
         local = tensor.detach().contiguous()
         result = self._output(local, out)  # every part is written by the exchange
         rnd = self._register(group, local.numel(), codec_name)
 
         # Whole-vector passes run in a worker thread, as the codecs do: in the trio thread they
         # held up every transfer this peer serves meanwhile (a 400 MB pass takes ~0.1 s).
-        if not math.isfinite(await trio.to_thread.run_sync(l2_norm, local)):
+        if not math.isfinite(await offload.run_sync(l2_norm, local)):
             raise ValueError("allreduce input contains NaN or infinity")
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
         residual: torch.Tensor | None = None
         to_send = local
         if self.config.error_feedback and codec_name != "fp32":
-            to_send, residual = await trio.to_thread.run_sync(self._compensate, key, local)
+            to_send, residual = await offload.run_sync(self._compensate, key, local)
         exchange = Exchange(
             self._link,
             rnd,
@@ -392,13 +392,13 @@ class Averager:
             # round's was rounded to its committed form (verify.commit_own): both recorded
             # what they lost. Otherwise it went in exact: nothing to carry.
             if not rnd.sparse and not exchange.own_rounded:
-                await trio.to_thread.run_sync(residual[s:e].zero_)
+                await offload.run_sync(residual[s:e].zero_)
             self._residuals.store(key, residual)
             if to_send is not local:
                 self._spare[key] = to_send  # nothing refers to it any more: next round's buffer
         await exchange.settle_own_part()
-        rnd.finished_at = time.monotonic()
-        outcome = exchange.outcome(time.monotonic() - start)
+        rnd.finished_at = trio.current_time()
+        outcome = exchange.outcome(trio.current_time() - start)
         self._report(group, outcome)
         return outcome
 

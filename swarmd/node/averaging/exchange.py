@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 
 import torch
 import trio
@@ -32,6 +31,7 @@ from swarmd.node.averaging.link import Link
 from swarmd.node.averaging.reduction import l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.bans import Rejection
+from swarmd.node.runtime import offload
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.framing import TensorMeta, payload_nbytes
@@ -81,7 +81,7 @@ class Exchange:
         self.commitments: dict[tuple[int, int], bytes] = {}
         #: Parts whose reducer signed two different proofs (verify.cross_check).
         self.equivocations: set[int] = set()
-        self.started = time.monotonic()
+        self.started = trio.current_time()
         #: Whether this peer's own part went into its reduction rounded (and its error
         #: feedback holds what that lost), not exact.
         self.own_rounded = False
@@ -104,7 +104,9 @@ class Exchange:
                 nursery.start_soon(self.reduce_own)
         rnd.obtained.set()
         if self.link.config.probes:
-            found = await verify.cross_check(self.rnd, self.link, time.monotonic() - self.started)
+            found = await verify.cross_check(
+                self.rnd, self.link, trio.current_time() - self.started
+            )
             for j, attempt, witness in found:
                 self.equivocated(j, attempt, witness)
         if self.equivocations:
@@ -128,7 +130,7 @@ class Exchange:
         s, e = rnd.bounds[rnd.me]
         if own.decoded is not None:
             if own.decoded.data_ptr() != self.result[s:e].data_ptr():  # a robust reduction's
-                await trio.to_thread.run_sync(self.result[s:e].copy_, own.decoded)
+                await offload.run_sync(self.result[s:e].copy_, own.decoded)
         else:
             self.failed.append(rnd.me)
             self.result[s:e] = self.local[s:e]
@@ -177,7 +179,7 @@ class Exchange:
         return segments
 
     async def prepare(self, j: int) -> None:
-        self.encoded_parts[j] = await trio.to_thread.run_sync(self.encode_part, j)
+        self.encoded_parts[j] = await offload.run_sync(self.encode_part, j)
         self.encoded_ready[j].set()
 
     def banned(self, member: int) -> bool:
@@ -190,7 +192,7 @@ class Exchange:
         segments = self.encoded_parts[j]
         nbytes = payload_nbytes(segments)
         meta = TensorMeta("uint8", (nbytes,), info=info.SerializeToString())
-        t0 = time.monotonic()
+        t0 = trio.current_time()
         try:
             await self.link.client.put_tensor(
                 group.members[target].address,
@@ -204,7 +206,7 @@ class Exchange:
         except (rpc.RpcError, OSError) as exc:
             log.info("part %d to member %d failed: %s", j, target, exc)
             return False
-        self.link.throughput.observe(nbytes, time.monotonic() - t0)
+        self.link.throughput.observe(nbytes, trio.current_time() - t0)
         self.link.count_bytes("sent", self.rnd.codec_name, nbytes)
         self.acked.add((j, attempt))
         return True
@@ -232,7 +234,7 @@ class Exchange:
         s, e = rnd.bounds[rnd.me]
         own = self.to_send[s:e]
         if rnd.sparse:
-            own = await trio.to_thread.run_sync(self.sent_values, rnd.me)
+            own = await offload.run_sync(self.sent_values, rnd.me)
         await self.reduce(rnd.me, 0, own)
 
     async def reduce(self, j: int, attempt: int, own: torch.Tensor) -> None:
@@ -241,9 +243,7 @@ class Exchange:
         s, e = rnd.bounds[j]
         if self.link.config.probes:
             commit = functools.partial(verify.commit_own, rnd, self.link.config, j, attempt)
-            committed, rounded = await trio.to_thread.run_sync(
-                commit, own, self.residual, self.to_send
-            )
+            committed, rounded = await offload.run_sync(commit, own, self.residual, self.to_send)
             red.committed, red.commitment, own = committed, committed.root, committed.values
             self.own_rounded = self.own_rounded or rounded
         # A banned member's calls are refused: waiting for its contribution would only run
@@ -272,7 +272,7 @@ class Exchange:
     ) -> bytearray | None:
         rnd = self.rnd
         req = apb.GetPartRequest(round_id=rnd.group.round_id, part=j, attempt=attempt, relay=relay)
-        t0 = time.monotonic()
+        t0 = trio.current_time()
         try:
             meta, data = await self.link.client.get_tensor(
                 rnd.group.members[target].address,
@@ -295,7 +295,7 @@ class Exchange:
                 exc,
             )
             return None
-        self.link.throughput.observe(len(data), time.monotonic() - t0)
+        self.link.throughput.observe(len(data), trio.current_time() - t0)
         self.link.count_bytes("received", rnd.codec_name, len(data))
         return data
 
@@ -374,7 +374,7 @@ class Exchange:
                 # (a sparse codec's: what it sent, see `sent_values`).
                 own = self.to_send[s:e]
                 if rnd.sparse:
-                    own = await trio.to_thread.run_sync(self.sent_values, j)
+                    own = await offload.run_sync(self.sent_values, j)
                 await self.reduce(j, attempt, own)
                 decoded = rnd.reduction(j, attempt).decoded
                 if decoded is not None:
@@ -397,7 +397,7 @@ class Exchange:
         early: tuple[apb.PartProof | str, bytes] | None = None,
     ) -> bool:
         """Decodes part j into the result and checks it; False leaves it to be replaced."""
-        refused = await trio.to_thread.run_sync(self.decode_part, j, attempt, blob)
+        refused = await offload.run_sync(self.decode_part, j, attempt, blob)
         if refused is not None and not relayed:  # a relay's copy is the relay's doing
             self.blame(j, attempt, refused)
         if self.link.config.probes == 0:

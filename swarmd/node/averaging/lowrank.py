@@ -30,6 +30,7 @@ from swarmd.compression.lowrank import PowerSGD, PowerSGDRound, matrix_shape
 from swarmd.node.averaging.allreduce import Averager
 from swarmd.node.averaging.config import AllReduceResult
 from swarmd.node.averaging.group import Group, sub_group
+from swarmd.node.runtime import offload
 from swarmd.optim.flat import views
 from swarmd.protocol.identity import PeerId
 
@@ -94,7 +95,7 @@ async def allreduce_lowrank(
     """The group's low-rank weighted mean of `flat` (laid out as `names`/`shapes`, the run's
     model: the same on every member). Never raises for peer failures."""
     start = trio.current_time()
-    rounds, p = await trio.to_thread.run_sync(_begin, psgd, names, shapes, flat)
+    rounds, p = await offload.run_sync(_begin, psgd, names, shapes, flat)
     dropped: set[PeerId] = set()
     recovered: set[int] = set()
     p_mean = p
@@ -108,7 +109,7 @@ async def allreduce_lowrank(
             psgd.reset()
             return _failed(flat, group, dropped, start)
         p_mean = first.tensor
-    q = await trio.to_thread.run_sync(_second, rounds, p_mean)
+    q = await offload.run_sync(_second, rounds, p_mean)
     second = await averager.allreduce(
         sub_group(group, "lowrank/Q"), q, weight, key="lowrank/Q", codec="fp32"
     )
@@ -116,7 +117,7 @@ async def allreduce_lowrank(
     if not second.ok:
         psgd.reset()
         return _failed(flat, group, dropped, start)
-    mean = await trio.to_thread.run_sync(_finish, rounds, second.tensor)
+    mean = await offload.run_sync(_finish, rounds, second.tensor)
     return AllReduceResult(
         tensor=mean,
         dropped=dropped,

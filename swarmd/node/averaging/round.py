@@ -30,6 +30,7 @@ from swarmd.node.averaging.reduction import (
     norm_outliers,
     weight_outliers,
 )
+from swarmd.node.runtime import offload
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol.framing import RECEIVE_BUFFERS
 
@@ -199,7 +200,7 @@ async def finish_reduction(
     order = sorted(values)
     if order:
         # Only lossless parts need the correctly rounded (float64) mean.
-        reduced = await trio.to_thread.run_sync(
+        reduced = await offload.run_sync(
             functools.partial(
                 aggregate,
                 [values[i] for i in order],
@@ -215,10 +216,10 @@ async def finish_reduction(
             # Quantised in place: `reduced` (`out`, or a robust reduction's own tensor)
             # becomes what members decode, with no joined copy and no decoding pass.
             encode = functools.partial(rnd.codec.encode_segments, reduced, decoded=reduced)
-            encoded = await trio.to_thread.run_sync(encode)
+            encoded = await offload.run_sync(encode)
             red.decoded = reduced
         else:
-            encoded = await trio.to_thread.run_sync(encode_segments, rnd.result_codec, reduced)
+            encoded = await offload.run_sync(encode_segments, rnd.result_codec, reduced)
             if rnd.codec_name == "fp32":
                 red.decoded = reduced  # lossless: what members decode is exactly this
             else:
@@ -226,11 +227,11 @@ async def finish_reduction(
                 # bytes before the lossless zstd frame: no need to inflate them).
                 blob = b"".join(encoded)
                 limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
-                await trio.to_thread.run_sync(decode_into, blob, limits, out)
+                await offload.run_sync(decode_into, blob, limits, out)
                 red.decoded = out
         red.encoded = encoded
         if rnd.zstd_level is not None:
-            red.encoded = await trio.to_thread.run_sync(zstd_framed, encoded, rnd.zstd_level)
+            red.encoded = await offload.run_sync(zstd_framed, encoded, rnd.zstd_level)
     red.contributors = set(order)
     red.values.clear()
     red.used = values  # read once more, for the proof; then `release`d

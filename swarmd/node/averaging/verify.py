@@ -37,6 +37,7 @@ from swarmd.node.averaging.proof import (
     signed_by,
 )
 from swarmd.node.averaging.round import Round
+from swarmd.node.runtime import offload
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import PeerId
@@ -232,7 +233,7 @@ async def prove(rnd: Round, link: Link, j: int, attempt: int, fetch_timeout: flo
             sign_proof(proof, identity, rnd.group.round_id, j, attempt)
         return proof
 
-    red.proof = await trio.to_thread.run_sync(make)
+    red.proof = await offload.run_sync(make)
 
 
 async def request_proof(
@@ -327,4 +328,4 @@ async def check(
         )
         return Verdict(None, accepted)
 
-    return await trio.to_thread.run_sync(verify)
+    return await offload.run_sync(verify)

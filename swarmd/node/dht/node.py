@@ -304,8 +304,7 @@ class DHTNode:
         return held + result.records
 
     async def find_value(self, key: str | bytes) -> LookupResult:
-        """The lookup a default ``get`` makes, with its figures (hops, nodes asked, failures):
-        for the simulator's scale runs and for diagnostics."""
+        """A default ``get``'s lookup with its figures (hops, asked, failed): for the simulator."""
         raw = key_bytes(key)
         return await self._lookup(key_id(raw), raw, self.config.get_quorum)
 
