@@ -13,7 +13,8 @@ import trio
 from google.protobuf.message import Message
 
 from swarmd.protocol.errors import AuthError, MalformedHeader, ProtocolError
-from swarmd.protocol.identity import PeerId
+from swarmd.protocol.framing import Payload, TensorMeta
+from swarmd.protocol.identity import Identity, PeerId
 
 
 class StatusCode(enum.Enum):
@@ -119,3 +120,33 @@ class UnaryCaller(Protocol):
         timeout: float | None = None,
         recipient: PeerId | None = None,
     ) -> M: ...
+
+
+class TensorCaller(UnaryCaller, Protocol):
+    """What the all-reduce needs of a client: unary and tensor calls, and who it speaks as
+    (a reducer signs its proofs). RpcClient, or the simulator's in-memory network."""
+
+    identity: Identity | None
+
+    async def put_tensor(
+        self,
+        address: str,
+        path: str,
+        meta: TensorMeta,
+        payload: Payload,
+        response_type: type[M],
+        *,
+        timeout: float | None = None,
+        expect: PeerId | None = None,
+    ) -> M: ...
+
+    async def get_tensor(
+        self,
+        address: str,
+        path: str,
+        request: Message,
+        *,
+        timeout: float | None = None,
+        max_bytes: int | None = None,
+        expect: PeerId | None = None,
+    ) -> tuple[TensorMeta, bytearray]: ...

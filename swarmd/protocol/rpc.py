@@ -51,4 +51,5 @@ from swarmd.protocol.calls import CallContext as CallContext
 from swarmd.protocol.calls import RpcError as RpcError
 from swarmd.protocol.calls import RpcObserver as RpcObserver
 from swarmd.protocol.calls import StatusCode as StatusCode
+from swarmd.protocol.calls import TensorCaller as TensorCaller
 from swarmd.protocol.calls import UnaryCaller as UnaryCaller

@@ -84,7 +84,7 @@ class Averager:
 
     def __init__(
         self,
-        client: rpc.RpcClient,
+        client: rpc.TensorCaller,
         me: PeerId,
         config: AllReduceConfig | None = None,
         metrics: Metrics | None = None,

@@ -20,7 +20,7 @@ class Link:
     """What every exchange of one averager shares: the client, the measured throughput,
     metrics, and the int8 code buffers that rounds of the same key reuse."""
 
-    client: rpc.RpcClient
+    client: rpc.TensorCaller
     config: AllReduceConfig
     metrics: Metrics | None
     #: Replaces the codec for this peer's own contributions; tests inject a lying peer.

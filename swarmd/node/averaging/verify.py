@@ -237,7 +237,7 @@ async def prove(rnd: Round, link: Link, j: int, attempt: int, fetch_timeout: flo
 
 
 async def request_proof(
-    rnd: Round, client: rpc.RpcClient, j: int, attempt: int, timeout: float
+    rnd: Round, client: rpc.TensorCaller, j: int, attempt: int, timeout: float
 ) -> Asked:
     """The reducer's proof for part j (or why there is none), and the nonce sent for it."""
     reducer = rnd.group.members[rnd.reducer_of(j, attempt)]

@@ -6,8 +6,13 @@ The bytes are the real bytes: a call's request is serialised and signed by the c
 identity exactly as `RpcClient.unary` signs it, the callee verifies the signature, recipient
 and replay window with a real `ReplayGuard`, runs the service's own handler with the same
 `CallContext` gRPC would give it, and the answer is serialised back. What is left out, and
-why: gRPC's framing and the bulk data plane (a later step brings tensor calls onto this
-network); rate limits (a simulated stranger's flood is a scenario of its own).
+why: the per-frame authentication tags (GMAC) of tensor streams and the bulk plane's
+socket protocol (tensor calls carry the real frames, header signed, through the real
+`iter_frames`/`assemble`); rate limits and receive budgets (a simulated stranger's flood is a
+scenario of its own).
+
+Bandwidth: each host has an uplink and a downlink; a transfer occupies the sender's uplink and
+the receiver's downlink for ``nbytes / min(up, down)`` seconds, first come first served.
 
 A dead or unreachable host does not answer (a call waits out its deadline, as a dial to a
 vanished home router does); a lost message fails its call after the one-way delay.
@@ -26,7 +31,15 @@ from google.protobuf.message import DecodeError, Message
 
 from swarmd.protocol import rpc
 from swarmd.protocol.calls import M
-from swarmd.protocol.errors import ProtocolError
+from swarmd.protocol.errors import FramingError, ProtocolError
+from swarmd.protocol.framing import (
+    DEFAULT_CHUNK_BYTES,
+    Payload,
+    TensorMeta,
+    assemble,
+    iter_frames,
+    payload_segments,
+)
 from swarmd.protocol.identity import Identity, PeerId, ReplayGuard, SignedHeader
 
 #: A simulated run's wall clock starts here (seconds since the epoch), so that record expiry and
@@ -43,6 +56,9 @@ class NetworkConfig:
     rtt_min_s: float = 0.010
     rtt_max_s: float = 0.300
     loss: float = 0.0
+    #: Every host's uplink and downlink, bytes/s (a host may be given its own).
+    up_bytes_s: float = 12.5e6
+    down_bytes_s: float = 12.5e6
     #: The longest a call waits when no deadline is given (RpcClient's default).
     default_deadline_s: float = 30.0
 
@@ -51,6 +67,8 @@ class NetworkConfig:
             raise ValueError("NetworkConfig needs 0 < rtt_min_s <= rtt_max_s")
         if not 0 <= self.loss < 1:
             raise ValueError("NetworkConfig.loss is a probability below 1")
+        if not (self.up_bytes_s > 0 and self.down_bytes_s > 0):
+            raise ValueError("NetworkConfig bandwidths must be positive")
         if not self.default_deadline_s > 0:
             raise ValueError("NetworkConfig.default_deadline_s must be positive")
 
@@ -69,6 +87,11 @@ class Host:
     dialable: bool = True
     sent_bytes: int = 0
     received_bytes: int = 0
+    up_bytes_s: float = 12.5e6
+    down_bytes_s: float = 12.5e6
+    #: When the uplink and downlink are next free (virtual time).
+    up_free: float = 0.0
+    down_free: float = 0.0
 
 
 class SimNetwork:
@@ -97,7 +120,15 @@ class SimNetwork:
         # contacts per subnet, and a shared one would distort every figure.
         address = f"{10 + (n >> 16)}.{(n >> 8) & 255}.{n & 255}.1:4000"
         guard = ReplayGuard(clock=self.wall, own=identity.peer_id)
-        host = Host(address, identity, guard, dialable=dialable)
+        cfg = self.config
+        host = Host(
+            address,
+            identity,
+            guard,
+            dialable=dialable,
+            up_bytes_s=cfg.up_bytes_s,
+            down_bytes_s=cfg.down_bytes_s,
+        )
         self.hosts[address] = host
         return host
 
@@ -111,8 +142,8 @@ class SimNetwork:
                 if service.gate is not None:
                     host.gates[path] = service.gate
 
-    def client(self, host: Host) -> SimClient:
-        return SimClient(self, host)
+    def client(self, host: Host) -> SimTensorClient:
+        return SimTensorClient(self, host)
 
     def kill(self, address: str) -> None:
         self.hosts[address].up = False
@@ -140,6 +171,16 @@ class SimNetwork:
         host = self.hosts.get(dst)
         return host is not None and host.up and host.dialable and self.same_side(src, dst)
 
+    async def transfer(self, src: Host, dst: Host, nbytes: int) -> None:
+        """Waits while ``nbytes`` cross from ``src`` to ``dst`` behind earlier transfers."""
+        now = trio.current_time()
+        start = max(now, src.up_free, dst.down_free)
+        end = start + nbytes / min(src.up_bytes_s, dst.down_bytes_s)
+        src.up_free = dst.down_free = end
+        src.sent_bytes += nbytes
+        dst.received_bytes += nbytes
+        await trio.sleep(end - now)
+
     def lost(self) -> bool:
         return self.config.loss > 0 and self.rng.random() < self.config.loss
 
@@ -150,7 +191,8 @@ class SimClient:
     def __init__(self, network: SimNetwork, host: Host) -> None:
         self.network = network
         self.host = host
-        self.identity = host.identity
+        #: Who this client speaks as (RpcClient's attribute: a reducer signs its proofs).
+        self.identity: Identity | None = host.identity
 
     async def unary(
         self,
@@ -210,8 +252,108 @@ class SimClient:
         return raw
 
 
-async def _serve(host: Host, caller: str, path: str, body: bytes, signed: SignedHeader) -> bytes:
-    """The callee's side: authenticate as RpcServer does, then run the handler."""
+class SimTensorClient(SimClient):
+    """SimClient with RpcClient's tensor calls: the real frames (`iter_frames` and
+    `assemble`), the header or request signed and verified, the bytes charged to both hosts'
+    links."""
+
+    chunk_bytes = DEFAULT_CHUNK_BYTES
+
+    async def put_tensor(
+        self,
+        address: str,
+        path: str,
+        meta: TensorMeta,
+        payload: Payload,
+        response_type: type[M],
+        *,
+        timeout: float | None = None,
+        expect: PeerId | None = None,
+    ) -> M:
+        segments = payload_segments(payload)
+        if sum(v.nbytes for v in segments) != meta.nbytes:
+            raise FramingError(f"payload does not match its header's {meta.nbytes} B")
+        frames = list(iter_frames(meta, segments, self.chunk_bytes))
+        raw = await self._tensor_call(address, path, frames[0], expect, "in", frames)
+        assert isinstance(raw, bytes)
+        try:
+            return response_type.FromString(raw)
+        except DecodeError as exc:
+            raise rpc.RpcError(rpc.StatusCode.INTERNAL, f"bad response: {exc}") from None
+
+    async def get_tensor(
+        self,
+        address: str,
+        path: str,
+        request: Message,
+        *,
+        timeout: float | None = None,
+        max_bytes: int | None = None,
+        expect: PeerId | None = None,
+    ) -> tuple[TensorMeta, bytearray]:
+        body = request.SerializeToString()
+        got = await self._tensor_call(address, path, body, expect, "out", [], timeout, max_bytes)
+        assert isinstance(got, tuple)
+        return got
+
+    async def _tensor_call(
+        self,
+        address: str,
+        path: str,
+        signed_bytes: bytes,
+        expect: PeerId | None,
+        kind: str,
+        frames: list[bytes],
+        timeout: float | None = None,
+        max_bytes: int | None = None,
+    ) -> bytes | tuple[TensorMeta, bytearray]:
+        net, me = self.network, self.host
+        deadline = net.config.default_deadline_s if timeout is None else timeout
+        try:
+            with trio.fail_after(deadline):
+                if not me.up or not net.reachable(me.address, address):
+                    await trio.sleep_forever()
+                host = net.hosts[address]
+                signed = me.identity.sign_request(
+                    path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall()
+                )
+                net.calls += 1
+                net.trace.update(
+                    f"{trio.current_time():.9f}|{me.address}|{address}|{path}|"
+                    f"{sum(map(len, frames)) or len(signed_bytes)}\n".encode()
+                )
+                one_way = net.rtt(me.address, address) / 2
+                await trio.sleep(one_way)
+                if net.lost():
+                    raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss")
+                ctx = _authenticate(host, me.address, path, signed_bytes, signed)
+                method = host.methods.get(path)
+                if method is None or method.kind != f"tensor_{kind}":
+                    raise rpc.RpcError(rpc.StatusCode.UNIMPLEMENTED, f"no tensor method {path}")
+                if kind == "in":
+                    await net.transfer(me, host, sum(map(len, frames)))
+                    meta, data = assemble(frames, 2 << 30)
+                    if method.admit is not None:
+                        await method.admit(meta, ctx)
+                    response: Message = await method.handler(meta, data, ctx)
+                    await trio.sleep(one_way)
+                    return response.SerializeToString()
+                assert method.request_type is not None
+                request = method.request_type.FromString(signed_bytes)
+                meta, payload = await method.handler(request, ctx)
+                out = list(iter_frames(meta, payload_segments(payload), self.chunk_bytes))
+                await trio.sleep(one_way)
+                await net.transfer(host, me, sum(map(len, out)))
+                limit = (2 << 30) if max_bytes is None else max_bytes
+                return assemble(out, limit)
+        except trio.TooSlowError:
+            raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+
+
+def _authenticate(
+    host: Host, caller: str, path: str, body: bytes, signed: SignedHeader
+) -> rpc.CallContext:
+    """What RpcServer checks before a handler runs: signature, recipient, replay, gate."""
     try:
         peer_id = host.guard.verify(path, signed, body)
     except ProtocolError as exc:
@@ -220,6 +362,12 @@ async def _serve(host: Host, caller: str, path: str, body: bytes, signed: Signed
     gate = host.gates.get(path)
     if gate is not None:
         gate(ctx)
+    return ctx
+
+
+async def _serve(host: Host, caller: str, path: str, body: bytes, signed: SignedHeader) -> bytes:
+    """The callee's side of a unary call: authenticate as RpcServer does, run the handler."""
+    ctx = _authenticate(host, caller, path, body, signed)
     method = host.methods.get(path)
     if method is None or method.kind != "unary" or method.request_type is None:
         raise rpc.RpcError(rpc.StatusCode.UNIMPLEMENTED, f"no unary method {path}")
