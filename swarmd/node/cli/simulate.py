@@ -47,6 +47,24 @@ gather_s = 5
 
 [invariants]
 max_alone_share = 1.0 # share of peers a round that may get no group
+
+or DiLoCo's rounds (inner steps as virtual time, group formation, the real all-reduce):
+
+kind = "diloco"
+peers = 100
+rounds = 5
+params = 10000        # values averaged a round
+codec = "int8"
+inner_steps = 50
+step_s = 0.1          # virtual seconds an inner step takes on a speed-1 peer
+speed_sigma = 0.5     # log-normal spread of peer speeds
+churn = 0.05          # share of peers replaced every round period
+
+[matchmaking]
+target_group_size = 16
+
+[invariants]
+min_averaged_share = 0.5
 """
 
 
@@ -54,8 +72,9 @@ def add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "sim",
         help="the swarm on one machine in virtual time: a scenario, a seed, a replayable run",
-        description="Runs a scenario on the simulator: real swarmd components (today the DHT "
-        "and matchmaking: real nodes, records, signed requests, lookups and group formation) "
+        description="Runs a scenario on the simulator: real swarmd components (today the DHT, "
+        "matchmaking and DiLoCo's all-reduce: real nodes, records, signed requests, lookups, "
+        "group formation, parts, commitments and proofs) "
         "on an in-memory network with "
         "per-link latency, loss, dead hosts and partitions, in virtual time (trio's MockClock), "
         "so that thousands of nodes run on one core. One seed replays a run exactly: the last "

@@ -82,22 +82,27 @@ class DhtSwarm:
         self.hosts: list[Host] = []
         self.nodes: list[DHTNode] = []
         self.scopes: list[trio.CancelScope] = []
+        self.dht = dht
         for _ in range(nodes):
-            identity = seeded_identity(self.rng)
-            host = self.net.add_host(identity)
-            node = DHTNode(
-                identity,
-                self.net.client(host),
-                dht,
-                clock=self.net.wall,
-                timer=trio.current_time,
-                rng=random.Random(self.rng.getrandbits(64)),
-            )
-            self.net.serve(host, [node.service()])
-            self.hosts.append(host)
-            self.nodes.append(node)
-            self.scopes.append(trio.CancelScope())
+            self._make()
         self.joined: list[int] = []
+
+    def _make(self) -> int:
+        identity = seeded_identity(self.rng)
+        host = self.net.add_host(identity)
+        node = DHTNode(
+            identity,
+            self.net.client(host),
+            self.dht,
+            clock=self.net.wall,
+            timer=trio.current_time,
+            rng=random.Random(self.rng.getrandbits(64)),
+        )
+        self.net.serve(host, [node.service()])
+        self.hosts.append(host)
+        self.nodes.append(node)
+        self.scopes.append(trio.CancelScope())
+        return len(self.nodes) - 1
 
     async def join(self, nursery: trio.Nursery, window_s: float) -> None:
         """Starts every node: the first at once, the others at uniform random times over
@@ -121,6 +126,14 @@ class DhtSwarm:
     def kill(self, i: int) -> None:
         self.net.kill(self.hosts[i].address)
         self.scopes[i].cancel()
+        if i in self.joined:
+            self.joined.remove(i)
+
+    def add(self, nursery: trio.Nursery) -> int:
+        """A new node (a volunteer arriving mid-run), joining at once; returns its index."""
+        i = self._make()
+        nursery.start_soon(self._run_node, i, 0.0)
+        return i
 
 
 async def _scenario(scenario: DhtScenario, progress: Callable[[str], None]) -> DhtReport:

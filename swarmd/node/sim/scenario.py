@@ -7,9 +7,10 @@ seeds S, S+1, ..., S+K-1 and hands back each failing seed with the invariant it 
 `swarmd sim FILE --seed N` then replays that run exactly (TigerBeetle's VOPR does the same
 for its cluster).
 
-Kinds so far: ``dht`` (store, kill, read) and ``matchmaking`` (rounds of group formation).
-Training scenarios (DiLoCo groups averaging, SWARM pipelines) need the tensor plane and the
-training peers on the simulated network.
+Kinds so far: ``dht`` (store, kill, read), ``matchmaking`` (rounds of group formation) and
+``diloco`` (DiLoCo's communication: inner steps charged as virtual time, group formation and
+the real all-reduce each round, churn). Not yet: the training peer's whole lifecycle (state
+sync, catch-up, a model's loss) and SWARM pipelines.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
+from swarmd.node.sim.rounds import RoundsScenario, run_rounds
 
-KINDS = ("dht", "matchmaking")
+KINDS = ("dht", "matchmaking", "diloco")
 
 Progress = Callable[[str], None]
 
@@ -62,6 +64,18 @@ class MatchInvariants:
 
 
 @dataclass(frozen=True)
+class RoundsInvariants:
+    """What every run of a diloco scenario must show: at least ``min_averaged_share`` of the
+    peer-rounds averaged in a group of two or more."""
+
+    min_averaged_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_averaged_share <= 1:
+            raise ValueError("invariants.min_averaged_share is a share between 0 and 1")
+
+
+@dataclass(frozen=True)
 class Outcome:
     """One seed's run: a line for people, figures for the last line, what broke."""
 
@@ -75,14 +89,17 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Scenario:
-    spec: DhtScenario | MatchScenario
-    invariants: DhtInvariants | MatchInvariants
+    spec: DhtScenario | MatchScenario | RoundsScenario
+    invariants: DhtInvariants | MatchInvariants | RoundsInvariants
 
     def run(self, seed: int, progress: Progress | None = None) -> Outcome:
         spec = dataclasses.replace(self.spec, seed=seed)
         if isinstance(spec, DhtScenario):
             assert isinstance(self.invariants, DhtInvariants)
             return _dht_outcome(spec, self.invariants, progress)
+        if isinstance(spec, RoundsScenario):
+            assert isinstance(self.invariants, RoundsInvariants)
+            return _rounds_outcome(spec, self.invariants, progress)
         assert isinstance(self.invariants, MatchInvariants)
         return _match_outcome(spec, self.invariants, progress)
 
@@ -129,6 +146,32 @@ def _match_outcome(
     return Outcome(spec.seed, summary, figures, r.log_hash, broken, dataclasses.asdict(r))
 
 
+def _rounds_outcome(
+    spec: RoundsScenario, rules: RoundsInvariants, progress: Progress | None
+) -> Outcome:
+    r = run_rounds(spec, progress)
+    broken = []
+    if r.averaged_share < rules.min_averaged_share:
+        broken.append(
+            f"{r.averaged_share:.1%} of peer-rounds averaged < {rules.min_averaged_share:.1%}"
+        )
+    summary = (
+        f"{r.peers} peers, {r.rounds} rounds, {r.replaced} replaced: {r.averaged_share:.1%} of "
+        f"peer-rounds averaged, mean group {r.mean_group:.1f}, groups formed in "
+        f"{r.median_form_s:.1f}s (median, virtual), {r.bytes_per_peer_round / 1e3:.0f} kB a "
+        f"peer-round, {r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
+    )
+    figures = {
+        "diloco_peers": str(r.peers),
+        "diloco_averaged_share": f"{r.averaged_share:.4f}",
+        "diloco_form_s": f"{r.median_form_s:.2f}",
+        "diloco_bytes_per_peer_round": f"{r.bytes_per_peer_round:.0f}",
+        "diloco_wall_s": f"{r.wall_s:.1f}",
+    }
+    row = {k: v for k, v in dataclasses.asdict(r).items() if k != "records"}
+    return Outcome(spec.seed, summary, figures, r.log_hash, broken, row)
+
+
 def _build(cls: type[Any], table: dict[str, Any], where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - names)
@@ -166,6 +209,9 @@ def load_scenario(path: Path | None) -> Scenario:
         return Scenario(_build(DhtScenario, data, str(path)), rules)
     mm = _build(MatchmakingConfig, data.pop("matchmaking", {}), f"{path} [matchmaking]")
     data["matchmaking"] = mm
+    if kind == "diloco":
+        rules = _build(RoundsInvariants, rules_table, f"{path} [invariants]")
+        return Scenario(_build(RoundsScenario, data, str(path)), rules)
     rules = _build(MatchInvariants, rules_table, f"{path} [invariants]")
     return Scenario(_build(MatchScenario, data, str(path)), rules)
 
