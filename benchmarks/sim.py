@@ -1,45 +1,101 @@
 """The swarm in virtual time (issue 45): figures at a scale real processes cannot reach here.
 
-    python benchmarks/sim.py [--dht-nodes 10000] [--killed 0.3] [--gets 1000] [--seed 0]
+    python benchmarks/sim.py [--diloco-peers 1000] [--rounds 20] [--dht-nodes 10000] [--seed 0]
 
-DHT: N real `DHTNode`s (real records, real signatures on every request, real lookups) on the
-simulator's in-memory network (swarmd/node/sim: per-link RTT log-uniform 10-300 ms), joined
-over a virtual minute; keys are stored, a share of the nodes is killed (they stop answering),
-and each key is read once by a random live node. Success is the share of reads that returned
-the stored value; hops count answers between the reader and the first node holding it.
+DiLoCo: N peers (speeds log-normal, sigma 0.5) on the simulator's network (swarmd/node/sim:
+per-link RTT log-uniform 10-300 ms, 100 Mbit/s links), each round H=50 inner steps charged as
+virtual time, then the real `form_group` (target group 16, gather 5 s) and the real all-reduce
+(Averager, int8, proofs on) of a 100,000-value vector; 5 % of the peers replaced as each new
+round begins. Reported: share of peer-rounds averaged in a group, median group formation
+time (virtual), bytes sent per peer-round, wall time and peak RSS.
 
-Only the DHT is simulated so far: the DiLoCo (1,000 peers) and SWARM figures the issue names
-need the runtime seam for training peers, and this script will grow them.
+DHT: N real DHTNodes joined over a virtual minute; keys stored, 30 % of the nodes killed,
+each key read once by a random live node: success and median hops.
 
-Last line: dht_nodes=... dht_killed=... dht_success=... dht_median_hops=... dht_p90_hops=...
-dht_calls=... dht_virtual_s=... dht_wall_s=... dht_rss_gib=...
+SWARM is not simulated yet (stage servers and trainers need the tensor plane's SWARM
+services and a stage compute model on the simulator): swarm_efficiency prints nan.
+
+Last line: diloco_peers= diloco_rounds= diloco_averaged_share= diloco_form_s=
+diloco_bytes_per_peer_round= diloco_wall_s= diloco_rss_gib= dht_nodes= dht_success=
+dht_median_hops= dht_wall_s= swarm_efficiency=
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import resource
 
+from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
+from swarmd.node.sim.rounds import RoundsScenario, run_rounds
+
+
+def rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--diloco-peers", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--params", type=int, default=100_000)
+    parser.add_argument("--target", type=int, default=16, help="target group size")
+    parser.add_argument("--churn", type=float, default=0.05)
     parser.add_argument("--dht-nodes", type=int, default=10_000)
-    parser.add_argument("--killed", type=float, default=0.3, help="share of nodes killed")
+    parser.add_argument("--killed", type=float, default=0.3, help="share of DHT nodes killed")
     parser.add_argument("--gets", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip", choices=("dht", "diloco"), action="append", default=[])
     args = parser.parse_args()
-    scenario = DhtScenario(nodes=args.dht_nodes, killed=args.killed, gets=args.gets, seed=args.seed)
-    print(f"DHT: {scenario.nodes} nodes, {scenario.killed:.0%} killed, {scenario.gets} gets")
-    report = run_dht(scenario)
-    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(
-        f"dht_nodes={report.nodes} dht_killed={report.killed} dht_success={report.success:.4f} "
-        f"dht_median_hops={report.median_hops:g} dht_p90_hops={report.p90_hops:g} "
-        f"dht_calls={report.calls} dht_virtual_s={report.virtual_s:.1f} "
-        f"dht_wall_s={report.wall_s:.1f} dht_rss_gib={rss_gib:.2f}"
-    )
+    logging.basicConfig(level=logging.ERROR)
+    figures: dict[str, str] = {}
+
+    def progress(line: str) -> None:
+        print(f"  {line}", flush=True)
+
+    if "diloco" not in args.skip:
+        scenario = RoundsScenario(
+            peers=args.diloco_peers,
+            rounds=args.rounds,
+            params=args.params,
+            churn=args.churn,
+            matchmaking=MatchmakingConfig(target_group_size=args.target),
+            seed=args.seed,
+        )
+        print(f"DiLoCo: {scenario.peers} peers, {scenario.rounds} rounds, target {args.target}")
+        r = run_rounds(scenario, progress)
+        print(
+            f"  {r.averaged_share:.1%} of peer-rounds averaged, mean group {r.mean_group:.1f}, "
+            f"formation {r.median_form_s:.1f}s median (virtual), "
+            f"{r.bytes_per_peer_round / 1e3:.0f} kB a peer-round, {r.replaced} replaced, "
+            f"{r.virtual_s:.0f}s virtual in {r.wall_s:.0f}s"
+        )
+        figures |= {
+            "diloco_peers": str(r.peers),
+            "diloco_rounds": str(r.rounds),
+            "diloco_averaged_share": f"{r.averaged_share:.4f}",
+            "diloco_form_s": f"{r.median_form_s:.2f}",
+            "diloco_bytes_per_peer_round": f"{r.bytes_per_peer_round:.0f}",
+            "diloco_wall_s": f"{r.wall_s:.1f}",
+            "diloco_rss_gib": f"{rss_gib():.2f}",
+        }
+    if "dht" not in args.skip:
+        dht = DhtScenario(nodes=args.dht_nodes, killed=args.killed, gets=args.gets, seed=args.seed)
+        print(f"DHT: {dht.nodes} nodes, {dht.killed:.0%} killed, {dht.gets} gets")
+        d = run_dht(dht, progress)
+        print(
+            f"  {d.found}/{d.gets} found, median hops {d.median_hops:g}, p90 {d.p90_hops:g}, "
+            f"{d.calls} calls, {d.virtual_s:.0f}s virtual in {d.wall_s:.0f}s"
+        )
+        figures |= {
+            "dht_nodes": str(d.nodes),
+            "dht_success": f"{d.success:.4f}",
+            "dht_median_hops": f"{d.median_hops:g}",
+            "dht_wall_s": f"{d.wall_s:.1f}",
+        }
+    figures["swarm_efficiency"] = "nan"
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
 
 
 if __name__ == "__main__":
