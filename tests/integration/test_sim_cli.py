@@ -84,3 +84,18 @@ def test_a_sweep_names_each_failing_seed_and_what_it_broke(tmp_path: Path) -> No
     assert "of peers alone a round > 0.0%" in done.stdout
     last = figures(done)
     assert last["failed"] == "2" and float(last["mm_alone_share"]) >= 0.333
+
+
+def test_a_diloco_scenario_with_a_scheduled_liar_reports_its_bans(tmp_path: Path) -> None:
+    scenario = tmp_path / "diloco.toml"
+    scenario.write_text(
+        'kind = "diloco"\npeers = 6\nrounds = 2\nparams = 1000\njoin_window_s = 5\n'
+        "[matchmaking]\ntarget_group_size = 6\n"
+        '[[faults]]\nat_round = 1\nkind = "liar"\nshare = 0.1\nlie = "weight"\n'
+        "[invariants]\nmin_averaged_share = 0.9\n"
+    )
+    done = sim(str(scenario), "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = figures(done)
+    assert last["diloco_peers"] == "6" and last["diloco_bans"] == "5"
+    assert float(last["diloco_averaged_share"]) >= 0.9

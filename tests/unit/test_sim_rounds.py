@@ -3,8 +3,10 @@ the real all-reduce, peers replaced as the run goes."""
 
 from __future__ import annotations
 
+import pytest
+
 from swarmd.node.averaging.matchmaking import MatchmakingConfig
-from swarmd.node.sim.rounds import RoundsScenario, run_rounds
+from swarmd.node.sim.rounds import Fault, RoundsScenario, run_rounds
 
 
 def scenario(**kw: object) -> RoundsScenario:
@@ -41,3 +43,26 @@ def test_replaced_peers_take_part_and_the_rest_keep_averaging() -> None:
 def test_one_seed_replays_the_same_rounds() -> None:
     first, again = run_rounds(scenario()), run_rounds(scenario())
     assert first.log_hash == again.log_hash and first.records == again.records
+
+
+def test_a_peer_declaring_a_huge_weight_is_dropped_and_banned_by_every_honest_peer() -> None:
+    report = run_rounds(scenario(rounds=3, faults=(Fault(1, "liar", 0.15, lie="weight"),)))
+    liars = {r.peer for r in report.records if r.lie}
+    assert len(liars) == 1
+    lied = [r for r in report.records if r.lie]
+    assert lied and all(r.round == 1 for r in lied)
+    honest_in_round_1 = [r for r in report.records if r.round == 1 and not r.lie]
+    # Every honest member left the liar out of its round, then banned it.
+    assert honest_in_round_1 and all(r.dropped == 1 for r in honest_in_round_1)
+    assert report.bans == 7
+
+
+def test_faults_are_validated() -> None:
+    with pytest.raises(ValueError, match="kind"):
+        Fault(1, "explode", 0.1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="share"):
+        Fault(1, "kill", 1.0)
+    with pytest.raises(ValueError, match="lie"):
+        Fault(1, "liar", 0.1, lie="truth")
+    built = RoundsScenario(faults=({"at_round": 2, "kind": "slow", "share": 0.5},))  # type: ignore[arg-type]
+    assert built.faults == (Fault(2, "slow", 0.5),)

@@ -58,7 +58,13 @@ codec = "int8"
 inner_steps = 50
 step_s = 0.1          # virtual seconds an inner step takes on a speed-1 peer
 speed_sigma = 0.5     # log-normal spread of peer speeds
-churn = 0.05          # share of peers replaced every round period
+churn = 0.05          # share of peers replaced as each new round begins
+
+[[faults]]            # scheduled from the seed: kill, partition, slow or liar
+at_round = 3
+kind = "liar"         # lie: "weight" (1e9 samples), "scale100" or "signflip"
+share = 0.05
+rounds = 2
 
 [matchmaking]
 target_group_size = 16

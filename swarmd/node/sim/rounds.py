@@ -12,12 +12,14 @@ state); every peer holds the same state line, so one key per round is what real 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import trio
@@ -31,6 +33,36 @@ from swarmd.node.dht.config import DHTConfig
 from swarmd.node.runtime import offload
 from swarmd.node.sim.dht import DhtSwarm, seed_process
 from swarmd.node.sim.network import NetworkConfig
+
+FaultKind = Literal["kill", "partition", "slow", "liar"]
+LIES = ("weight", "scale100", "signflip")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One scheduled fault: when the run enters ``at_round``, ``share`` of the live peers
+    (drawn from the seed) are killed for good, cut off from the rest, slowed ``factor``
+    times, or lie (chaos/byzantine.py's lies: a declared weight of 1e9, an update x100 or
+    sign-flipped) for ``rounds`` rounds."""
+
+    at_round: int
+    kind: FaultKind
+    share: float
+    rounds: int = 1
+    factor: float = 4.0
+    lie: str = "weight"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("kill", "partition", "slow", "liar"):
+            raise ValueError(f"fault kind {self.kind!r}: kill, partition, slow or liar")
+        if self.at_round < 1 or self.rounds < 1:
+            raise ValueError("a fault's at_round and rounds must be at least 1")
+        if not 0 < self.share < 1:
+            raise ValueError("a fault's share of the live peers is between 0 and 1")
+        if not self.factor >= 1:
+            raise ValueError("a slow fault's factor must be at least 1")
+        if self.lie not in LIES:
+            raise ValueError(f"lie {self.lie!r}: one of {', '.join(LIES)}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +79,9 @@ class RoundsScenario:
     speed_sigma: float = 0.5
     #: Share of the live peers replaced each time the run enters a new round.
     churn: float = 0.0
+    faults: tuple[Fault, ...] = ()
+    #: The run's bound on a member's declared weight (RunConfig.max_weight's default role).
+    max_weight: float = 32.0
     join_window_s: float = 60.0
     seed: int = 0
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
@@ -58,6 +93,8 @@ class RoundsScenario:
             raise ValueError("a rounds scenario needs 2+ peers, 1+ rounds, params, inner steps")
         if not (self.step_s > 0 and self.speed_sigma >= 0 and 0 <= self.churn < 1):
             raise ValueError("step_s > 0, speed_sigma >= 0 and 0 <= churn < 1 are required")
+        faults = tuple(f if isinstance(f, Fault) else Fault(**f) for f in self.faults)
+        object.__setattr__(self, "faults", faults)
 
 
 @dataclass(frozen=True)
@@ -66,6 +103,8 @@ class PeerRound:
     round: int
     group_size: int  # 1: alone (no group)
     dropped: int
+    #: The lie this peer told this round ("" when honest).
+    lie: str
     form_s: float
     allreduce_s: float
 
@@ -76,6 +115,8 @@ class RoundsReport:
     rounds: int
     records: tuple[PeerRound, ...]
     replaced: int
+    #: Bans the honest peers hold at the end (a liar banned by 3 peers counts 3).
+    bans: int
     bytes_per_peer_round: float
     log_hash: str
     calls: int
@@ -110,6 +151,8 @@ class _Run:
         self.round_of: dict[int, int] = {}
         self.records: list[PeerRound] = []
         self.replaced = 0
+        #: Peer -> (lie, last round it tells it).
+        self.lying: dict[int, tuple[str, int]] = {}
         for i in range(scenario.peers):
             self._equip(i)
 
@@ -117,6 +160,7 @@ class _Run:
         host = self.swarm.hosts[i]
         config = AllReduceConfig(codec=self.s.codec)
         averager = Averager(self.swarm.net.client(host), host.identity.peer_id, config)
+        averager.limit_weights(self.s.max_weight)
         self.swarm.net.serve(host, [averager.service()])
         self.averagers.append(averager)
         self.scopes.append(trio.CancelScope())
@@ -140,12 +184,17 @@ class _Run:
                 group = await form_group(node, f"sim/diloco/{r}", me, self.target())
                 t1 = trio.current_time()
                 size, dropped = 1, 0
+                lie, until = self.lying.get(i, ("", -1))
+                lie = lie if r <= until else ""
                 if group is not None and len(group.members) > 1:
                     vector = torch.randn(self.s.params, generator=gen)
-                    result = await self.averagers[i].allreduce(group, vector, 1.0)
+                    weight = 1e9 if lie == "weight" else 1.0
+                    if lie:
+                        vector *= 100.0 if lie == "scale100" else -1.0
+                    result = await self.averagers[i].allreduce(group, vector, weight)
                     size, dropped = len(group.members), len(result.dropped)
                 t2 = trio.current_time()
-                self.records.append(PeerRound(i, r, size, dropped, t1 - t0, t2 - t1))
+                self.records.append(PeerRound(i, r, size, dropped, lie, t1 - t0, t2 - t1))
         self.alive.discard(i)
 
     async def churn(self, nursery: trio.Nursery) -> None:
@@ -171,6 +220,42 @@ class _Run:
                 self.replaced += 1
                 nursery.start_soon(self._late_peer, i, now_round)
 
+    async def faults(self) -> None:
+        """Applies each scheduled fault as the run enters its round, and undoes it (heals a
+        partition, restores speeds) ``rounds`` rounds later."""
+        pending = sorted(self.s.faults, key=lambda f: f.at_round)
+        undo: list[tuple[int, Callable[[], None]]] = []
+        while pending or undo:
+            await trio.sleep(1.0)
+            live = sorted(self.alive)
+            now_round = max((self.round_of.get(i, 0) for i in live), default=0)
+            for end, fn in [u for u in undo if u[0] <= now_round]:
+                fn()
+                undo.remove((end, fn))
+            while pending and pending[0].at_round <= now_round:
+                fault = pending.pop(0)
+                chosen = self.rng.sample(live, max(1, round(fault.share * len(live))))
+                end = now_round + fault.rounds
+                if fault.kind == "kill":
+                    for i in chosen:
+                        self.alive.discard(i)
+                        self.swarm.kill(i)
+                        self.scopes[i].cancel()
+                elif fault.kind == "partition":
+                    self.swarm.net.partition([[self.swarm.hosts[i].address for i in chosen]])
+                    undo.append((end, self.swarm.net.heal))
+                elif fault.kind == "slow":
+                    for i in chosen:
+                        self.speeds[i] /= fault.factor
+                    undo.append((end, functools.partial(self._speed_up, chosen, fault.factor)))
+                else:
+                    for i in chosen:
+                        self.lying[i] = (fault.lie, end - 1)
+
+    def _speed_up(self, peers: list[int], factor: float) -> None:
+        for i in peers:
+            self.speeds[i] *= factor
+
     async def _late_peer(self, i: int, first_round: int) -> None:
         await trio.sleep(5.0)  # its DHT join and its state download
         await self.peer(i, first_round)
@@ -190,6 +275,8 @@ async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -
                 peers.start_soon(run.peer, i, 0)
             if scenario.churn:
                 peers.start_soon(run.churn, peers)
+            if scenario.faults:
+                peers.start_soon(run.faults)
             while run.alive:
                 await trio.sleep(1.0)
             peers.cancel_scope.cancel()
@@ -201,6 +288,7 @@ async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -
         rounds=scenario.rounds,
         records=tuple(run.records),
         replaced=run.replaced,
+        bans=sum(a.bans.active() for i, a in enumerate(run.averagers) if i not in run.lying),
         bytes_per_peer_round=sent / peer_rounds,
         log_hash=run.swarm.net.trace.hexdigest(),
         calls=run.swarm.net.calls,

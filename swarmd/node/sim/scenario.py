@@ -156,7 +156,8 @@ def _rounds_outcome(
             f"{r.averaged_share:.1%} of peer-rounds averaged < {rules.min_averaged_share:.1%}"
         )
     summary = (
-        f"{r.peers} peers, {r.rounds} rounds, {r.replaced} replaced: {r.averaged_share:.1%} of "
+        f"{r.peers} peers, {r.rounds} rounds, {r.replaced} replaced, {r.bans} bans: "
+        f"{r.averaged_share:.1%} of "
         f"peer-rounds averaged, mean group {r.mean_group:.1f}, groups formed in "
         f"{r.median_form_s:.1f}s (median, virtual), {r.bytes_per_peer_round / 1e3:.0f} kB a "
         f"peer-round, {r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
@@ -167,6 +168,7 @@ def _rounds_outcome(
         "diloco_form_s": f"{r.median_form_s:.2f}",
         "diloco_bytes_per_peer_round": f"{r.bytes_per_peer_round:.0f}",
         "diloco_wall_s": f"{r.wall_s:.1f}",
+        "diloco_bans": str(r.bans),
     }
     row = {k: v for k, v in dataclasses.asdict(r).items() if k != "records"}
     return Outcome(spec.seed, summary, figures, r.log_hash, broken, row)
