@@ -18,6 +18,7 @@ to our own call, caller.py; a verification ping for an incoming call, admission.
 from __future__ import annotations
 
 import functools
+import heapq
 import ipaddress
 import time
 from collections import OrderedDict
@@ -232,10 +233,14 @@ class RoutingTable:
             self._subnet_count.pop(net, None)
 
     def closest(self, target: int, count: int, exclude: Iterable[PeerId] = ()) -> list[Contact]:
+        # Every Find a node answers asks this: skipping the 256 buckets' empty ones, hashing
+        # no peer id when nothing is excluded and keeping the `count` nearest instead of
+        # sorting all took it from a fifth of a simulated DHT's CPU to a few percent.
         excluded = set(exclude)
-        candidates = [c for b in self._buckets for c in b.values() if c.peer_id not in excluded]
-        candidates.sort(key=lambda c: c.id ^ target)
-        return candidates[:count]
+        contacts = (c for b in self._buckets if b for c in b.values())
+        if excluded:
+            contacts = (c for c in contacts if c.peer_id not in excluded)
+        return heapq.nsmallest(count, contacts, key=lambda c: c.id ^ target)
 
     def stale(self, older_than: float) -> list[Contact]:
         """Contacts not heard from since ``older_than`` (monotonic), least recent first."""
