@@ -7,21 +7,18 @@ import random
 
 import torch
 import trio
-import trio.testing
 
 from swarmd.node.averaging.allreduce import Averager, Group, Member
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult
-from swarmd.node.runtime import offload
-from swarmd.node.sim.dht import seed_process, seeded_identity
+from swarmd.node.sim.dht import seeded_identity
 from swarmd.node.sim.network import NetworkConfig, SimNetwork
+from swarmd.node.sim.virtual import run_virtual
 
 N, SIZE = 4, 10_000
 
 
 def average(codec: CodecName, kill: int | None = None) -> tuple[list[AllReduceResult], float, int]:
-    seed_process(0)
-    offload.run_inline(True)
     rng = random.Random(0)
     net = SimNetwork(NetworkConfig(rtt_min_s=0.05, rtt_max_s=0.05, up_bytes_s=1e6), seed=0)
     hosts = [net.add_host(seeded_identity(rng)) for _ in range(N)]
@@ -46,10 +43,7 @@ def average(codec: CodecName, kill: int | None = None) -> tuple[list[AllReduceRe
                 net.kill(hosts[kill].address)
         return trio.current_time()
 
-    try:
-        took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    finally:
-        offload.run_inline(False)
+    took = run_virtual(main, seed=0)
     return [results[i] for i in sorted(results)], took, sum(h.sent_bytes for h in hosts)
 
 

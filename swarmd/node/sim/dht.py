@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.dht.node import DHTNode
 from swarmd.node.sim.network import Host, NetworkConfig, SimNetwork
+from swarmd.node.sim.virtual import run_virtual
 from swarmd.protocol.identity import Identity
 
 
@@ -201,19 +201,4 @@ async def _scenario(scenario: DhtScenario, progress: Callable[[str], None]) -> D
 def run_dht(scenario: DhtScenario, progress: Callable[[str], None] | None = None) -> DhtReport:
     """Runs the scenario in virtual time (trio's MockClock, autojump); ``progress`` hears
     each phase as it begins."""
-    seed_process(scenario.seed)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    return trio.run(_scenario, scenario, progress or (lambda _: None), clock=clock)
-
-
-def seed_process(seed: int) -> None:
-    """Seeds what the code under simulation draws from besides the scenario's own sources:
-    the `random` module (DHT refresh and republish jitter) and trio's scheduler.
-
-    trio wakes tasks whose deadlines tie in the order of their cancel scopes' id() (memory
-    addresses), then shuffles each batch with a private RNG; the flag below is the one
-    Hypothesis and pytest-trio set to make it sort each batch by task creation order before
-    a seeded shuffle. Without it two runs of one seed differed in the calls they made."""
-    random.seed(seed)
-    setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 (Final)
-    trio._core._run._r.seed(seed)
+    return run_virtual(_scenario, scenario, progress or (lambda _: None), seed=scenario.seed)

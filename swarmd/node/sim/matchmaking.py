@@ -14,13 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-import trio.testing
 
 from swarmd.node.averaging.allreduce import Group, Member
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.dht.config import DHTConfig
-from swarmd.node.sim.dht import DhtSwarm, seed_process
+from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.network import NetworkConfig
+from swarmd.node.sim.virtual import run_virtual
 
 
 @dataclass(frozen=True)
@@ -166,9 +166,7 @@ async def _scenario(scenario: MatchScenario, progress: Callable[[str], None]) ->
 def run_matchmaking(
     scenario: MatchScenario, progress: Callable[[str], None] | None = None
 ) -> MatchReport:
-    seed_process(scenario.seed)
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    return trio.run(_scenario, scenario, progress or (lambda _: None), clock=clock)
+    return run_virtual(_scenario, scenario, progress or (lambda _: None), seed=scenario.seed)
 
 
 def with_target(scenario: MatchScenario, target: int, minimum: int = 2) -> MatchScenario:

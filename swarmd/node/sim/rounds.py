@@ -23,16 +23,15 @@ from typing import Literal
 
 import torch
 import trio
-import trio.testing
 
 from swarmd.node.averaging.allreduce import Averager, Member
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.dht.config import DHTConfig
-from swarmd.node.runtime import offload
-from swarmd.node.sim.dht import DhtSwarm, seed_process
+from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.network import NetworkConfig
+from swarmd.node.sim.virtual import run_virtual
 
 FaultKind = Literal["kill", "partition", "slow", "liar"]
 LIES = ("weight", "scale100", "signflip")
@@ -300,12 +299,5 @@ async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -
 def run_rounds(
     scenario: RoundsScenario, progress: Callable[[str], None] | None = None
 ) -> RoundsReport:
-    """Runs the scenario in virtual time; compute runs inline (runtime/offload.py)."""
-    seed_process(scenario.seed)
-    torch.manual_seed(scenario.seed)
-    offload.run_inline(True)
-    try:
-        clock = trio.testing.MockClock(autojump_threshold=0)
-        return trio.run(_scenario, scenario, progress or (lambda _: None), clock=clock)
-    finally:
-        offload.run_inline(False)
+    """Runs the scenario in virtual time (sim/virtual.py)."""
+    return run_virtual(_scenario, scenario, progress or (lambda _: None), seed=scenario.seed)

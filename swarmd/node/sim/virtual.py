@@ -1,0 +1,43 @@
+"""How a simulated run is run: seeded, in virtual time, with CPU work on the loop.
+
+One seed must replay a run: what the code under simulation draws from besides the scenario's
+own sources is seeded here, and trio is told to order its tasks deterministically."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, TypeVarTuple
+
+import trio
+import trio.testing
+
+from swarmd.node.runtime import offload
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+
+def seed_process(seed: int) -> None:
+    """Seeds the `random` module (what code under simulation draws from without an injected
+    RNG) and trio's scheduler.
+
+    trio wakes tasks whose deadlines tie in the order of their cancel scopes' id() (memory
+    addresses), then shuffles each batch with a private RNG; the flag below is the one
+    Hypothesis and pytest-trio set to make it sort each batch by task creation order before
+    a seeded shuffle. Without it two runs of one seed differed in the calls they made."""
+    random.seed(seed)
+    setattr(trio._core._run, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 (Final)
+    trio._core._run._r.seed(seed)
+
+
+def run_virtual(main: Callable[[*Ts], Awaitable[T]], *args: *Ts, seed: int) -> T:
+    """``main(*args)`` in its own trio run under MockClock (autojump: time leaps to the next
+    deadline whenever every task waits), seeded, with offloaded CPU work run inline
+    (runtime/offload.py: a thread's work would let the clock jump past deadlines)."""
+    seed_process(seed)
+    offload.run_inline(True)
+    try:
+        return trio.run(main, *args, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        offload.run_inline(False)
