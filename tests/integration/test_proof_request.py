@@ -77,8 +77,10 @@ def test_a_reducers_answer_is_not_asked_again() -> None:
     assert len(reducer.nonces) == 1
 
 
-def test_a_link_that_stays_down_ends_at_the_deadline() -> None:
+def test_a_reducer_that_stays_unreachable_costs_a_few_quick_tries_not_the_deadline() -> None:
+    # A reducer killed mid-round: asking until the request's deadline held the round there.
     reducer = Reducer(fail_first=10**6, code=rpc.StatusCode.UNAVAILABLE)
-    (proof, _), took = ask(reducer, timeout=2.0)
+    (proof, _), took = ask(reducer, timeout=30.0)
     assert isinstance(proof, str) and "UNAVAILABLE" in proof
-    assert len(reducer.nonces) >= 3 and took < 2.0
+    assert len(reducer.nonces) == verify.PROOF_TRIES
+    assert took < 5.0
