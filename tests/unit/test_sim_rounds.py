@@ -66,3 +66,14 @@ def test_faults_are_validated() -> None:
         Fault(1, "liar", 0.1, lie="truth")
     built = RoundsScenario(faults=({"at_round": 2, "kind": "slow", "share": 0.5},))  # type: ignore[arg-type]
     assert built.faults == (Fault(2, "slow", 0.5),)
+
+
+def test_the_committed_scenario_files_load() -> None:
+    from pathlib import Path
+
+    from swarmd.node.sim.scenario import load_scenario
+
+    files = sorted((Path(__file__).parents[2] / "deploy" / "sim").glob("*.toml"))
+    assert {f.name for f in files} >= {"dht.toml", "groups.toml", "diloco.toml"}
+    kinds = {type(load_scenario(f).spec).__name__ for f in files}
+    assert kinds == {"DhtScenario", "MatchScenario", "RoundsScenario"}
