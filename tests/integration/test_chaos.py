@@ -92,11 +92,19 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 def test_a_byzantine_peer_is_banned_and_the_honest_ones_agree(tmp_path: Path) -> None:
     """`swarmd chaos --byzantine`'s fault on a committed schedule (deploy/chaos/byzantine.json):
-    peer 2 restarted as a liar declaring 1e9 samples for 20 s, then restarted honest."""
+    peer 2 restarted as a liar declaring 1e9 samples for 40 s, then restarted honest.
+
+    Why 40 s: the swap kills peer 2 wherever it is. Killed while it leads a committed group,
+    its partners wait out the all-reduce's deadlines for it (~15 s), and the liar (same id,
+    lowest, so leader again) first leads a second group for that round that nobody joins
+    (~15 s more) before it meets the others; after a 5 s restart that left a 20 s window no
+    round with an honest peer, so no evidence and no ban (seen in 1 of 3 runs on the commit
+    before this session's too). The window covers that worst case; issue 46's matchmaking
+    work should make a restarted member's round cheaper."""
     out = tmp_path / "chaos"
     schedule = ROOT / "deploy" / "chaos" / "byzantine.json"
     done = run_chaos(
-        out, "--peers", "3", "--duration", "45", "--schedule", str(schedule), timeout=400
+        out, "--peers", "3", "--duration", "60", "--schedule", str(schedule), timeout=400
     )
     assert done.returncode == 0, done.stdout[-6000:] + "\n--- digest ---\n" + digest(out)
     report = (out / "report.txt").read_text()
