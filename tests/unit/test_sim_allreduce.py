@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 import trio
 
@@ -14,6 +15,7 @@ from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult
 from swarmd.node.sim.dht import seeded_identity
 from swarmd.node.sim.network import NetworkConfig, SimNetwork
 from swarmd.node.sim.virtual import run_virtual
+from swarmd.protocol import rpc
 
 N, SIZE = 4, 10_000
 
@@ -66,3 +68,27 @@ def test_a_peer_that_never_comes_is_dropped_and_the_others_agree() -> None:
     # The three survivors hold the same result (their mean, 2.0, within int8's step).
     assert all(torch.equal(r.tensor, results[0].tensor) for r in results)
     assert torch.allclose(results[0].tensor, torch.full((SIZE,), 2.0), atol=0.02)
+
+
+def test_a_tensor_call_to_a_dead_host_ends_at_its_own_deadline() -> None:
+    from swarmd.protocol import averaging_pb2 as apb
+    from swarmd.protocol.framing import TensorMeta
+
+    rng = random.Random(1)
+    net = SimNetwork(NetworkConfig(), seed=1)
+    a, b = net.add_host(seeded_identity(rng)), net.add_host(seeded_identity(rng))
+    net.kill(b.address)
+    client = net.client(a)
+
+    async def main() -> float:
+        start = trio.current_time()
+        with pytest.raises(rpc.RpcError) as err:
+            await client.put_tensor(
+                b.address, "/x.v1.X/Put", TensorMeta("uint8", (4,)), b"abcd", apb.PartAck,
+                timeout=2.0,
+            )  # fmt: skip
+        assert err.value.code is rpc.StatusCode.DEADLINE_EXCEEDED
+        return trio.current_time() - start
+
+    took = run_virtual(main, seed=1)
+    assert took == pytest.approx(2.0)  # its own deadline, not the network's default 30 s

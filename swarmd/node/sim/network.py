@@ -181,6 +181,11 @@ class SimNetwork:
         dst.received_bytes += nbytes
         await trio.sleep(end - now)
 
+    def record(self, src: str, dst: str, path: str, nbytes: int) -> None:
+        """Counts a call and adds it to the run's trace (its `log_hash`)."""
+        self.calls += 1
+        self.trace.update(f"{trio.current_time():.9f}|{src}|{dst}|{path}|{nbytes}\n".encode())
+
     def lost(self) -> bool:
         return self.config.loss > 0 and self.rng.random() < self.config.loss
 
@@ -232,10 +237,7 @@ class SimClient:
             # RpcClient first asks who listens there (its signed hello, cached per address).
             recipient = host.identity.peer_id
         signed = me.identity.sign_request(path, body, recipient=recipient, now=net.wall())
-        net.calls += 1
-        net.trace.update(
-            f"{trio.current_time():.9f}|{me.address}|{address}|{path}|{len(body)}\n".encode()
-        )
+        net.record(me.address, address, path, len(body))
         me.sent_bytes += len(body) + len(signed.signature) + len(path)
         await trio.sleep(one_way)
         if not net.reachable(me.address, address):
@@ -274,7 +276,7 @@ class SimTensorClient(SimClient):
         if sum(v.nbytes for v in segments) != meta.nbytes:
             raise FramingError(f"payload does not match its header's {meta.nbytes} B")
         frames = list(iter_frames(meta, segments, self.chunk_bytes))
-        raw = await self._tensor_call(address, path, frames[0], expect, "in", frames)
+        raw = await self._tensor_call(address, path, frames[0], expect, "in", frames, timeout)
         assert isinstance(raw, bytes)
         try:
             return response_type.FromString(raw)
@@ -317,11 +319,7 @@ class SimTensorClient(SimClient):
                 signed = me.identity.sign_request(
                     path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall()
                 )
-                net.calls += 1
-                net.trace.update(
-                    f"{trio.current_time():.9f}|{me.address}|{address}|{path}|"
-                    f"{sum(map(len, frames)) or len(signed_bytes)}\n".encode()
-                )
+                net.record(me.address, address, path, sum(map(len, frames)) or len(signed_bytes))
                 one_way = net.rtt(me.address, address) / 2
                 await trio.sleep(one_way)
                 if net.lost():
