@@ -5,9 +5,13 @@
 DiLoCo: N peers (speeds log-normal, sigma 0.5) on the simulator's network (swarmd/node/sim:
 per-link RTT log-uniform 10-300 ms, 100 Mbit/s links), each round H=50 inner steps charged as
 virtual time, then the real `form_group` (target group 16, gather 5 s) and the real all-reduce
-(Averager, int8, proofs on) of a 100,000-value vector; 5 % of the peers replaced as each new
-round begins. Reported: share of peer-rounds averaged in a group, median group formation
-time (virtual), bytes sent per peer-round, wall time and peak RSS.
+(Averager, int8, proofs on) of each peer's 100,000-value pseudo-gradient on a synthetic
+quadratic (swarmd/node/sim/workload.py) and the real outer Nesterov step; 5 % of the peers
+replaced as each new round begins; ``--stallers`` identities that heartbeat and never join.
+Reported: share of peer-rounds averaged in a group, median group formation time (virtual),
+the honest states' spread after the last round (relative RMS; 0: one state line), their loss
+against one group of everybody at equal rounds, the share of the peers' time spent on inner
+steps that then averaged, bytes sent per peer-round, wall time and peak RSS.
 
 DHT: N real DHTNodes joined over a virtual minute; keys stored, 30 % of the nodes killed,
 each key read once by a random live node: success and median hops.
@@ -15,8 +19,9 @@ each key read once by a random live node: success and median hops.
 SWARM is not simulated yet (stage servers and trainers need the tensor plane's SWARM
 services and a stage compute model on the simulator): swarm_efficiency prints nan.
 
-Last line: diloco_peers= diloco_rounds= diloco_averaged_share= diloco_form_s=
-diloco_bytes_per_peer_round= diloco_wall_s= diloco_rss_gib= dht_nodes= dht_success=
+Last line: diloco_peers= diloco_rounds= diloco_averaged_share= diloco_form_s= diloco_spread=
+diloco_loss_ratio= diloco_useful_ratio= diloco_bytes_per_peer_round= diloco_wall_s=
+diloco_bans= diloco_rss_gib= dht_nodes= dht_success=
 dht_median_hops= dht_wall_s= swarm_efficiency=
 """
 
@@ -29,6 +34,7 @@ import resource
 from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.rounds import RoundsScenario, run_rounds
+from swarmd.node.sim.scenario import rounds_figures, rounds_summary
 
 
 def rss_gib() -> float:
@@ -42,6 +48,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=100_000)
     parser.add_argument("--target", type=int, default=16, help="target group size")
     parser.add_argument("--churn", type=float, default=0.05)
+    parser.add_argument("--stallers", type=int, default=0, help="heartbeat, never join")
     parser.add_argument("--dht-nodes", type=int, default=10_000)
     parser.add_argument("--killed", type=float, default=0.3, help="share of DHT nodes killed")
     parser.add_argument("--gets", type=int, default=1000)
@@ -60,26 +67,14 @@ def main() -> None:
             rounds=args.rounds,
             params=args.params,
             churn=args.churn,
+            stallers=args.stallers,
             matchmaking=MatchmakingConfig(target_group_size=args.target),
             seed=args.seed,
         )
         print(f"DiLoCo: {scenario.peers} peers, {scenario.rounds} rounds, target {args.target}")
         r = run_rounds(scenario, progress)
-        print(
-            f"  {r.averaged_share:.1%} of peer-rounds averaged, mean group {r.mean_group:.1f}, "
-            f"formation {r.median_form_s:.1f}s median (virtual), "
-            f"{r.bytes_per_peer_round / 1e3:.0f} kB a peer-round, {r.replaced} replaced, "
-            f"{r.virtual_s:.0f}s virtual in {r.wall_s:.0f}s"
-        )
-        figures |= {
-            "diloco_peers": str(r.peers),
-            "diloco_rounds": str(r.rounds),
-            "diloco_averaged_share": f"{r.averaged_share:.4f}",
-            "diloco_form_s": f"{r.median_form_s:.2f}",
-            "diloco_bytes_per_peer_round": f"{r.bytes_per_peer_round:.0f}",
-            "diloco_wall_s": f"{r.wall_s:.1f}",
-            "diloco_rss_gib": f"{rss_gib():.2f}",
-        }
+        print(f"  {rounds_summary(r)}")
+        figures |= rounds_figures(r) | {"diloco_rss_gib": f"{rss_gib():.2f}"}
     if "dht" not in args.skip:
         dht = DhtScenario(nodes=args.dht_nodes, killed=args.killed, gets=args.gets, seed=args.seed)
         print(f"DHT: {dht.nodes} nodes, {dht.killed:.0%} killed, {dht.gets} gets")

@@ -89,7 +89,8 @@ def _final(events: list[dict[str, Any]]) -> dict[str, Any]:
     ("size", "lie", "evidence"),
     [
         (3, "weight", "weight 1e+09 > bound"),
-        (2, "scale100", "x the reducer's own"),
+        # Simulated by tests/unit/test_sim_rounds.py (a pair and a group of five); 80 s here.
+        pytest.param(2, "scale100", "x the reducer's own", marks=pytest.mark.slow),
         # Negates its part and fills in its own proof entry to fit: the naive liar (negates
         # only) is test_allreduce's, against four all-reduce processes.
         (3, "forger", "misstates its own contribution"),
@@ -159,6 +160,7 @@ def _shared_rounds(
 CENTERED_CLIP = 'aggregation = "centered_clip"\n'
 
 
+@pytest.mark.slow  # 3 min; tests/unit/test_sim_rounds.py runs both lies in virtual time
 @pytest.mark.timeout(420)  # two runs of 4 and 5 processes, and the liar's teardown
 @pytest.mark.parametrize("lie", ["signflip", "scale100"])
 def test_centered_clip_keeps_one_liar_of_five_from_moving_the_group(

@@ -1,12 +1,16 @@
-"""DiLoCo's communication at scale in virtual time: N peers of different speeds, each round
-their inner steps (charged as virtual time), the real `form_group` under the round's key, and
-the real all-reduce (Averager) of a vector with the group; a share of the peers replaced
-every round. What it measures is what issue 45 asks of a 1,000-peer DiLoCo run and what
-issue 46 needs: group formation time, rounds averaged, bytes per peer, peers left alone.
+"""DiLoCo at scale in virtual time: N peers of different speeds, each round their inner steps
+(charged as virtual time, computed in closed form on sim/workload.py's quadratic), the real
+`form_group` under the round's key, the real all-reduce (Averager) of their pseudo-gradients
+and the real outer optimiser (optim/outer.py's Nesterov SGD) on each peer's own state; a share
+of the peers replaced every round. What it measures is what issue 45 asks of a 1,000-peer
+DiLoCo run and what issue 46 needs: group formation time, rounds averaged, bytes per peer,
+peers left alone, how far the peers' states spread apart, the loss against one group of
+everybody at equal tokens, and the share of the peers' time that was useful.
 
-What it leaves out: the model (the vector is random, so no loss is reported) and state sync
-(a replacement peer starts at the round the live peers are in, as if it had downloaded their
-state); every peer holds the same state line, so one key per round is what real peers use.
+What it leaves out: state sync (a replacement peer copies a live peer's state and momentum,
+as if it had downloaded them) and the state hash in the matchmaking key: groups of one round
+meet under one key whatever their states, so states that forked show as spread instead of
+as lines that never meet again.
 """
 
 from __future__ import annotations
@@ -28,10 +32,13 @@ from swarmd.node.averaging.allreduce import Averager, Member
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
+from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.virtual import run_virtual
+from swarmd.node.sim.workload import Quadratic, QuadraticConfig
+from swarmd.optim.outer import FlatOuter
 
 FaultKind = Literal["kill", "partition", "slow", "liar"]
 LIES = ("weight", "scale100", "signflip")
@@ -81,6 +88,11 @@ class RoundsScenario:
     faults: tuple[Fault, ...] = ()
     #: The run's bound on a member's declared weight (RunConfig.max_weight's default role).
     max_weight: float = 32.0
+    aggregation: Aggregation = "mean"
+    #: Identities that heartbeat in the run (so every peer's group target counts them) and
+    #: never join a group: issue 46's staller attack.
+    stallers: int = 0
+    workload: QuadraticConfig = field(default_factory=QuadraticConfig)
     join_window_s: float = 60.0
     seed: int = 0
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
@@ -92,6 +104,9 @@ class RoundsScenario:
             raise ValueError("a rounds scenario needs 2+ peers, 1+ rounds, params, inner steps")
         if not (self.step_s > 0 and self.speed_sigma >= 0 and 0 <= self.churn < 1):
             raise ValueError("step_s > 0, speed_sigma >= 0 and 0 <= churn < 1 are required")
+        if self.stallers < 0:
+            raise ValueError("stallers must be >= 0")
+        ReductionConfig(aggregation=self.aggregation)  # raises ValueError with the reason
         faults = tuple(f if isinstance(f, Fault) else Fault(**f) for f in self.faults)
         object.__setattr__(self, "faults", faults)
 
@@ -106,6 +121,22 @@ class PeerRound:
     lie: str
     form_s: float
     allreduce_s: float
+    #: Virtual seconds of inner steps before this round's sync.
+    train_s: float
+    #: The workload's loss at the peer's state after the round's outer step.
+    loss: float
+
+
+@dataclass(frozen=True)
+class RoundLine:
+    """The live peers' states after one round: how far apart, and the loss of one group of
+    everybody that took part (the exact mean of all contributions, from the same start)."""
+
+    round: int
+    peers: int
+    #: RMS distance of the states from their mean, relative to the mean's norm (0: one line).
+    spread: float
+    ideal_loss: float
 
 
 @dataclass(frozen=True)
@@ -121,6 +152,10 @@ class RoundsReport:
     calls: int
     virtual_s: float
     wall_s: float
+    lines: tuple[RoundLine, ...]
+    #: Share of the peers' time alive in the run spent on inner steps that then averaged
+    #: (1.0: no peer ever waited, trained alone, or paid for the exchange).
+    useful_ratio: float
 
     @property
     def averaged_share(self) -> float:
@@ -130,6 +165,22 @@ class RoundsReport:
     @property
     def median_form_s(self) -> float:
         return statistics.median(r.form_s for r in self.records) if self.records else math.nan
+
+    @property
+    def honest_final_loss(self) -> float:
+        """Mean loss of the honest peers that finished the last round."""
+        last = [r.loss for r in self.records if r.round == self.rounds - 1 and not r.lie]
+        return statistics.fmean(last) if last else math.nan
+
+    @property
+    def spread(self) -> float:
+        """The honest states' spread after the last round any honest peer finished."""
+        return self.lines[-1].spread if self.lines else math.nan
+
+    @property
+    def loss_ratio(self) -> float:
+        """Honest final loss against one group of everybody after as many rounds."""
+        return self.honest_final_loss / self.lines[-1].ideal_loss if self.lines else math.nan
 
     @property
     def mean_group(self) -> float:
@@ -152,49 +203,74 @@ class _Run:
         self.replaced = 0
         #: Peer -> (lie, last round it tells it).
         self.lying: dict[int, tuple[str, int]] = {}
+        self.work = Quadratic(
+            scenario.params, scenario.inner_steps, scenario.workload, scenario.seed
+        )
+        self.outers: list[FlatOuter] = []
+        self.lines = _Lines(scenario.rounds, scenario.params)
+        #: Virtual seconds each peer spent in the run (from its first round to its end).
+        self.alive_s: dict[int, float] = {}
         for i in range(scenario.peers):
             self._equip(i)
 
     def _equip(self, i: int) -> None:
+        """Peer i's averager, speed and outer optimiser (at the run's start)."""
         host = self.swarm.hosts[i]
-        config = AllReduceConfig(codec=self.s.codec)
+        reduction = ReductionConfig(aggregation=self.s.aggregation)
+        config = AllReduceConfig(codec=self.s.codec, reduction=reduction)
         averager = Averager(self.swarm.net.client(host), host.identity.peer_id, config)
         averager.limit_weights(self.s.max_weight)
         self.swarm.net.serve(host, [averager.service()])
         self.averagers.append(averager)
         self.scopes.append(trio.CancelScope())
         self.speeds.append(math.exp(self.rng.gauss(0.0, self.s.speed_sigma)))
+        self.outers.append(self.work.outer())
 
     def target(self) -> MatchmakingConfig:
-        """DiLoCo waits for as many peers as are alive (membership.py's group_target)."""
+        """DiLoCo waits for as many peers as heartbeat in the run (membership.py's
+        group_target): the live peers and the stallers."""
         cfg = self.s.matchmaking
-        live = max(cfg.min_group_size, min(cfg.target_group_size, len(self.alive)))
-        return dataclasses.replace(cfg, target_group_size=live)
+        live = len(self.alive) + self.s.stallers
+        return dataclasses.replace(
+            cfg, target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, live))
+        )
 
     async def peer(self, i: int, first_round: int) -> None:
         node, host = self.swarm.nodes[i], self.swarm.hosts[i]
         me = Member(node.peer_id, host.address)
-        gen = torch.Generator().manual_seed(self.s.seed * 1_000_003 + i)
-        with self.scopes[i]:
-            for r in range(first_round, self.s.rounds):
-                self.round_of[i] = r
-                await trio.sleep(self.s.inner_steps * self.s.step_s / self.speeds[i])
-                t0 = trio.current_time()
-                group = await form_group(node, f"sim/diloco/{r}", me, self.target())
-                t1 = trio.current_time()
-                size, dropped = 1, 0
-                lie, until = self.lying.get(i, ("", -1))
-                lie = lie if r <= until else ""
-                if group is not None and len(group.members) > 1:
-                    vector = torch.randn(self.s.params, generator=gen)
-                    weight = 1e9 if lie == "weight" else 1.0
-                    if lie:
-                        vector *= 100.0 if lie == "scale100" else -1.0
-                    result = await self.averagers[i].allreduce(group, vector, weight)
-                    size, dropped = len(group.members), len(result.dropped)
-                t2 = trio.current_time()
-                self.records.append(PeerRound(i, r, size, dropped, lie, t1 - t0, t2 - t1))
-        self.alive.discard(i)
+        optimum = self.work.optimum(i)
+        outer = self.outers[i]
+        began = trio.current_time()
+        try:
+            with self.scopes[i]:
+                for r in range(first_round, self.s.rounds):
+                    self.round_of[i] = r
+                    train_s = self.s.inner_steps * self.s.step_s / self.speeds[i]
+                    await trio.sleep(train_s)
+                    delta = self.work.pseudo_gradient(outer.values, optimum)
+                    t0 = trio.current_time()
+                    group = await form_group(node, f"sim/diloco/{r}", me, self.target())
+                    t1 = trio.current_time()
+                    size, dropped, averaged = 1, 0, delta
+                    lie, until = self.lying.get(i, ("", -1))
+                    lie = lie if r <= until else ""
+                    if group is not None and len(group.members) > 1:
+                        sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
+                        weight = 1e9 if lie == "weight" else 1.0
+                        result = await self.averagers[i].allreduce(group, sent, weight)
+                        size, dropped = len(group.members), len(result.dropped)
+                        averaged = result.tensor
+                    outer.step(averaged)
+                    t2 = trio.current_time()
+                    loss = self.work.loss(outer.values)
+                    self.records.append(
+                        PeerRound(i, r, size, dropped, lie, t1 - t0, t2 - t1, train_s, loss)
+                    )
+                    if i not in self.lying:
+                        self.lines.add(r, outer.values, optimum)
+        finally:
+            self.alive_s[i] = trio.current_time() - began
+            self.alive.discard(i)
 
     async def churn(self, nursery: trio.Nursery) -> None:
         """Each time the run enters a new round (the first live peer starts it), replaces
@@ -256,8 +332,48 @@ class _Run:
             self.speeds[i] *= factor
 
     async def _late_peer(self, i: int, first_round: int) -> None:
-        await trio.sleep(5.0)  # its DHT join and its state download
+        """A replacement peer: its DHT join and state download take 5 s, then it copies a
+        live peer's state and momentum (state sync) and starts at that peer's round."""
+        await trio.sleep(5.0)
+        donors = sorted(self.alive - {i} - set(self.lying))
+        if donors:
+            donor = self.rng.choice(donors)
+            self.outers[i].load(self.outers[donor].values, self.outers[donor].momentum())
+            first_round = self.round_of.get(donor, first_round)
         await self.peer(i, first_round)
+
+
+class _Lines:
+    """Per round, online: the sum and squared norms of the honest peers' states after it
+    (their spread without keeping N states), and the sum of the contributors' optima (the
+    ideal run's pseudo-gradient: one group of everybody is the mean over its members)."""
+
+    def __init__(self, rounds: int, dims: int) -> None:
+        self.states = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
+        self.optima = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
+        self.squares = [0.0] * rounds
+        self.count = [0] * rounds
+
+    def add(self, r: int, state: torch.Tensor, optimum: torch.Tensor) -> None:
+        s = state.to(torch.float64)
+        self.states[r] += s
+        self.optima[r] += optimum
+        self.squares[r] += float(s.dot(s))
+        self.count[r] += 1
+
+    def finish(self, work: Quadratic) -> tuple[RoundLine, ...]:
+        """Each round's spread, and the ideal run replayed from the start."""
+        ideal = work.outer()
+        lines = []
+        for r, n in enumerate(self.count):
+            if not n:
+                break
+            mean = self.states[r] / n
+            norm2 = float(mean.dot(mean))
+            spread = math.sqrt(max(0.0, self.squares[r] / n - norm2) / max(norm2, 1e-300))
+            ideal.step(work.pseudo_gradient(ideal.values, self.optima[r] / n))
+            lines.append(RoundLine(r, n, spread, work.loss(ideal.values)))
+        return tuple(lines)
 
 
 async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -> RoundsReport:
@@ -282,6 +398,8 @@ async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -
         nursery.cancel_scope.cancel()
     peer_rounds = max(1, len(run.records))
     sent = sum(h.sent_bytes for h in run.swarm.hosts)
+    useful = sum(r.train_s for r in run.records if r.group_size > 1 and r.peer not in run.lying)
+    honest_s = sum(t for i, t in run.alive_s.items() if i not in run.lying)
     return RoundsReport(
         peers=scenario.peers,
         rounds=scenario.rounds,
@@ -293,6 +411,8 @@ async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -
         calls=run.swarm.net.calls,
         virtual_s=trio.current_time() - t0,
         wall_s=time.monotonic() - wall0,
+        lines=run.lines.finish(run.work),
+        useful_ratio=useful / honest_s if honest_s else math.nan,
     )
 
 

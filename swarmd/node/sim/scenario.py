@@ -8,14 +8,15 @@ seeds S, S+1, ..., S+K-1 and hands back each failing seed with the invariant it 
 for its cluster).
 
 Kinds so far: ``dht`` (store, kill, read), ``matchmaking`` (rounds of group formation) and
-``diloco`` (DiLoCo's communication: inner steps charged as virtual time, group formation and
-the real all-reduce each round, churn). Not yet: the training peer's whole lifecycle (state
-sync, catch-up, a model's loss) and SWARM pipelines.
+``diloco`` (DiLoCo on a synthetic quadratic: inner steps charged as virtual time, group
+formation, the real all-reduce and outer step each round, churn, stallers, liars). Not yet:
+the training peer's whole lifecycle (state sync, catch-up, a real model) and SWARM pipelines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
-from swarmd.node.sim.rounds import RoundsScenario, run_rounds
+from swarmd.node.sim.rounds import RoundsReport, RoundsScenario, run_rounds
 
 KINDS = ("dht", "matchmaking", "diloco")
 
@@ -66,13 +67,19 @@ class MatchInvariants:
 @dataclass(frozen=True)
 class RoundsInvariants:
     """What every run of a diloco scenario must show: at least ``min_averaged_share`` of the
-    peer-rounds averaged in a group of two or more."""
+    peer-rounds averaged in a group of two or more; the honest states' spread after the last
+    round at most ``max_spread`` (relative RMS; 0: one state line); their loss at most
+    ``max_loss_ratio`` times that of one group of everybody (inf: not checked)."""
 
     min_averaged_share: float = 0.0
+    max_spread: float = math.inf
+    max_loss_ratio: float = math.inf
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_averaged_share <= 1:
             raise ValueError("invariants.min_averaged_share is a share between 0 and 1")
+        if not (self.max_spread >= 0 and self.max_loss_ratio >= 1):
+            raise ValueError("invariants.max_spread >= 0 and max_loss_ratio >= 1 are required")
 
 
 @dataclass(frozen=True)
@@ -155,23 +162,39 @@ def _rounds_outcome(
         broken.append(
             f"{r.averaged_share:.1%} of peer-rounds averaged < {rules.min_averaged_share:.1%}"
         )
-    summary = (
+    if not r.spread <= rules.max_spread:
+        broken.append(f"states spread {r.spread:.3g} apart > {rules.max_spread:g}")
+    if not r.loss_ratio <= rules.max_loss_ratio:
+        broken.append(f"loss {r.loss_ratio:.4f}x one group's > {rules.max_loss_ratio:g}x")
+    row = {k: v for k, v in dataclasses.asdict(r).items() if k != "records"}
+    return Outcome(spec.seed, rounds_summary(r), rounds_figures(r), r.log_hash, broken, row)
+
+
+def rounds_summary(r: RoundsReport) -> str:
+    return (
         f"{r.peers} peers, {r.rounds} rounds, {r.replaced} replaced, {r.bans} bans: "
-        f"{r.averaged_share:.1%} of "
-        f"peer-rounds averaged, mean group {r.mean_group:.1f}, groups formed in "
-        f"{r.median_form_s:.1f}s (median, virtual), {r.bytes_per_peer_round / 1e3:.0f} kB a "
-        f"peer-round, {r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
+        f"{r.averaged_share:.1%} of peer-rounds averaged, mean group {r.mean_group:.1f}, "
+        f"groups formed in {r.median_form_s:.1f}s (median, virtual), states spread "
+        f"{r.spread:.3g}, loss {r.loss_ratio:.4f}x one group's, {r.useful_ratio:.1%} of the "
+        f"peers' time useful, {r.bytes_per_peer_round / 1e3:.0f} kB a peer-round, "
+        f"{r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
     )
-    figures = {
+
+
+def rounds_figures(r: RoundsReport) -> dict[str, str]:
+    """A diloco run's ``key=value`` figures (swarmd sim's and benchmarks/sim.py's)."""
+    return {
         "diloco_peers": str(r.peers),
+        "diloco_rounds": str(r.rounds),
         "diloco_averaged_share": f"{r.averaged_share:.4f}",
         "diloco_form_s": f"{r.median_form_s:.2f}",
+        "diloco_spread": f"{r.spread:.3g}",
+        "diloco_loss_ratio": f"{r.loss_ratio:.4f}",
+        "diloco_useful_ratio": f"{r.useful_ratio:.4f}",
         "diloco_bytes_per_peer_round": f"{r.bytes_per_peer_round:.0f}",
         "diloco_wall_s": f"{r.wall_s:.1f}",
         "diloco_bans": str(r.bans),
     }
-    row = {k: v for k, v in dataclasses.asdict(r).items() if k != "records"}
-    return Outcome(spec.seed, summary, figures, r.log_hash, broken, row)
 
 
 def _build(cls: type[Any], table: dict[str, Any], where: str) -> Any:
