@@ -170,7 +170,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         return self.opt.round
 
     def _build(self) -> tuple[Opt, TokenSource]:
-        model = build_model(self.peer.config, self.peer.opts.device)
+        opts = self.peer.opts
+        model = build_model(self.peer.config, opts.device, opts.init_weights)
         return self.make_optimizer(model), load_source(self.peer.config.data)
 
     async def join(self) -> None:

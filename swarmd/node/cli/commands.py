@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import swarmd
 from swarmd.node.cli.options import (
@@ -19,6 +20,9 @@ from swarmd.node.cli.options import (
     rate_limits,
 )
 from swarmd.node.runtime.heap import settle_heap
+
+if TYPE_CHECKING:
+    from swarmd.node.peer.runconfig import RunConfig
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -186,10 +190,25 @@ def cmd_join(args: argparse.Namespace) -> int:
             slowdown=args.slowdown,
             swarm_audit=args.swarm_audit,
             secret=read_secret(args.secret_file),
+            init_weights=args.init_weights,
         )
     except ValueError as exc:  # an option out of range (JoinOptions says which)
         raise CliError(str(exc), EXIT_USAGE) from None
+    if create is not None and args.init_weights is not None:
+        _check_init_weights(create, args.init_weights)
     return run_join(options, STRATEGIES)
+
+
+def _check_init_weights(config: RunConfig, path: Path) -> None:
+    """The weights must fit the run's model before anything is published."""
+    from swarmd.node.peer.model import build_model
+    from swarmd.node.peer.options import JoinError
+    from swarmd.workloads.weights import WeightsError
+
+    try:
+        build_model(config, "cpu", path)
+    except (WeightsError, JoinError) as exc:
+        raise CliError(f"--init-weights: {exc}", EXIT_USAGE) from None
 
 
 def cmd_run_secret(args: argparse.Namespace) -> int:
@@ -209,6 +228,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     from swarmd.node.cli.status import status
 
     return status(args.run, args.peers, args.json)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarmd.node.cli.export import export
+
+    if args.run is not None and not args.peers:
+        raise CliError("swarmd export: --run needs --peers HOST:PORT", EXIT_USAGE)
+    return export(
+        args.out,
+        run=args.run,
+        peers=args.peers or (),
+        state_dir=args.state_dir,
+        dtype=args.dtype,
+        quorum=args.quorum,
+        deadline_s=args.timeout,
+    )
 
 
 def cmd_dashboard(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from swarmd.node.cli.options import (
     positive_float,
     positive_int,
 )
+from swarmd.node.cli.parser_export import add_export
 from swarmd.node.cli.parser_keys import add_identity, add_run
 from swarmd.node.cli.parser_net import add_join_network
 from swarmd.node.cli.simulate import add_sim
@@ -145,11 +146,22 @@ def _add_join(sub: Subparsers) -> None:
     )
     add_join_network(p)
     _add_join_run(p)
+    _add_init_weights(p)
     _add_join_limits(p)
     _add_swarm_options(p)
     add_metrics(p)
     add_state_dir(p)
     p.set_defaults(func=commands.cmd_join)
+
+
+def _add_init_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--init-weights",
+        type=Path,
+        help="with --create-run: start from these weights (safetensors, the names `swarmd "
+        "export` writes), checked against the run's model before anything is published; "
+        "joiners receive them by state sync",
+    )
 
 
 def _add_join_run(p: argparse.ArgumentParser) -> None:
@@ -470,6 +482,7 @@ _BUILDERS: tuple[Callable[[Subparsers], None], ...] = (
     _add_join,
     add_run,
     _add_status,
+    add_export,
     _add_dashboard,
     _add_demo,
     _add_chaos,

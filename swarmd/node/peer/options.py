@@ -82,6 +82,9 @@ class JoinOptions:
     swarm_audit: bool = False
     #: The run's secret (--secret-file), for runs with `access = "secret"`; never sent.
     secret: bytes | None = field(default=None, repr=False)
+    #: The creator's starting weights (--init-weights; safetensors as `swarmd export` writes
+    #: them). Joiners get them by state sync: a run config never names a local file.
+    init_weights: Path | None = None
 
     def __post_init__(self) -> None:
         if self.log_format not in ("text", "json"):
@@ -105,6 +108,11 @@ class JoinOptions:
         if not 1.0 <= self.slowdown <= 1000.0:
             raise ValueError(f"slowdown must be in [1, 1000], got {self.slowdown}")
         self.local_config()  # more ranks than GPUs, an unknown precision: said before joining
+        if self.init_weights is not None:
+            if self.create_run is None:
+                raise ValueError("--init-weights starts a new run: it needs --create-run")
+            if self.create_run.algo == "swarm":
+                raise ValueError("--init-weights: SWARM runs (a state per stage) not yet")
 
     def local_config(self) -> LocalConfig:
         """How this peer trains on its machine (ranks, precision, compilation)."""

@@ -187,6 +187,8 @@ class SharedState:
         await self.saved()
         state = {
             "config_hash": peer.config.hash,
+            # `swarmd export --state-dir` reads the model's shape from it.
+            "config": peer.config.to_json().decode(),
             "global": global_state,
             "local": await trio.to_thread.run_sync(self.opt.local_state_dict),
             "step": step,

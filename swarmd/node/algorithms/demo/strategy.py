@@ -147,7 +147,7 @@ class DeMoStrategy(Strategy):
 
     def _build(self) -> tuple[DeMoRun, TokenSource]:
         config = self.peer.config
-        model = build_model(config, self.peer.opts.device)
+        model = build_model(config, self.peer.opts.device, self.peer.opts.init_weights)
         run = DeMoRun(model, config.demo_config(), config.lr_schedule_config())
         return run, load_source(config.data)
 
