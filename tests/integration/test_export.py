@@ -80,6 +80,18 @@ def test_export_a_live_run_load_it_in_transformers_and_start_a_run_from_it(
     fresh = processes.start(cmd)
     first = wait_for(fresh, "validation", timeout=120)
     assert abs(first["val_loss"] - val_loss) < 1e-5, (first["val_loss"], val_loss)
+    # A joiner of that run gets the weights by state sync (its seeded init is not the run's).
+    cmd = join_cmd(tmp_path, "q1", boot)
+    cmd[cmd.index("--run") + 1] = "t2"
+    joiner = processes.start(cmd)
+    training = wait_for(joiner, "training", timeout=120)
+    assert training["origin"] == "group", training
+    joined = wait_for(joiner, "validation")["val_loss"]
+    # ... the creator's line: a state the creator reported (it may have trained on meanwhile).
+    creator_states = [first["val_loss"]] + [
+        e["val_loss"] for e in stop_and_collect([fresh])[0] if e["event"] == "outer_step"
+    ]
+    assert min(abs(joined - v) for v in creator_states) < 1e-6, (joined, creator_states)
 
 
 def test_export_says_why_when_it_cannot(processes: ProcessGroup, tmp_path: Path) -> None:

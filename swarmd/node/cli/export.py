@@ -68,22 +68,23 @@ def _say(text: str) -> None:
 
 
 def choose_state(adverts: Sequence[StateAdvert], quorum: int | None) -> tuple[bytes, list[str]]:
-    """The state most advertisers hold (newest round among equals) and its donors' addresses,
-    when at least ``quorum`` advertisers agree (None: more than half of them)."""
+    """The newest state at least ``quorum`` dialable advertisers hold (None: more than half
+    of them; among equal rounds, the one most hold) and its donors' addresses."""
     served = [a for a in adverts if not a.client]
     if not served:
         raise ExportError("no live peer that can be dialled advertises a state of this run")
     holders = Counter(a.state_hash for a in served)
     rounds = {a.state_hash: a.round for a in served}
-    best = max(holders, key=lambda h: (holders[h], rounds[h], h))
     need = len(served) // 2 + 1 if quorum is None else quorum
-    if holders[best] < need:
+    agreed = [h for h, n in holders.items() if n >= need]
+    if not agreed:
         spread = ", ".join(f"round {rounds[h]}: {n}" for h, n in holders.most_common(4))
         raise ExportError(
-            f"no quorum: the most peers agreeing on one state is {holders[best]} of "
+            f"no quorum: the most peers agreeing on one state is {max(holders.values())} of "
             f"{len(served)}, {need} needed ({spread}); the run may be mid-round: try again, "
             "or pass --quorum"
         )
+    best = max(agreed, key=lambda h: (rounds[h], holders[h], h))
     return best, sorted({a.address for a in served if a.state_hash == best})
 
 
