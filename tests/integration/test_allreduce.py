@@ -51,7 +51,10 @@ def test_four_peers_int8_within_bound(processes: ProcessGroup, tmp_path: Path) -
     assert 0 < err <= bound, (err, bound)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+# SIGSTOP (20 s of deadlines in real time) is simulated in tests/unit/test_sim_allreduce.py.
+@pytest.mark.parametrize(
+    "sig", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)]
+)
 def test_peer_killed_or_stopped_mid_round(
     processes: ProcessGroup, tmp_path: Path, sig: signal.Signals
 ) -> None:
