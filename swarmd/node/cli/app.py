@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from swarmd.node.cli.options import EXIT_USAGE, CliError, usage
+from swarmd.node.cli.options import EXIT_UNREACHABLE, EXIT_USAGE, CliError, usage
 from swarmd.node.cli.overlay import apply_overlays
 from swarmd.node.cli.parser import build_parser
 
@@ -49,13 +49,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BaseExceptionGroup as group:  # from a command's trio.run
+        from swarmd.node.dht import BootstrapError
         from swarmd.node.runtime.errors import innermost
         from swarmd.protocol.errors import ListenError
 
         leaf = innermost(group)
-        if isinstance(leaf, ListenError):
+        if isinstance(leaf, CliError):
             print(f"swarmd: error: {leaf}", file=sys.stderr)
-            return EXIT_USAGE
+            return leaf.code
+        if isinstance(leaf, ListenError | BootstrapError):
+            print(f"swarmd: error: {leaf}", file=sys.stderr)
+            return EXIT_USAGE if isinstance(leaf, ListenError) else EXIT_UNREACHABLE
         raise
 
 

@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 import trio
 
-from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.cli.options import CliError
+from swarmd.node.dht import DHTNode
 from swarmd.node.dht.oneshot import client_dht
 from swarmd.node.peer.localstate import STATE_FILE
 from swarmd.node.peer.model import gpt_config
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 from swarmd.node.peer.runrecord import choose, claims
-from swarmd.node.runtime.errors import innermost
 from swarmd.node.statesync.donor import StateAdvert, advert_key
 from swarmd.node.statesync.download import StateSyncError, download_state
 from swarmd.node.statesync.vet import nonfinite
@@ -45,12 +45,8 @@ from swarmd.workloads.gpt import GPT
 from swarmd.workloads.weights import WeightsError, gpt2_config, to_gpt2, write_weights
 
 
-class ExportError(Exception):
+class ExportError(CliError):
     """Why nothing was written; ``code`` is the command's exit status."""
-
-    def __init__(self, message: str, code: int = 1) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -228,36 +224,24 @@ def export(
     quorum: int | None = None,
     deadline_s: float = 600.0,
 ) -> int:
-    """The command; returns its exit status."""
+    """The command; returns its exit status (0), or raises ExportError (a CliError: the exit
+    status is its code) or, from inside the trio run, a group holding one."""
+    if state_dir is not None:
+        config, state, info = _offline(state_dir)
+    else:
+        assert run is not None
+        config, state, info = trio.run(_fetch, run, list(peers), quorum, deadline_s)
+    tensors, hf_config = model_weights(config, state)
+    meta = {
+        "run": config.name,
+        "config_hash": config.hash,
+        "round": str(info.round),
+        "state_hash": info.state_hash,
+    }
     try:
-        if state_dir is not None:
-            config, state, info = _offline(state_dir)
-        else:
-            assert run is not None
-            config, state, info = trio.run(_fetch, run, list(peers), quorum, deadline_s)
-        tensors, hf_config = model_weights(config, state)
-        meta = {
-            "run": config.name,
-            "config_hash": config.hash,
-            "round": str(info.round),
-            "state_hash": info.state_hash,
-        }
-        try:
-            path = write_weights(out, tensors, hf_config, dtype, meta)
-        except OSError as exc:
-            raise ExportError(f"could not write to {out}: {exc.strerror or exc}", 2) from None
-    except ExportError as exc:
-        print(f"swarmd: error: {exc}", file=sys.stderr)
-        return exc.code
-    except BaseExceptionGroup as group:
-        leaf = innermost(group)
-        if isinstance(leaf, BootstrapError):
-            print(f"swarmd: error: {leaf}", file=sys.stderr)
-            return 3
-        if isinstance(leaf, ExportError):
-            print(f"swarmd: error: {leaf}", file=sys.stderr)
-            return leaf.code
-        raise
+        path = write_weights(out, tensors, hf_config, dtype, meta)
+    except OSError as exc:
+        raise ExportError(f"could not write to {out}: {exc.strerror or exc}", 2) from None
     count = sum(t.numel() for t in tensors.values())
     size = path.stat().st_size
     kind = "GPT-2 layout (transformers loads it)" if hf_config else "the model's own names"

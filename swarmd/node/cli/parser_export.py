@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
-from typing import TypeAlias
 
 from swarmd.node.cli import commands
 from swarmd.node.cli.options import address_list, positive_float, positive_int
-
-Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+from swarmd.node.cli.parser_keys import Subparsers
 
 
 def add_export(sub: Subparsers) -> None:
