@@ -63,6 +63,44 @@ def test_a_call_takes_its_round_trip_and_a_dead_host_its_callers_deadline() -> N
     assert calls == [path]
 
 
+def test_clocks_skewed_within_the_replay_window_work_and_beyond_it_are_refused() -> None:
+    """NetworkConfig.clock_skew_s: each host signs with its own wall clock, and a receiver
+    refuses a request whose timestamp is beyond its ReplayGuard's 30 s window."""
+    rng = random.Random(2)
+    net = SimNetwork(NetworkConfig(clock_skew_s=20.0), seed=2)
+    hosts = [net.add_host(seeded_identity(rng)) for _ in range(8)]
+    skews = [h.skew_s for h in hosts]
+    assert all(-20 <= k <= 20 for k in skews) and len(set(skews)) == 8
+    ping = rpc.Service("t.v1.T", [rpc.unary("Ping", pb.PingRequest, _pong)])
+    for h in hosts:
+        net.serve(h, [ping])
+    path = rpc.method_path("t.v1.T", "Ping")
+
+    async def call(a: int, b: int) -> rpc.StatusCode | None:
+        try:
+            await net.client(hosts[a]).unary(
+                hosts[b].address, path, pb.PingRequest(), pb.PingResponse, timeout=5
+            )
+        except rpc.RpcError as exc:
+            return exc.code
+        return None
+
+    async def main() -> list[tuple[float, rpc.StatusCode | None]]:
+        return [(skews[a] - skews[b], await call(a, b)) for a in range(8) for b in range(8)]
+
+    outcomes = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    for gap, code in outcomes:
+        if abs(gap) < 29.9:  # within the window, less the round trip
+            assert code is None, (gap, code)
+        elif abs(gap) > 30.5:
+            assert code is rpc.StatusCode.UNAUTHENTICATED, (gap, code)
+    assert any(abs(gap) > 30.5 for gap, _ in outcomes), "no pair beyond the window"
+
+
+async def _pong(req: pb.PingRequest, ctx: rpc.CallContext) -> pb.PingResponse:
+    return pb.PingResponse()
+
+
 def test_scenarios_are_validated() -> None:
     with pytest.raises(ValueError):
         DhtScenario(nodes=1)

@@ -29,6 +29,7 @@ seed = 0
 rtt_min_ms = 10     # each link's round trip: log-uniform between these
 rtt_max_ms = 300
 loss = 0.0          # share of messages lost
+clock_skew_s = 0    # each host's wall clock off by up to this (signatures: 30 s window)
 
 [invariants]
 min_success = 0.99
@@ -59,6 +60,8 @@ inner_steps = 50
 step_s = 0.1          # virtual seconds an inner step takes on a speed-1 peer
 speed_sigma = 0.5     # log-normal spread of peer speeds
 churn = 0.05          # share of peers replaced as each new round begins
+stallers = 0          # identities that heartbeat (counted in group targets), never join
+aggregation = "mean"  # or "trimmed_mean", "centered_clip"
 
 [[faults]]            # scheduled from the seed: kill, partition, slow or liar
 at_round = 3
@@ -71,6 +74,8 @@ target_group_size = 16
 
 [invariants]
 min_averaged_share = 0.5
+max_spread = 0.01     # the honest states' spread after the last round (0: one line)
+max_loss_ratio = 1.05 # their loss against one group of everybody
 """
 
 

@@ -4,6 +4,7 @@ killed, then gets of keys stored before the killing (issue 45: 10,000 nodes, 30 
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -94,7 +95,7 @@ class DhtSwarm:
             identity,
             self.net.client(host),
             self.dht,
-            clock=self.net.wall,
+            clock=functools.partial(self.net.wall, host),
             timer=trio.current_time,
             rng=random.Random(self.rng.getrandbits(64)),
         )

@@ -61,6 +61,9 @@ class NetworkConfig:
     down_bytes_s: float = 12.5e6
     #: The longest a call waits when no deadline is given (RpcClient's default).
     default_deadline_s: float = 30.0
+    #: Each host's wall clock is off by a draw from [-clock_skew_s, clock_skew_s] (per host
+    #: and seed): request timestamps and record expiry read it, virtual time does not.
+    clock_skew_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.rtt_min_s <= self.rtt_max_s:
@@ -71,6 +74,8 @@ class NetworkConfig:
             raise ValueError("NetworkConfig bandwidths must be positive")
         if not self.default_deadline_s > 0:
             raise ValueError("NetworkConfig.default_deadline_s must be positive")
+        if not self.clock_skew_s >= 0:
+            raise ValueError("NetworkConfig.clock_skew_s must be >= 0")
 
 
 @dataclass
@@ -92,6 +97,8 @@ class Host:
     #: When the uplink and downlink are next free (virtual time).
     up_free: float = 0.0
     down_free: float = 0.0
+    #: How far this host's wall clock is off (NetworkConfig.clock_skew_s).
+    skew_s: float = 0.0
 
 
 class SimNetwork:
@@ -109,9 +116,17 @@ class SimNetwork:
         #: of one seed must end with the same one.
         self.trace = hashlib.blake2b(digest_size=16)
 
-    def wall(self) -> float:
-        """The simulated wall clock (record expiry, request timestamps)."""
-        return SIM_EPOCH_S + trio.current_time()
+    def wall(self, host: Host | None = None) -> float:
+        """The simulated wall clock (record expiry, request timestamps), as ``host`` reads
+        it (its skew added; None: the true time)."""
+        return SIM_EPOCH_S + trio.current_time() + (host.skew_s if host is not None else 0.0)
+
+    def _skew(self, address: str) -> float:
+        span = self.config.clock_skew_s
+        if not span:
+            return 0.0
+        digest = hashlib.blake2b(f"{self.seed}/{address}/skew".encode(), digest_size=8).digest()
+        return span * (2 * int.from_bytes(digest, "big") / 2**64 - 1)
 
     def add_host(self, identity: Identity, *, dialable: bool = True) -> Host:
         """A new machine on the network; it serves nothing until `serve`."""
@@ -119,7 +134,7 @@ class SimNetwork:
         # Each host in its own /24, as volunteers' home routers are: the routing table limits
         # contacts per subnet, and a shared one would distort every figure.
         address = f"{10 + (n >> 16)}.{(n >> 8) & 255}.{n & 255}.1:4000"
-        guard = ReplayGuard(clock=self.wall, own=identity.peer_id)
+        guard = ReplayGuard(clock=lambda: self.wall(self.hosts[address]), own=identity.peer_id)
         cfg = self.config
         host = Host(
             address,
@@ -128,6 +143,7 @@ class SimNetwork:
             dialable=dialable,
             up_bytes_s=cfg.up_bytes_s,
             down_bytes_s=cfg.down_bytes_s,
+            skew_s=self._skew(address),
         )
         self.hosts[address] = host
         return host
@@ -236,7 +252,7 @@ class SimClient:
         if recipient is None:
             # RpcClient first asks who listens there (its signed hello, cached per address).
             recipient = host.identity.peer_id
-        signed = me.identity.sign_request(path, body, recipient=recipient, now=net.wall())
+        signed = me.identity.sign_request(path, body, recipient=recipient, now=net.wall(me))
         net.record(me.address, address, path, len(body))
         me.sent_bytes += len(body) + len(signed.signature) + len(path)
         await trio.sleep(one_way)
@@ -317,7 +333,7 @@ class SimTensorClient(SimClient):
                     await trio.sleep_forever()
                 host = net.hosts[address]
                 signed = me.identity.sign_request(
-                    path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall()
+                    path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall(me)
                 )
                 net.record(me.address, address, path, sum(map(len, frames)) or len(signed_bytes))
                 one_way = net.rtt(me.address, address) / 2
