@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import random
 import statistics
@@ -28,7 +29,7 @@ from typing import Literal
 import torch
 import trio
 
-from swarmd.node.averaging.allreduce import Averager, Member
+from swarmd.node.averaging.allreduce import Averager, Group, Member
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
@@ -41,6 +42,11 @@ from swarmd.node.sim.workload import Quadratic, QuadraticConfig
 from swarmd.optim.outer import FlatOuter
 
 FaultKind = Literal["kill", "partition", "slow", "liar"]
+#: How a round's peers reach each other: one matchmaking under the round's key ("flat", what
+#: the daemon does), or issue 46's proposal ("levels": after the round's groups average, member
+#: j of every group meets member j of the others under a key of its own, level after level,
+#: ⌈log_T N⌉ levels, each averaging the level below's results weighted by what they cover).
+Grouping = Literal["flat", "levels"]
 LIES = ("weight", "scale100", "signflip")
 
 
@@ -93,6 +99,7 @@ class RoundsScenario:
     #: never join a group: issue 46's staller attack.
     stallers: int = 0
     workload: QuadraticConfig = field(default_factory=QuadraticConfig)
+    grouping: Grouping = "flat"
     join_window_s: float = 60.0
     seed: int = 0
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
@@ -106,6 +113,8 @@ class RoundsScenario:
             raise ValueError("step_s > 0, speed_sigma >= 0 and 0 <= churn < 1 are required")
         if self.stallers < 0:
             raise ValueError("stallers must be >= 0")
+        if self.grouping not in ("flat", "levels"):
+            raise ValueError(f"grouping {self.grouping!r}: flat or levels")
         ReductionConfig(aggregation=self.aggregation)  # raises ValueError with the reason
         faults = tuple(f if isinstance(f, Fault) else Fault(**f) for f in self.faults)
         object.__setattr__(self, "faults", faults)
@@ -254,9 +263,11 @@ class _Run:
                     size, dropped, averaged = 1, 0, delta
                     lie, until = self.lying.get(i, ("", -1))
                     lie = lie if r <= until else ""
-                    if group is not None and len(group.members) > 1:
-                        sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
-                        weight = 1e9 if lie == "weight" else 1.0
+                    sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
+                    weight = 1e9 if lie == "weight" else 1.0
+                    if self.s.grouping == "levels":
+                        averaged, size, dropped = await self._levels(i, r, me, group, sent, weight)
+                    elif group is not None and len(group.members) > 1:
                         result = await self.averagers[i].allreduce(group, sent, weight)
                         size, dropped = len(group.members), len(result.dropped)
                         averaged = result.tensor
@@ -271,6 +282,50 @@ class _Run:
         finally:
             self.alive_s[i] = trio.current_time() - began
             self.alive.discard(i)
+
+    async def _levels(
+        self, i: int, r: int, me: Member, group: Group | None, value: torch.Tensor, weight: float
+    ) -> tuple[torch.Tensor, int, int]:
+        """grouping = "levels": the round's group (level 0) averages, then each level's
+        member j meets member j of the level's other groups, under a key naming its path of
+        indices, and averages what each covers, weighted by it. With every group full
+        (N = T^d) every peer ends with the exact mean of all contributions. Returns the
+        result, the level-0 group's size and the members it dropped."""
+        size = dropped = 0
+        t = self.s.matchmaking.target_group_size
+        live = len(self.alive) + self.s.stallers
+        depth = max(1, math.ceil(math.log(max(live, 2)) / math.log(t))) if t > 1 else 1
+        path = ""
+        for level in range(depth):
+            if level:
+                expect = min(t, math.ceil(live / t**level))
+                cfg = dataclasses.replace(
+                    self.s.matchmaking,
+                    target_group_size=max(self.s.matchmaking.min_group_size, expect),
+                )
+                key = f"sim/diloco/{r}/L{level}{path}"
+                group = await form_group(self.swarm.nodes[i], key, me, cfg)
+            index = 0
+            if group is not None and len(group.members) > 1:
+                value, weight, lost = await self._weighted(i, group, value, weight, level)
+                index = sorted(m.peer_id for m in group.members).index(me.peer_id)
+                if not level:
+                    size, dropped = len(group.members), lost
+            path += f"/{index}"
+        return value, max(size, 1), dropped
+
+    async def _weighted(
+        self, i: int, group: Group, value: torch.Tensor, weight: float, level: int
+    ) -> tuple[torch.Tensor, float, int]:
+        """The group's weighted mean of ``value``, and the weight it now covers (a second,
+        8-value fp32 all-reduce of the weights: the averager reports no totals)."""
+        averager = self.averagers[i]
+        result = await averager.allreduce(group, value, weight, key=f"L{level}")
+        weights = torch.full((8,), weight)
+        sibling = Group(hashlib.sha256(group.round_id + b"/weights").digest(), group.members)
+        total = await averager.allreduce(sibling, weights, 1.0, key=f"W{level}", codec="fp32")
+        kept = len(group.members) - len(total.dropped)
+        return result.tensor, float(total.tensor[0]) * kept, len(result.dropped)
 
     async def churn(self, nursery: trio.Nursery) -> None:
         """Each time the run enters a new round (the first live peer starts it), replaces
