@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from swarmd.workloads.gpt import GPTConfig
+from swarmd.workloads.gpt import GPT, GPTConfig
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -91,8 +91,6 @@ def to_gpt2(params: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, 
 def from_gpt2(tensors: Mapping[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """GPT2LMHeadModel-named tensors back to the built-in GPT's parameter names. Biases must
     be zero (this GPT has none); a tied head is taken from the embedding."""
-    from swarmd.workloads.gpt import GPT
-
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in GPT(config).named_parameters()}
     wanted = {_gpt2_name(n): n for n in shapes}

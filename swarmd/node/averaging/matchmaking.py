@@ -237,12 +237,11 @@ def partition(ordered: Sequence[Member], target: int) -> list[list[Member]]:
     return [sorted(g, key=lambda m: m.peer_id) for g in groups]
 
 
-def _enough(visible: Iterable[Member], need: int) -> bool:
-    """Whether gathering may stop early: ``need`` peers are visible and one of them is
-    reachable to lead (a client that stopped at two clients gave up a round its reachable
-    peer led)."""
+def _enough(visible: Iterable[Member], cfg: MatchmakingConfig) -> bool:
+    """Whether gathering may stop early: the target is visible and one of them is reachable
+    to lead (a client that stopped at two clients gave up a round its reachable peer led)."""
     members = list(visible)
-    return len(members) >= need and _leader_of(members) is not None
+    return len(members) >= cfg.target_group_size and _leader_of(members) is not None
 
 
 def _group(key: str, commitment: _Commitment) -> Group:
@@ -328,7 +327,6 @@ async def form_group(
     in the simulator and lost more to waiting than it won (48 peers of mixed speeds, target
     16: 69-78% of peer-rounds averaged against 85-89%)."""
     cfg = config or MatchmakingConfig()
-    need = cfg.target_group_size
     info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth, client=me.client)
     # Not republished: a round is over in seconds; the record only has to outlive it for
     # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
@@ -353,7 +351,7 @@ async def form_group(
             # follower that gathered for 10 s then averaged alone too, in the "same" group).
             if (mine := view.mine()) is not None:
                 return _group(key, mine)
-            if _enough(view.visible.values(), need) or not await waits.sleep(stored):
+            if _enough(view.visible.values(), cfg) or not await waits.sleep(stored):
                 break
     available = await _available(dht, view, me, cfg)
     ordered = sorted(available, key=lambda m: m.peer_id)
@@ -370,7 +368,9 @@ async def form_group(
     if len(candidates) < cfg.min_group_size:
         log.info("round %s: %d peers visible, not enough for a group", key, len(view.visible))
         return None
-    leader = min(m.peer_id for m in candidates if not m.client)
+    own_lead = _leader_of(candidates)
+    assert own_lead is not None  # partition gives every group a reachable member
+    leader = own_lead.peer_id
 
     if leader == me.peer_id:
         return await _lead(dht, key, me, info, candidates, announced_until + 0.01, cfg)

@@ -121,12 +121,15 @@ class SimNetwork:
         it (its skew added; None: the true time)."""
         return SIM_EPOCH_S + trio.current_time() + (host.skew_s if host is not None else 0.0)
 
+    def _uniform(self, label: str) -> float:
+        """A draw from [0, 1) fixed by the seed and ``label`` (a link, a host's clock), the
+        same on every run of the seed whatever order the draws are made in."""
+        digest = hashlib.blake2b(f"{self.seed}|{label}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2.0**64
+
     def _skew(self, address: str) -> float:
         span = self.config.clock_skew_s
-        if not span:
-            return 0.0
-        digest = hashlib.blake2b(f"{self.seed}/{address}/skew".encode(), digest_size=8).digest()
-        return span * (2 * int.from_bytes(digest, "big") / 2**64 - 1)
+        return span * (2 * self._uniform(f"{address}|skew") - 1) if span else 0.0
 
     def add_host(self, identity: Identity, *, dialable: bool = True) -> Host:
         """A new machine on the network; it serves nothing until `serve`."""
@@ -174,8 +177,7 @@ class SimNetwork:
     def rtt(self, a: str, b: str) -> float:
         """The link's round trip, the same both ways and on every run of this seed."""
         lo, hi = sorted((a, b))
-        digest = hashlib.blake2b(f"{self.seed}|{lo}|{hi}".encode(), digest_size=8).digest()
-        u = int.from_bytes(digest, "big") / 2.0**64
+        u = self._uniform(f"{lo}|{hi}")
         cfg = self.config
         return math.exp(math.log(cfg.rtt_min_s) + u * math.log(cfg.rtt_max_s / cfg.rtt_min_s))
 
