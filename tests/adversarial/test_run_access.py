@@ -25,7 +25,7 @@ from swarmd.protocol import statesync_pb2 as spb
 from swarmd.protocol.identity import Identity, PeerId
 from tests.harness.attacker import publish_own
 from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
-from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.processes import Proc, ProcessGroup, run_command, swarmd_cmd
 from tests.harness.runs import TINY_RUN
 
 GET_MANIFEST = rpc.method_path(DONOR_SERVICE, "GetManifest")
@@ -121,10 +121,10 @@ def _run_list(
     action: str, peer: str, boot: str, state_dir: str
 ) -> subprocess.CompletedProcess[str]:
     """`swarmd run allow|deny PEER` on run "t", signed by the key in `state_dir`."""
-    return subprocess.run(
+    return run_command(
         swarmd_cmd("run", action, peer, "--run", "t", "--peers", boot, "--state-dir", state_dir),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        timeout=60,
+    )
 
 
 @pytest.mark.timeout(300)

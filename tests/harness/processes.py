@@ -11,8 +11,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import IO
 
 from swarmd.node.runtime.children import stop_all
+from tests.harness.zygote import ZYGOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 #: This package: the peer programs tests start by path live here.
@@ -108,20 +110,44 @@ class ProcessGroup:
         return started
 
     def _spawn(self, args: list[str], env: dict[str, str] | None, stdin: bool) -> Proc:
-        process = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        proc = Proc(process)
+        process = ZYGOTE.spawn(args, env={**os.environ, **(env or {})}, stdin=stdin)
+        proc = Proc(process)  # type: ignore[arg-type]
         self.procs.append(proc)
         return proc
 
     def close(self) -> None:
         stop_all(proc.process for proc in self.procs)
+
+
+def _read_all(stream: IO[str], into: list[str]) -> None:
+    into.append(stream.read())
+
+
+def run_command(
+    args: list[str], *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """subprocess.run(args, capture_output=True, text=True) for a command that exits by itself,
+    started by the zygote (its imports done) where it can be."""
+    process = ZYGOTE.spawn(args, env={**os.environ, **(env or {})}, stdin=False)
+    out: list[str] = []
+    err: list[str] = []
+    assert process.stdout is not None and process.stderr is not None
+    readers = [
+        threading.Thread(target=_read_all, args=(process.stdout, out), daemon=True),
+        threading.Thread(target=_read_all, args=(process.stderr, err), daemon=True),
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_all([process])  # type: ignore[list-item]
+        raise
+    for reader in readers:
+        reader.join()
+    process.stdout.close()
+    process.stderr.close()
+    return subprocess.CompletedProcess(args, code, "".join(out), "".join(err))
 
 
 def swarmd_cmd(*args: str) -> list[str]:

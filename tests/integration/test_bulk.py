@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import socket
 import struct
-import subprocess
 import time
 from typing import Any
 
@@ -22,7 +21,7 @@ from swarmd.protocol.framing import TensorMeta, header_frame, payload_segments
 from swarmd.protocol.identity import Identity
 from swarmd.protocol.session import CALLER, CallerKey, seal_payload
 from swarmd.protocol.tensors import tensor_from_bytes, tensor_meta, tensor_payload
-from tests.harness.processes import ProcessGroup, peak_rss_kib, swarmd_cmd
+from tests.harness.processes import ProcessGroup, peak_rss_kib, run_command, swarmd_cmd
 from tests.harness.transport import Hello, hello_of, rpc_server_cmd
 
 SINK = "/swarmd.test.Test/Sink"
@@ -244,11 +243,8 @@ def test_a_taken_port_is_a_clear_error_not_a_traceback(tmp_path: Any) -> None:
             ["join", "--run", "r", "--bulk-port", str(port)],
             ["serve", "--listen", f"127.0.0.1:{port}"],
         ):
-            done = subprocess.run(
-                swarmd_cmd(*args, "--state-dir", str(tmp_path / args[0])),
-                capture_output=True,
-                text=True,
-                timeout=120,
+            done = run_command(
+                swarmd_cmd(*args, "--state-dir", str(tmp_path / args[0])), timeout=120
             )
             assert done.returncode == 2, done.stderr
             assert "cannot listen on" in done.stderr and "Traceback" not in done.stderr

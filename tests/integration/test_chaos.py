@@ -12,16 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.processes import ROOT, swarmd_cmd
+from tests.harness.processes import ROOT, run_command, swarmd_cmd
 
 
 def run_chaos(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        swarmd_cmd("chaos", "--out", str(out), *args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_command(swarmd_cmd("chaos", "--out", str(out), *args), timeout=timeout)
 
 
 def digest(out: Path) -> str:

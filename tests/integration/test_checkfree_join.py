@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from tests.harness.join import stop_and_collect, wait_for
-from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.processes import ProcessGroup, run_command, swarmd_cmd
 from tests.harness.runs import SWARM_RUN
 from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
 
@@ -53,12 +52,7 @@ def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
         pass
     assert 0 < e["recovery_s"] < 30, e
     # `swarmd status` shows the recovery (the rebuilder's progress record carries it).
-    status = subprocess.run(
-        swarmd_cmd("status", "--run", "t", "--peers", boot, "--json"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = run_command(swarmd_cmd("status", "--run", "t", "--peers", boot, "--json"), timeout=60)
     assert status.returncode == 0, status.stderr
     notices = json.loads(status.stdout)["notices"]
     assert [(n["kind"], n["peer_id"]) for n in notices] == [

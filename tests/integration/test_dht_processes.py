@@ -13,7 +13,7 @@ import trio
 
 from swarmd.node.dht import open_dht
 from swarmd.protocol.identity import Identity
-from tests.harness.processes import Proc, ProcessGroup, swarmd_cmd
+from tests.harness.processes import Proc, ProcessGroup, run_command, swarmd_cmd
 
 
 def test_five_daemons_serve_stores_and_gets_and_survive_a_death(
@@ -79,20 +79,14 @@ def stderr_of(proc: Proc) -> str:
 
 
 def test_no_answering_bootstrap_peer_is_a_clear_error(tmp_path: Path) -> None:
-    done = subprocess.run(
-        swarmd_cmd("dht", "--state-dir", str(tmp_path), "--peers", "127.0.0.1:1"),
-        capture_output=True,
-        text=True,
-        timeout=30,
+    done = run_command(
+        swarmd_cmd("dht", "--state-dir", str(tmp_path), "--peers", "127.0.0.1:1"), timeout=30
     )
     assert done.returncode == 3
     assert "no bootstrap peer answered" in done.stderr and "127.0.0.1:1" in done.stderr
     assert "Traceback" not in done.stderr
-    bad = subprocess.run(
-        swarmd_cmd("dht", "--state-dir", str(tmp_path), "--peers", "nonsense"),
-        capture_output=True,
-        text=True,
-        timeout=30,
+    bad = run_command(
+        swarmd_cmd("dht", "--state-dir", str(tmp_path), "--peers", "nonsense"), timeout=30
     )
     assert bad.returncode == 2 and "bad --peers" in bad.stderr
 

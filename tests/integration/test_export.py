@@ -15,13 +15,13 @@ from swarmd.node.peer.model import build_model, gpt_config
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.workloads.gpt import GPT
 from tests.harness.join import join_cmd, start_bootstrap, stop_and_collect, wait_for
-from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.processes import ProcessGroup, run_command, swarmd_cmd
 from tests.harness.runs import TINY_RUN
 
 
 def _export(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = swarmd_cmd("export", *args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    return run_command(cmd, timeout=180)
 
 
 def test_export_a_live_run_load_it_in_transformers_and_start_a_run_from_it(
@@ -34,12 +34,11 @@ def test_export_a_live_run_load_it_in_transformers_and_start_a_run_from_it(
         processes.start(join_cmd(tmp_path, "p0", boot, "--create-run", str(run), steps=2000)),
         processes.start(join_cmd(tmp_path, "p1", boot, steps=2000)),
     ]
-    for p in peers:  # both past their second outer step
-        for _ in range(2):
-            wait_for(p, "outer_step", timeout=120)
+    # Both past their second outer step (the steps read here count as reported too).
+    steps = [wait_for(p, "outer_step", timeout=120) for p in peers for _ in range(2)]
     out = tmp_path / "out"
     done = _export("--run", "t", "--peers", boot, "--out", str(out))
-    logs = stop_and_collect(peers)
+    logs = [steps, *stop_and_collect(peers)]
     assert done.returncode == 0, done.stderr
     assert "chunks" in done.stderr and "wrote" in done.stdout
 
@@ -110,14 +109,14 @@ def test_init_weights_that_do_not_fit_are_refused_before_anything_is_published(
 ) -> None:
     from safetensors.torch import save_file
 
-    run = tmp_path / "run.toml"
-    run.write_text(TINY_RUN)
+    run_file = tmp_path / "run.toml"
+    run_file.write_text(TINY_RUN)
     bad = tmp_path / "bad.safetensors"
     save_file({"transformer.wte.weight": torch.zeros(3, 3)}, str(bad))
     cmd = swarmd_cmd(
-        "join", "--run", "t", "--state-dir", str(tmp_path / "s"), "--create-run", str(run),
+        "join", "--run", "t", "--state-dir", str(tmp_path / "s"), "--create-run", str(run_file),
         "--init-weights", str(bad), "--peers", "127.0.0.1:1",
     )  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    done = run_command(cmd, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "--init-weights" in done.stderr and "missing" in done.stderr

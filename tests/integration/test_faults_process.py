@@ -8,16 +8,11 @@ from pathlib import Path
 
 from swarmd.protocol import faults
 from swarmd.protocol.faults import FaultPlan
-from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.processes import ProcessGroup, run_command, swarmd_cmd
 
 
 def ping(address: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        swarmd_cmd("ping", address, "--count", "1", "--timeout", "5"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_command(swarmd_cmd("ping", address, "--count", "1", "--timeout", "5"), timeout=60)
 
 
 def test_isolated_peer_is_unreachable_until_healed(processes: ProcessGroup, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from swarmd.node.dht import open_dht
 from swarmd.node.peer.runconfig import CONFIG_TTL_S, RunConfig, config_key
 from swarmd.protocol.identity import Identity
 from tests.harness.join import events_until_exit, join_cmd, start_bootstrap, wait_for
-from tests.harness.processes import ProcessGroup, swarmd_cmd
+from tests.harness.processes import ProcessGroup, run_command, swarmd_cmd
 from tests.harness.runs import TINY_RUN
 
 
@@ -147,6 +147,35 @@ def test_sigterm_leaves_cleanly_and_saves(processes: ProcessGroup, tmp_path: Pat
     assert not list((tmp_path / "p0").glob(".state.pt.*"))  # no torn temp files
 
 
+def test_sigterm_while_waiting_for_a_group_leaves_without_a_lone_round(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """A peer whose partner left waits out the 10 s gather window every round (its
+    min_group_size is 2), then steps alone. Told to leave in that wait, it must neither sit the
+    window out nor step alone on its way out (it did both: 10 s, then a "local" round)."""
+    (tmp_path / "run.toml").write_text(TINY_RUN)
+    boot = start_bootstrap(processes, tmp_path)
+    stays = processes.start(
+        join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=10**6)
+    )
+    goes = processes.start(join_cmd(tmp_path, "p1", boot, steps=10**6))
+    for peer in (stays, goes):
+        assert wait_for(peer, "outer_step")["status"] == "averaged"
+    goes.process.send_signal(signal.SIGTERM)
+    events_until_exit(goes, timeout=60)
+    while wait_for(stays, "outer_step", timeout=60)["status"] != "local":
+        pass  # its first round without p1 (which it waited the window out for)
+    time.sleep(2.0)  # its next 5 inner steps take well under a second: it is gathering now
+    stays.process.send_signal(signal.SIGTERM)
+    events = events_until_exit(stays, timeout=60)
+    assert stays.process.returncode == 0
+    kinds = [e["event"] for e in events]
+    after = kinds[kinds.index("leaving") :]
+    assert "outer_step" not in after and after[-1] == "stopped", kinds
+    leaving, stopped = events[kinds.index("leaving")], events[-1]
+    assert stopped["time"] - leaving["time"] < 5.0, (leaving, stopped)  # half the window
+
+
 def test_unknown_run_is_a_clear_error(processes: ProcessGroup, tmp_path: Path) -> None:
     boot = start_bootstrap(processes, tmp_path)
     peer = processes.start(join_cmd(tmp_path, "p0", boot, "--join-timeout", "2"))
@@ -219,30 +248,15 @@ def test_status_reports_config_peers_and_round(processes: ProcessGroup, tmp_path
     )
     created = wait_for(peer, "run_created")
     step = wait_for(peer, "outer_step")
-    done = subprocess.run(
-        swarmd_cmd("status", "--run", "t", "--peers", boot, "--json"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_command(swarmd_cmd("status", "--run", "t", "--peers", boot, "--json"), timeout=60)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["config"]["hash"] == created["config_hash"]
     assert [p["peer_id"] for p in report["peers"]] == [peer.info["peer_id"]]
     assert report["round"] >= step["round"]
-    text = subprocess.run(
-        swarmd_cmd("status", "--run", "t", "--peers", boot),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    text = run_command(swarmd_cmd("status", "--run", "t", "--peers", boot), timeout=60)
     assert "live peers: 1" in text.stdout and "current outer round:" in text.stdout
-    unknown = subprocess.run(
-        swarmd_cmd("status", "--run", "nope", "--peers", boot),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    unknown = run_command(swarmd_cmd("status", "--run", "nope", "--peers", boot), timeout=60)
     assert unknown.returncode == 1 and "no configuration" in unknown.stdout
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests.harness.processes import swarmd_cmd
+from tests.harness.processes import run_command, swarmd_cmd
 
 SCENARIO = """\
 kind = "dht"
@@ -22,9 +22,7 @@ rtt_max_ms = 200
 
 
 def sim(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        swarmd_cmd("sim", *args), capture_output=True, text=True, timeout=300, check=False
-    )
+    return run_command(swarmd_cmd("sim", *args), timeout=300)
 
 
 def figures(done: subprocess.CompletedProcess[str]) -> dict[str, str]:

@@ -106,6 +106,8 @@ class Averaging:
 
     #: A group was formed (of one peer, if nobody else came and the run allows it).
     formed: bool = False
+    #: The peer was told to stop while it waited for a group: it leaves without this round.
+    left: bool = False
     group_size: int = 1
     dropped: int = 0
     result: AllReduceResult | None = None
@@ -307,7 +309,9 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         mm = dataclasses.replace(self.mm, target_group_size=target)
         if poll_s is not None:
             mm = dataclasses.replace(mm, poll_s=poll_s)
-        group = await form_group(self.peer.dht, key, self.me, mm)
+        group = await self.peer.unless_stopping(lambda: form_group(self.peer.dht, key, self.me, mm))
+        if group is None and self.peer.stopping.is_set():
+            return Averaging(left=True)
         out = Averaging(formed=group is not None)
         if group is not None and len(group.members) > 1:
             out.group_size = len(group.members)

@@ -9,7 +9,7 @@ served on the peer's port, metrics, progress output, the stop signal and the wai
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -36,6 +36,7 @@ class Hosted(Protocol):
 
 
 H = TypeVar("H", bound=Hosted)
+T = TypeVar("T")
 
 
 @dataclass
@@ -96,6 +97,21 @@ class PeerContext:
         step itself, or with N local ranks rank 0's of the N batches the ranks take together
         (the ranks are told the step with it)."""
         return step if self.ranks is None else self.ranks.data_index(step)
+
+    async def unless_stopping(self, wait: Callable[[], Awaitable[T]]) -> T | None:
+        """``wait()``'s result, or None once the peer is told to stop (SIGINT/SIGTERM) first:
+        a leaving peer must not sit out a gather window or a late round before it exits."""
+        result: T | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def on_stop() -> None:
+                await self.stopping.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_stop)
+            result = await wait()
+            nursery.cancel_scope.cancel()
+        return result
 
     def should_stop(self, step: int, start: float) -> bool:
         """Signalled, or at the user's --max-steps / --duration."""

@@ -4,6 +4,7 @@ publish. The optimisation itself is `swarmd.optim.diloco.DiLoCo` (pure torch, no
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -11,6 +12,8 @@ import trio
 
 from swarmd.node.algorithms.loop import Averaging, OuterLoopStrategy
 from swarmd.optim.diloco import DiLoCo
+
+log = logging.getLogger(__name__)
 
 
 class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
@@ -46,6 +49,12 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         avg = await self.average(
             self.round_key(self.opt.round), pg, self.opt.weight(), target=target, ef_key="diloco"
         )
+        if avg.left:  # no lone step on the way out: the saved state stays the run's
+            log.info(
+                "round %d: leaving before a group formed; its inner steps are dropped",
+                self.opt.round,
+            )
+            return
         # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
         waited = time.monotonic() - t0
         sync_by_method = self.peer.metrics.sent_since(sent0)

@@ -161,15 +161,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         """The trainer waits for a late round (or for a stop signal: the caller checks
         `flight.done`); returns (and accounts) the seconds."""
         t0 = time.monotonic()
-        async with trio.open_nursery() as nursery:
-
-            async def on_stop() -> None:
-                await self.peer.stopping.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(on_stop)
-            await flight.done.wait()
-            nursery.cancel_scope.cancel()
+        await self.peer.unless_stopping(flight.done.wait)
         waited = time.monotonic() - t0
         self.peer.clock.wait_s += waited
         self.peer.clock.held_s += waited
