@@ -23,6 +23,7 @@ import trio
 
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceResult, Member
+from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.lowrank import allreduce_lowrank
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.peer.context import PeerContext
@@ -309,9 +310,13 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         mm = dataclasses.replace(self.mm, target_group_size=target)
         if poll_s is not None:
             mm = dataclasses.replace(mm, poll_s=poll_s)
-        group = await self.peer.unless_stopping(lambda: form_group(self.peer.dht, key, self.me, mm))
+        gathered = Gathered()
+        group = await self.peer.unless_stopping(
+            lambda: form_group(self.peer.dht, key, self.me, mm, gathered)
+        )
         if group is None and self.peer.stopping.is_set():
             return Averaging(left=True)
+        self.peer.live.came(key, gathered)
         out = Averaging(formed=group is not None)
         if group is not None and len(group.members) > 1:
             out.group_size = len(group.members)

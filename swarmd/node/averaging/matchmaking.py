@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import trio
 
 from swarmd.node.averaging.allreduce import Group, Member
+from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.dht import DHTNode, Value
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -314,27 +315,11 @@ async def _available(dht: DHTNode, view: _View, me: Member, cfg: MatchmakingConf
     return [m for m in available if m.peer_id == me.peer_id or m.client or m.peer_id in alive]
 
 
-async def form_group(
-    dht: DHTNode,
-    key: str,
-    me: Member,
-    config: MatchmakingConfig | None = None,
-) -> Group | None:
-    """The group this peer averages with for ``key``, or None (too few peers: skip the round).
-
-    Gathering stops once the target is visible, also when more peers are coming: waiting for
-    every live peer (up to the gather deadline) so that all cut the same groups was measured
-    in the simulator and lost more to waiting than it won (48 peers of mixed speeds, target
-    16: 69-78% of peer-rounds averaged against 85-89%)."""
-    cfg = config or MatchmakingConfig()
-    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth, client=me.client)
-    # Not republished: a round is over in seconds; the record only has to outlive it for
-    # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
-    announced_until = dht.now() + cfg.ttl_s
-    await dht.store(
-        key, info.SerializeToString(), announced_until, subkey=str(me.peer_id), republish=False
-    )
-
+async def _gather(
+    dht: DHTNode, key: str, me: Member, cfg: MatchmakingConfig
+) -> tuple[_View, _Commitment | None]:
+    """Reads the round's announcements until the target is visible or the gather deadline;
+    returns what was read, and the group naming this peer if a leader committed to one."""
     view = _View(dht, key, me)
     waits = _Waits(cfg, cfg.gather_s)
     # The last read is made at the deadline (and may take up to max_poll_s): with backed-off
@@ -350,9 +335,41 @@ async def form_group(
             # leader that counted one live peer at a run's start averaged alone, and the
             # follower that gathered for 10 s then averaged alone too, in the "same" group).
             if (mine := view.mine()) is not None:
-                return _group(key, mine)
+                return view, mine
             if _enough(view.visible.values(), cfg) or not await waits.sleep(stored):
                 break
+    return view, None
+
+
+async def form_group(
+    dht: DHTNode,
+    key: str,
+    me: Member,
+    config: MatchmakingConfig | None = None,
+    gathered: Gathered | None = None,
+) -> Group | None:
+    """The group this peer averages with for ``key``, or None (too few peers: skip the round).
+    ``gathered``, if given, is told who announced and whether the gathering fell short
+    (attendance.py: whom the next round need not wait for).
+
+    Gathering stops once the target is visible, also when more peers are coming: waiting for
+    every live peer (up to the gather deadline) so that all cut the same groups was measured
+    in the simulator and lost more to waiting than it won (48 peers of mixed speeds, target
+    16: 69-78% of peer-rounds averaged against 85-89%)."""
+    cfg = config or MatchmakingConfig()
+    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth, client=me.client)
+    # Not republished: a round is over in seconds; the record only has to outlive it for
+    # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
+    announced_until = dht.now() + cfg.ttl_s
+    await dht.store(
+        key, info.SerializeToString(), announced_until, subkey=str(me.peer_id), republish=False
+    )
+    view, mine = await _gather(dht, key, me, cfg)
+    if gathered is not None:
+        gathered.announced = set(view.visible)
+        gathered.short = mine is None and len(view.visible) < cfg.target_group_size
+    if mine is not None:
+        return _group(key, mine)
     available = await _available(dht, view, me, cfg)
     ordered = sorted(available, key=lambda m: m.peer_id)
     lead = _leader_of(ordered)

@@ -7,16 +7,20 @@ deadline waiting for a configured maximum that will never come).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Collection
 
 import trio
 
+from swarmd.node.averaging.attendance import Attendance, Gathered
 from swarmd.node.dht import DHTNode, KeyReader
 from swarmd.node.peer.runconfig import RunConfig, peers_key
 from swarmd.node.runkeys import CLIENT_MARK
 from swarmd.protocol.identity import PeerId
+
+log = logging.getLogger(__name__)
 
 #: How stale the count of live peers may be once it reaches the run's target group size.
 LIVE_PEERS_MAX_AGE_S = 10.0
@@ -41,6 +45,9 @@ class LivePeers:
         #: (monotonic time, live peer -> the address its heartbeat names) at the last read.
         self._last: tuple[float, dict[PeerId, str]] = (-math.inf, {})
         self._reader: KeyReader | None = None
+        #: Live peers that were waited for and never came: not waited for again until seen.
+        self.attendance = Attendance()
+        self._counted: Collection[PeerId] = ()
 
     async def count(self) -> int:
         return len(await self.addresses())
@@ -68,9 +75,23 @@ class LivePeers:
         return ids
 
     async def group_target(self, gone: Collection[PeerId] = ()) -> tuple[int, int]:
-        """(live peers, the group size to wait for): as many as are alive, within the run's
-        min and target group sizes. ``gone``: peers known dead although their heartbeat has
-        not lapsed yet (dropped from a group for not answering), not waited for."""
-        live = len((await self.addresses()).keys() - set(gone))
+        """(live peers, the group size to wait for): as many as are alive and not absent
+        (attendance.py), within the run's min and target group sizes. ``gone``: peers known
+        dead although their heartbeat has not lapsed yet (dropped from a group for not
+        answering), not waited for."""
+        ids = (await self.addresses()).keys() - set(gone)
+        self._counted = ids
         config = self._config
-        return live, max(config.min_group_size, min(config.target_group_size, live))
+        expected = self.attendance.expected(ids)
+        return len(ids), max(config.min_group_size, min(config.target_group_size, expected))
+
+    def came(self, key: str, gathered: Gathered) -> None:
+        """Accounts a round's gathering against the peers the last group_target counted."""
+        newly = self.attendance.record(self._counted, gathered)
+        if newly:
+            log.info(
+                "round %s: not waiting again for %d live peer(s) that never came: %s",
+                key,
+                len(newly),
+                ", ".join(sorted(p.short() for p in newly)),
+            )

@@ -30,6 +30,7 @@ import torch
 import trio
 
 from swarmd.node.averaging.allreduce import Averager, Group, Member
+from swarmd.node.averaging.attendance import Attendance, Gathered
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
@@ -40,6 +41,7 @@ from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.virtual import run_virtual
 from swarmd.node.sim.workload import Quadratic, QuadraticConfig
 from swarmd.optim.outer import FlatOuter
+from swarmd.protocol.identity import PeerId
 
 FaultKind = Literal["kill", "partition", "slow", "liar"]
 #: How a round's peers reach each other: one matchmaking under the round's key ("flat", what
@@ -219,6 +221,12 @@ class _Run:
         self.lines = _Lines(scenario.rounds, scenario.params)
         #: Virtual seconds each peer spent in the run (from its first round to its end).
         self.alive_s: dict[int, float] = {}
+        #: The stallers' identities, and each peer's record of who never came (attendance.py).
+        self.stallers = [
+            PeerId(hashlib.sha256(f"staller/{scenario.seed}/{k}".encode()).digest())
+            for k in range(scenario.stallers)
+        ]
+        self.attendance: list[Attendance] = []
         for i in range(scenario.peers):
             self._equip(i)
 
@@ -234,14 +242,19 @@ class _Run:
         self.scopes.append(trio.CancelScope())
         self.speeds.append(math.exp(self.rng.gauss(0.0, self.s.speed_sigma)))
         self.outers.append(self.work.outer())
+        self.attendance.append(Attendance())
 
-    def target(self) -> MatchmakingConfig:
-        """DiLoCo waits for as many peers as heartbeat in the run (membership.py's
-        group_target): the live peers and the stallers."""
+    def live_ids(self) -> list[PeerId]:
+        """Whose heartbeats a peer reads: the live peers and the stallers."""
+        return [self.swarm.nodes[j].peer_id for j in self.alive] + self.stallers
+
+    def target(self, i: int, live: list[PeerId]) -> MatchmakingConfig:
+        """DiLoCo waits for as many peers as heartbeat in the run and are not absent in
+        peer i's attendance (membership.py's group_target)."""
         cfg = self.s.matchmaking
-        live = len(self.alive) + self.s.stallers
+        expected = self.attendance[i].expected(live)
         return dataclasses.replace(
-            cfg, target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, live))
+            cfg, target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, expected))
         )
 
     async def peer(self, i: int, first_round: int) -> None:
@@ -258,7 +271,10 @@ class _Run:
                     await trio.sleep(train_s)
                     delta = self.work.pseudo_gradient(outer.values, optimum)
                     t0 = trio.current_time()
-                    group = await form_group(node, f"sim/diloco/{r}", me, self.target())
+                    live, gathered = self.live_ids(), Gathered()
+                    key = f"sim/diloco/{r}"
+                    group = await form_group(node, key, me, self.target(i, live), gathered)
+                    self.attendance[i].record(live, gathered)
                     t1 = trio.current_time()
                     size, dropped, averaged = 1, 0, delta
                     lie, until = self.lying.get(i, ("", -1))

@@ -38,6 +38,7 @@ from swarmd.node.algorithms.loop import (
     matchmaking_config,
     validation_loss,
 )
+from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.group import Group, Member
 from swarmd.node.averaging.matchmaking import (
     answering,
@@ -281,7 +282,9 @@ class DeMoStrategy(Strategy):
             target = self.peer.config.target_group_size
         key = state_round_key(self.peer.config.name, self.run.step, snap.state_hash)
         mm = dataclasses.replace(self.mm, target_group_size=target, gather_s=gather_s)
-        group = await form_group(self.peer.dht, key, self.me, mm)
+        gathered = Gathered()
+        group = await form_group(self.peer.dht, key, self.me, mm, gathered)
+        self.peer.live.came(key, gathered)
         self.group = group if group is not None and len(group.members) > 1 else None
         if self.group is not None:
             for m in self.group.members:

@@ -1,0 +1,84 @@
+"""Who came to a round, so that a peer that heartbeats and never joins stops costing every round.
+
+A round waits for as many peers as heartbeat in the run (up to the target group size). Three
+identities that heartbeat and never announce themselves for a round made every round of two
+honest peers sit out the whole gather window: 0.16 s rounds became 10.8 s (issue 46). Here a
+peer remembers who was live, was waited for, and did not come (the gathering ran to its
+deadline short of its target without them), and does not wait for them in the next rounds:
+1 round after the first miss, then 2, 4 and at most MAX_SKIP rounds after each further miss in
+a row. A peer seen announcing for a round is waited for again at once.
+
+Why back off rather than wait again only for peers seen announcing: the peers that are not
+waited for are exactly the ones nobody sees announcing, because a group that stops waiting
+forms before they arrive. Two halves of a run that were cut apart hold different states and
+never announce under each other's keys; after the cut healed, the half that waits for nobody
+never saw the other half again (tests/integration/test_split_heal.py failed so). Waiting again
+after a bounded pause is what lets the late ones back in; a staller costs one gather window in
+MAX_SKIP + 1 rounds once it has missed a few.
+
+Only a wait that cost something marks a peer: when the target was reached early, the peers
+who had not announced yet were not waited for. Marks follow the live set: a peer whose
+heartbeat lapsed is forgotten, so the record never outgrows the run's live peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from swarmd.protocol.identity import PeerId
+
+#: The most rounds a peer that keeps missing is not waited for between two waits.
+MAX_SKIP = 8
+
+
+@dataclass
+class Gathered:
+    """What one round's gathering saw (`form_group` fills it in)."""
+
+    #: Every peer seen announcing itself for the round, this one included.
+    announced: set[PeerId] = field(default_factory=set)
+    #: Gathering ran to its deadline without reaching its target: each live peer that had
+    #: not announced was waited for.
+    short: bool = False
+
+
+@dataclass
+class _Missing:
+    misses: int
+    #: The first round (this peer's count) in which it is waited for again.
+    until: int
+
+
+class Attendance:
+    """The live peers this peer does not wait for now (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._rounds = 0
+        self._missing: dict[PeerId, _Missing] = {}
+
+    @property
+    def absent(self) -> set[PeerId]:
+        """The peers not waited for in the coming round."""
+        return {p for p, m in self._missing.items() if m.until > self._rounds}
+
+    def expected(self, live: Collection[PeerId]) -> int:
+        """How many of ``live`` the coming round should wait for."""
+        return len(set(live) - self.absent)
+
+    def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
+        """Accounts one round; returns the peers newly not waited for."""
+        alive = set(live)
+        waited_for = alive - self.absent
+        self._rounds += 1
+        self._missing = {
+            p: m for p, m in self._missing.items() if p in alive and p not in gathered.announced
+        }
+        if not gathered.short:
+            return set()
+        newly = waited_for - gathered.announced
+        for p in newly:
+            misses = self._missing[p].misses + 1 if p in self._missing else 1
+            skip = min(MAX_SKIP, 2 ** (misses - 1))
+            self._missing[p] = _Missing(misses, self._rounds + skip)
+        return newly

@@ -1,0 +1,43 @@
+"""Identities that heartbeat in a run and never join a group are waited for in rounds further
+and further apart, not in every round (issue 46), against real `swarmd join` processes.
+
+Before: a round waits for as many peers as heartbeat, so three such identities made every
+round of two honest peers sit out the 10 s gather window (0.16 s rounds became 10.8 s)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.harness.join import join_cmd, start_bootstrap, stop_and_collect, wait_for
+from tests.harness.processes import HARNESS, ProcessGroup
+from tests.harness.runs import TINY_RUN
+
+#: The run's gather window (algorithms/loop.py's matchmaking_config).
+GATHER_S = 10.0
+
+
+def test_identities_that_heartbeat_and_never_join_are_waited_for_less_and_less(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    run = tmp_path / "run.toml"
+    run.write_text(TINY_RUN)
+    boot = start_bootstrap(processes, tmp_path)
+    staller = [sys.executable, str(HARNESS / "staller.py"), boot, "t", "3", str(tmp_path / "s")]
+    assert processes.start(staller).info == {"stallers": 3}
+    peers = [
+        processes.start(join_cmd(tmp_path, "p0", boot, "--create-run", str(run), steps=10**6)),
+        processes.start(join_cmd(tmp_path, "p1", boot, steps=10**6)),
+    ]
+    rounds = [[wait_for(p, "outer_step", timeout=120) for _ in range(4)] for p in peers]
+    stop_and_collect(peers)
+    for steps in rounds:
+        # Every round is the two honest peers together; the stallers count as live...
+        assert all(s["status"] == "averaged" and s["group_size"] == 2 for s in steps), steps
+        assert all(s["live_peers"] == 5 for s in steps[1:]), steps
+        # ... and are not waited for in the round after a miss, nor in the two after the
+        # next (attendance.py): rounds 2 and 4 of these four form without them.
+        assert steps[1]["wait_s"] < GATHER_S / 2 and steps[3]["wait_s"] < GATHER_S / 2, steps
+    # Rounds 1 and 3: whoever came first waited the whole window for them (the other, less).
+    for n in (0, 2):
+        assert max(steps[n]["wait_s"] for steps in rounds) >= GATHER_S, rounds

@@ -1,0 +1,62 @@
+"""Whom a round waits for: a live peer waited for that did not come is not waited for in the
+next rounds, for 1, 2, 4 and at most MAX_SKIP rounds after misses in a row (attendance.py)."""
+
+from __future__ import annotations
+
+import hashlib
+
+from swarmd.node.averaging.attendance import MAX_SKIP, Attendance, Gathered
+from swarmd.protocol.identity import PeerId
+
+
+def pid(name: str) -> PeerId:
+    return PeerId(hashlib.sha256(name.encode()).digest())
+
+
+ME, HONEST, STALLER, LATE = pid("me"), pid("honest"), pid("staller"), pid("late")
+
+
+def test_a_staller_is_waited_for_in_rounds_further_and_further_apart() -> None:
+    att = Attendance()
+    live = [ME, HONEST, STALLER]
+    waited = []
+    for r in range(1, 41):
+        expected = att.expected(live)
+        waited.append(expected == 3)
+        # The round's gathering: a wait for three runs to its deadline; a wait for two ends
+        # as soon as the two honest peers are there.
+        att.record(live, Gathered(announced={ME, HONEST}, short=expected == 3))
+        assert att.expected(live) in (2, 3), r
+    assert [r for r, w in enumerate(waited, 1) if w] == [1, 3, 6, 11, 20, 29, 38]
+    assert MAX_SKIP == 8  # the spacing at the end of that list
+
+
+def test_a_round_that_reached_its_target_early_marks_nobody() -> None:
+    """Those who had not announced yet were not waited for: they may be merely slower."""
+    att = Attendance()
+    live = [ME, HONEST, LATE]
+    assert att.record(live, Gathered(announced={ME, HONEST}, short=False)) == set()
+    assert att.expected(live) == 3
+
+
+def test_a_peer_seen_announcing_is_waited_for_again_at_once() -> None:
+    att = Attendance()
+    live = [ME, HONEST, LATE]
+    for _ in range(3):  # missed, skipped, missed again: not waited for in two rounds
+        att.record(live, Gathered(announced={ME, HONEST}, short=att.expected(live) == 3))
+    assert att.absent == {LATE}
+    att.record(live, Gathered(announced={ME, HONEST, LATE}, short=False))  # it came anyway
+    assert att.absent == set() and att.expected(live) == 3
+    # And its misses start again from one.
+    assert att.record(live, Gathered(announced={ME, HONEST}, short=True)) == {LATE}
+    att.record(live, Gathered(announced={ME, HONEST}, short=False))
+    assert att.expected(live) == 3
+
+
+def test_a_peer_whose_heartbeat_lapsed_is_forgotten() -> None:
+    att = Attendance()
+    att.record([ME, STALLER], Gathered(announced={ME}, short=True))
+    assert att.absent == {STALLER}
+    att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
+    assert att.absent == set()  # the record never outgrows the live peers
+    assert att.expected([ME, STALLER]) == 2
