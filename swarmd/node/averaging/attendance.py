@@ -3,8 +3,8 @@
 A round waits for as many peers as heartbeat in the run (up to the target group size). Three
 identities that heartbeat and never announce themselves for a round made every round of two
 honest peers sit out the whole gather window: 0.16 s rounds became 10.8 s (issue 46). Here a
-peer remembers who was live, was waited for, and did not come (the gathering ran to its
-deadline short of its target without them), and does not wait for them in the next rounds:
+peer remembers who was live, was counted in its target, and did not come (the round formed
+short of that target without them), and does not wait for them in the next rounds:
 1 round after the first miss, then 2, 4 and at most MAX_SKIP rounds after each further miss in
 a row. A peer seen announcing for a round is waited for again at once.
 
@@ -16,8 +16,11 @@ never saw the other half again (tests/integration/test_split_heal.py failed so).
 after a bounded pause is what lets the late ones back in; a staller costs one gather window in
 MAX_SKIP + 1 rounds once it has missed a few.
 
-Only a wait that cost something marks a peer: when the target was reached early, the peers
-who had not announced yet were not waited for. Marks follow the live set: a peer whose
+Only a round that formed short of this peer's target marks anyone: when the target was
+reached early, the peers who had not announced yet were not waited for. A round whose leader
+committed before this peer's own deadline counts as short too (a member that had not marked
+the stallers made the next round wait whenever it was the one to lead). Marks follow the live
+set: a peer whose
 heartbeat lapsed is forgotten, so the record never outgrows the run's live peers.
 """
 
@@ -38,8 +41,8 @@ class Gathered:
 
     #: Every peer seen announcing itself for the round, this one included.
     announced: set[PeerId] = field(default_factory=set)
-    #: Gathering ran to its deadline without reaching its target: each live peer that had
-    #: not announced was waited for.
+    #: The round formed without reaching this peer's target (at the gathering's deadline, or
+    #: by a leader's group): each live peer that had not announced was not there.
     short: bool = False
 
 

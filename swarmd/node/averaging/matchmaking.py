@@ -367,7 +367,10 @@ async def form_group(
     view, mine = await _gather(dht, key, me, cfg)
     if gathered is not None:
         gathered.announced = set(view.visible)
-        gathered.short = mine is None and len(view.visible) < cfg.target_group_size
+        # Short even when a leader's group came first: the round still formed without the
+        # peers this one counted, and every member must reach the same verdict, or the ones
+        # that still count them make the next round wait when they lead it.
+        gathered.short = len(view.visible) < cfg.target_group_size
     if mine is not None:
         return _group(key, mine)
     available = await _available(dht, view, me, cfg)
