@@ -20,8 +20,8 @@ Only a round that formed short of this peer's target marks anyone: when the targ
 reached early, the peers who had not announced yet were not waited for. A round whose leader
 committed before this peer's own deadline counts as short too (a member that had not marked
 the stallers made the next round wait whenever it was the one to lead). Marks follow the live
-set: a peer whose
-heartbeat lapsed is forgotten, so the record never outgrows the run's live peers.
+set: a peer whose heartbeat lapsed is forgotten, so the record never outgrows the run's live
+peers.
 """
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ class Attendance:
     def expected(self, live: Collection[PeerId]) -> int:
         """How many of ``live`` the coming round should wait for."""
         return len(set(live) - self.absent)
+
+    def target(self, live: Collection[PeerId], min_size: int, max_size: int) -> int:
+        """The group size the coming round waits for: the expected peers, within the run's
+        min and target group sizes."""
+        return max(min_size, min(max_size, self.expected(live)))
 
     def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
         """Accounts one round; returns the peers newly not waited for."""

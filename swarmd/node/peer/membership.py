@@ -45,7 +45,7 @@ class LivePeers:
         #: (monotonic time, live peer -> the address its heartbeat names) at the last read.
         self._last: tuple[float, dict[PeerId, str]] = (-math.inf, {})
         self._reader: KeyReader | None = None
-        #: Live peers that were waited for and never came: not waited for again until seen.
+        #: Live peers that did not come to rounds that counted them: not waited for a while.
         self.attendance = Attendance()
         self._counted: Collection[PeerId] = ()
 
@@ -82,8 +82,9 @@ class LivePeers:
         ids = (await self.addresses()).keys() - set(gone)
         self._counted = ids
         config = self._config
-        expected = self.attendance.expected(ids)
-        return len(ids), max(config.min_group_size, min(config.target_group_size, expected))
+        return len(ids), self.attendance.target(
+            ids, config.min_group_size, config.target_group_size
+        )
 
     def came(self, key: str, gathered: Gathered) -> None:
         """Accounts a round's gathering against the peers the last group_target counted."""

@@ -252,10 +252,8 @@ class _Run:
         """DiLoCo waits for as many peers as heartbeat in the run and are not absent in
         peer i's attendance (membership.py's group_target)."""
         cfg = self.s.matchmaking
-        expected = self.attendance[i].expected(live)
-        return dataclasses.replace(
-            cfg, target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, expected))
-        )
+        target = self.attendance[i].target(live, cfg.min_group_size, cfg.target_group_size)
+        return dataclasses.replace(cfg, target_group_size=target)
 
     async def peer(self, i: int, first_round: int) -> None:
         node, host = self.swarm.nodes[i], self.swarm.hosts[i]
