@@ -66,13 +66,13 @@ class Proc:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(
-                f"{self.process.args} printed nothing within {timeout}s; stderr:\n"
+                f"{self.process.args!r} printed nothing within {timeout}s; stderr:\n"
                 + "".join(self.stderr_tail)
             ) from None
         if line is None:
             self.process.wait(timeout=5)
             raise AssertionError(
-                f"{self.process.args} exited ({self.process.returncode}); stderr:\n"
+                f"{self.process.args!r} exited ({self.process.returncode}); stderr:\n"
                 + "".join(self.stderr_tail)
             )
         result: dict[str, object] = json.loads(line)

@@ -120,11 +120,11 @@ def _serve(path: str) -> dict[str, Any] | None:
                 break
             if pid == 0:
                 break
-            conn = children.pop(pid, None)
-            if conn is not None:
+            reaped = children.pop(pid) if pid in children else None
+            if reaped is not None:
                 with contextlib.suppress(OSError):
-                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
-                conn.close()
+                    reaped.sendall(json.dumps({"status": status}).encode() + b"\n")
+                reaped.close()
     return None
 
 
@@ -156,7 +156,8 @@ def _become(request: Mapping[str, Any], fds: Sequence[int]) -> None:
         line_buffering=True,
         write_through=True,
     )
-    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    # What a fresh interpreter's originals are (faulthandler and friends write to them).
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
     # Fresh interpreters draw their seeds from the OS; forked ones would share the server's.
     import random
 

@@ -42,7 +42,26 @@ def digest(out: Path) -> str:
         for line in log.read_text(errors="replace").splitlines()
         if "serving state" not in line
     ]
-    return "\n".join(events[-300:] + logged[-150:])
+    return "\n".join(events[-300:] + logged[-150:] + tail_table(jsonl))
+
+
+def tail_table(jsonl: Path) -> list[str]:
+    """Each peer's last rounds on one line, last of all: CI shows only the head and the tail
+    of a failure's output, and a split is read off these lines (round, status initial, hash)."""
+    if not jsonl.is_file():
+        return []
+    rows: dict[int, list[str]] = {}
+    for line in jsonl.read_text().splitlines():
+        r = json.loads(line)
+        if r["type"] == "peer" and r["event"] == "outer_step":
+            rows.setdefault(r["peer"], []).append(
+                f"{r['round']}{r['status'][0]}{r['group_size']}:{r['state_hash'][:4]}"
+            )
+        elif r["type"] in ("spawn", "exit") and r["peer"] >= 0:
+            rows.setdefault(r["peer"], []).append(f"<{r['type']} t={r['t']:.0f}>")
+    return ["--- last rounds (round, status, group: hash) ---"] + [
+        f"peer{p}: " + " ".join(cells[-16:]) for p, cells in sorted(rows.items())
+    ]
 
 
 def check_outputs(done: subprocess.CompletedProcess[str], out: Path) -> dict[str, str]:

@@ -60,3 +60,17 @@ def test_a_peer_whose_heartbeat_lapsed_is_forgotten() -> None:
     att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
     assert att.absent == set()  # the record never outgrows the live peers
     assert att.expected([ME, STALLER]) == 2
+
+
+def test_each_excused_peer_that_comes_raises_the_wait_up_to_the_largest_group() -> None:
+    att = Attendance()
+    live = [ME, HONEST, STALLER, LATE]
+    att.record(live, Gathered(announced={ME, HONEST}, short=True))  # two missed
+    assert att.target(live, 2, 3) == 2
+    gathering = att.gathering(live, most=3)
+    assert gathering.excused == {STALLER, LATE}
+    assert gathering.wanted(2, [ME, HONEST]) == 2
+    assert gathering.wanted(2, [ME, STALLER]) == 3  # the excused one came: HONEST too
+    assert gathering.wanted(2, [ME, STALLER, LATE]) == 3  # never past the largest group
+    # A peer whose heartbeat lapsed is not excused any more (nor waited for).
+    assert att.gathering([ME, HONEST, LATE], most=3).excused == {LATE}

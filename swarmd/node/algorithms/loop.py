@@ -23,7 +23,6 @@ import trio
 
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceResult, Member
-from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.lowrank import allreduce_lowrank
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.peer.context import PeerContext
@@ -310,7 +309,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         mm = dataclasses.replace(self.mm, target_group_size=target)
         if poll_s is not None:
             mm = dataclasses.replace(mm, poll_s=poll_s)
-        gathered = Gathered()
+        gathered = self.peer.live.gathering()
         group = await self.peer.unless_stopping(
             lambda: form_group(self.peer.dht, key, self.me, mm, gathered)
         )

@@ -37,13 +37,28 @@ MAX_SKIP = 8
 
 @dataclass
 class Gathered:
-    """What one round's gathering saw (`form_group` fills it in)."""
+    """What one round's gathering is told (the peers it excuses) and saw (`form_group` fills
+    that in)."""
 
+    #: Live peers not waited for (attendance): each that announces anyway raises the size the
+    #: gathering waits for by one, up to ``most``. Else two of three peers, one of them the
+    #: excused one, formed a pair the moment they saw each other and left the third, expected
+    #: and a second away, alone under a key nobody else would use again (seen under `swarmd
+    #: chaos`: the run ended split).
+    excused: frozenset[PeerId] = frozenset()
+    #: The run's largest group (0: nothing excused, nothing to raise).
+    most: int = 0
     #: Every peer seen announcing itself for the round, this one included.
     announced: set[PeerId] = field(default_factory=set)
     #: The round formed without reaching this peer's target (at the gathering's deadline, or
     #: by a leader's group): each live peer that had not announced was not there.
     short: bool = False
+
+    def wanted(self, target: int, visible: Collection[PeerId]) -> int:
+        """The group size to gather for, given the target counted before the round and the
+        peers seen announcing: one more for each excused peer among them, up to ``most``."""
+        came = len(self.excused.intersection(visible))
+        return min(max(self.most, target), target + came) if came else target
 
 
 @dataclass
@@ -73,6 +88,11 @@ class Attendance:
         """The group size the coming round waits for: the expected peers, within the run's
         min and target group sizes."""
         return max(min_size, min(max_size, self.expected(live)))
+
+    def gathering(self, live: Collection[PeerId], most: int) -> Gathered:
+        """What the coming round's gathering is told: whom of ``live`` it excuses, and the
+        run's largest group."""
+        return Gathered(excused=frozenset(self.absent & set(live)), most=most)
 
     def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
         """Accounts one round; returns the peers newly not waited for."""

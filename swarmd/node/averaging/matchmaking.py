@@ -19,6 +19,7 @@ round and is dropped by its deadline. A peer left out of every group skips to th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -238,11 +239,11 @@ def partition(ordered: Sequence[Member], target: int) -> list[list[Member]]:
     return [sorted(g, key=lambda m: m.peer_id) for g in groups]
 
 
-def _enough(visible: Iterable[Member], cfg: MatchmakingConfig) -> bool:
+def _enough(visible: Iterable[Member], target: int) -> bool:
     """Whether gathering may stop early: the target is visible and one of them is reachable
     to lead (a client that stopped at two clients gave up a round its reachable peer led)."""
     members = list(visible)
-    return len(members) >= cfg.target_group_size and _leader_of(members) is not None
+    return len(members) >= target and _leader_of(members) is not None
 
 
 def _group(key: str, commitment: _Commitment) -> Group:
@@ -316,10 +317,11 @@ async def _available(dht: DHTNode, view: _View, me: Member, cfg: MatchmakingConf
 
 
 async def _gather(
-    dht: DHTNode, key: str, me: Member, cfg: MatchmakingConfig
+    dht: DHTNode, key: str, me: Member, cfg: MatchmakingConfig, gathered: Gathered
 ) -> tuple[_View, _Commitment | None]:
     """Reads the round's announcements until the target is visible or the gather deadline;
-    returns what was read, and the group naming this peer if a leader committed to one."""
+    returns what was read, and the group naming this peer if a leader committed to one.
+    The target grows by each peer ``gathered`` excuses that announces anyway."""
     view = _View(dht, key, me)
     waits = _Waits(cfg, cfg.gather_s)
     # The last read is made at the deadline (and may take up to max_poll_s): with backed-off
@@ -336,7 +338,8 @@ async def _gather(
             # follower that gathered for 10 s then averaged alone too, in the "same" group).
             if (mine := view.mine()) is not None:
                 return view, mine
-            if _enough(view.visible.values(), cfg) or not await waits.sleep(stored):
+            want = gathered.wanted(cfg.target_group_size, view.visible)
+            if _enough(view.visible.values(), want) or not await waits.sleep(stored):
                 break
     return view, None
 
@@ -364,13 +367,17 @@ async def form_group(
     await dht.store(
         key, info.SerializeToString(), announced_until, subkey=str(me.peer_id), republish=False
     )
-    view, mine = await _gather(dht, key, me, cfg)
-    if gathered is not None:
-        gathered.announced = set(view.visible)
-        # Short even when a leader's group came first: the round still formed without the
-        # peers this one counted, and every member must reach the same verdict, or the ones
-        # that still count them make the next round wait when they lead it.
-        gathered.short = len(view.visible) < cfg.target_group_size
+    gathered = Gathered() if gathered is None else gathered
+    view, mine = await _gather(dht, key, me, cfg, gathered)
+    gathered.announced = set(view.visible)
+    # Excused peers that came make the groups this peer cuts as large as it waited for.
+    cfg = dataclasses.replace(
+        cfg, target_group_size=gathered.wanted(cfg.target_group_size, view.visible)
+    )
+    # Short even when a leader's group came first: the round still formed without the peers
+    # this one counted, and every member must reach the same verdict, or the ones that still
+    # count them make the next round wait when they lead it.
+    gathered.short = len(view.visible) < cfg.target_group_size
     if mine is not None:
         return _group(key, mine)
     available = await _available(dht, view, me, cfg)

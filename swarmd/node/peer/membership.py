@@ -86,6 +86,11 @@ class LivePeers:
             ids, config.min_group_size, config.target_group_size
         )
 
+    def gathering(self) -> Gathered:
+        """What the coming round's gathering is told: the peers the last group_target
+        counted but excused (each that comes anyway is waited for with the others)."""
+        return self.attendance.gathering(self._counted, self._config.target_group_size)
+
     def came(self, key: str, gathered: Gathered) -> None:
         """Accounts a round's gathering against the peers the last group_target counted."""
         newly = self.attendance.record(self._counted, gathered)

@@ -30,7 +30,7 @@ import torch
 import trio
 
 from swarmd.node.averaging.allreduce import Averager, Group, Member
-from swarmd.node.averaging.attendance import Attendance, Gathered
+from swarmd.node.averaging.attendance import Attendance
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
@@ -269,7 +269,10 @@ class _Run:
                     await trio.sleep(train_s)
                     delta = self.work.pseudo_gradient(outer.values, optimum)
                     t0 = trio.current_time()
-                    live, gathered = self.live_ids(), Gathered()
+                    live = self.live_ids()
+                    gathered = self.attendance[i].gathering(
+                        live, self.s.matchmaking.target_group_size
+                    )
                     key = f"sim/diloco/{r}"
                     group = await form_group(node, key, me, self.target(i, live), gathered)
                     self.attendance[i].record(live, gathered)

@@ -38,7 +38,6 @@ from swarmd.node.algorithms.loop import (
     matchmaking_config,
     validation_loss,
 )
-from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.group import Group, Member
 from swarmd.node.averaging.matchmaking import (
     answering,
@@ -282,7 +281,7 @@ class DeMoStrategy(Strategy):
             target = self.peer.config.target_group_size
         key = state_round_key(self.peer.config.name, self.run.step, snap.state_hash)
         mm = dataclasses.replace(self.mm, target_group_size=target, gather_s=gather_s)
-        gathered = Gathered()
+        gathered = self.peer.live.gathering()
         group = await form_group(self.peer.dht, key, self.me, mm, gathered)
         self.peer.live.came(key, gathered)
         self.group = group if group is not None and len(group.members) > 1 else None
