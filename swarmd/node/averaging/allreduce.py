@@ -346,10 +346,14 @@ class Averager:
         key: str = "default",
         codec: CodecName | None = None,
         out: torch.Tensor | None = None,
+        feedback: bool = True,
     ) -> AllReduceResult:
         """Averages a flat float32 tensor with the group; never raises for peer failures.
 
         ``key`` names the error-feedback residual (one per distinct vector being averaged);
+        ``feedback=False`` neither adds nor keeps one: for a vector whose mean must come out
+        the same in groups that do not share members (a grid's upper levels, grid.py), where
+        a member's residual would reach its own group's mean and no other's.
         ``codec`` overrides the configured one for this call (every member must agree).
         ``out`` (float32, the input's size, not sharing its memory) receives the average and
         is the result's tensor: a caller that averages every round saves a fresh tensor per
@@ -373,7 +377,7 @@ class Averager:
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
         residual: torch.Tensor | None = None
         to_send = local
-        if self.config.error_feedback and codec_name != "fp32":
+        if feedback and self.config.error_feedback and codec_name != "fp32":
             to_send, residual = await offload.run_sync(self._compensate, key, local)
         exchange = Exchange(
             self._link,

@@ -94,10 +94,16 @@ class Attendance:
         run's largest group."""
         return Gathered(excused=frozenset(self.absent & set(live)), most=most)
 
-    def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
-        """Accounts one round; returns the peers newly not waited for."""
+    def record(
+        self,
+        live: Collection[PeerId],
+        gathered: Gathered,
+        among: Collection[PeerId] | None = None,
+    ) -> set[PeerId]:
+        """Accounts one round; returns the peers newly not waited for. ``among``: the live
+        peers this gathering was for (a grid row, grid.py), when not all of them."""
         alive = set(live)
-        waited_for = alive - self.absent
+        waited_for = (alive if among is None else alive & set(among)) - self.absent
         self._rounds += 1
         self._missing = {
             p: m for p, m in self._missing.items() if p in alive and p not in gathered.announced

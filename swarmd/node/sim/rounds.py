@@ -30,9 +30,10 @@ import torch
 import trio
 
 from swarmd.node.averaging.allreduce import Averager, Group, Member
-from swarmd.node.averaging.attendance import Attendance
+from swarmd.node.averaging.attendance import Attendance, Gathered
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
+from swarmd.node.averaging.grid import Grid, takeover
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
 from swarmd.node.dht.config import DHTConfig
@@ -45,11 +46,16 @@ from swarmd.protocol.identity import PeerId
 
 FaultKind = Literal["kill", "partition", "slow", "liar"]
 #: How a round's peers reach each other: one matchmaking under the round's key ("flat", what
-#: the daemon does), or issue 46's proposal ("levels": after the round's groups average, member
-#: j of every group meets member j of the others under a key of its own, level after level,
-#: ⌈log_T N⌉ levels, each averaging the level below's results weighted by what they cover).
-Grouping = Literal["flat", "levels"]
+#: the daemon does), or issue 46's "grid" (averaging/grid.py: ⌈log_T N⌉ levels of groups
+#: whose cells the round's roster fixes before anyone arrives; every peer ends the round with
+#: the mean of every contribution). A first version cut its levels from the order peers
+#: arrived in ("levels", removed): exact when all arrived together, spread 0.15 -> 0.46 over
+#: four rounds once they did not.
+Grouping = Literal["flat", "grid"]
 LIES = ("weight", "scale100", "signflip")
+#: How long a grid peer that sits a round out waits for a finished state before it goes on
+#: with its own.
+SIT_OUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,10 @@ class RoundsScenario:
     stallers: int = 0
     workload: QuadraticConfig = field(default_factory=QuadraticConfig)
     grouping: Grouping = "flat"
+    #: grouping = "grid": the gather window of the levels above the first. Their peers are
+    #: all on their way (they finished the level below), only later than the first: one
+    #: group that closed before a late member came left its block out of the round.
+    upper_gather_s: float = 15.0
     join_window_s: float = 60.0
     seed: int = 0
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
@@ -115,8 +125,8 @@ class RoundsScenario:
             raise ValueError("step_s > 0, speed_sigma >= 0 and 0 <= churn < 1 are required")
         if self.stallers < 0:
             raise ValueError("stallers must be >= 0")
-        if self.grouping not in ("flat", "levels"):
-            raise ValueError(f"grouping {self.grouping!r}: flat or levels")
+        if self.grouping not in ("flat", "grid"):
+            raise ValueError(f"grouping {self.grouping!r}: flat or grid")
         ReductionConfig(aggregation=self.aggregation)  # raises ValueError with the reason
         faults = tuple(f if isinstance(f, Fault) else Fault(**f) for f in self.faults)
         object.__setattr__(self, "faults", faults)
@@ -227,6 +237,11 @@ class _Run:
             for k in range(scenario.stallers)
         ]
         self.attendance: list[Attendance] = []
+        #: grouping = "grid": each round's grid, the first finished state of each round (what
+        #: a peer outside its roster takes), and whether one is there yet.
+        self.grids: dict[int, Grid] = {}
+        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.done: dict[int, trio.Event] = {}
         for i in range(scenario.peers):
             self._equip(i)
 
@@ -269,6 +284,17 @@ class _Run:
                     await trio.sleep(train_s)
                     delta = self.work.pseudo_gradient(outer.values, optimum)
                     t0 = trio.current_time()
+                    lie, until = self.lying.get(i, ("", -1))
+                    lie = lie if r <= until else ""
+                    sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
+                    weight = 1e9 if lie == "weight" else 1.0
+                    if self.s.grouping == "grid":
+                        sat_out = await self._grid_round(i, r, me, sent, weight, lie, t0, train_s)
+                        if sat_out or i in self.lying:
+                            continue
+                        self.lines.add(r, outer.values, optimum)
+                        self.finished(r).set()
+                        continue
                     live = self.live_ids()
                     gathered = self.attendance[i].gathering(
                         live, self.s.matchmaking.target_group_size
@@ -278,13 +304,7 @@ class _Run:
                     self.attendance[i].record(live, gathered)
                     t1 = trio.current_time()
                     size, dropped, averaged = 1, 0, delta
-                    lie, until = self.lying.get(i, ("", -1))
-                    lie = lie if r <= until else ""
-                    sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
-                    weight = 1e9 if lie == "weight" else 1.0
-                    if self.s.grouping == "levels":
-                        averaged, size, dropped = await self._levels(i, r, me, group, sent, weight)
-                    elif group is not None and len(group.members) > 1:
+                    if group is not None and len(group.members) > 1:
                         result = await self.averagers[i].allreduce(group, sent, weight)
                         size, dropped = len(group.members), len(result.dropped)
                         averaged = result.tensor
@@ -300,49 +320,139 @@ class _Run:
             self.alive_s[i] = trio.current_time() - began
             self.alive.discard(i)
 
-    async def _levels(
-        self, i: int, r: int, me: Member, group: Group | None, value: torch.Tensor, weight: float
-    ) -> tuple[torch.Tensor, int, int]:
-        """grouping = "levels": the round's group (level 0) averages, then each level's
-        member j meets member j of the level's other groups, under a key naming its path of
-        indices, and averages what each covers, weighted by it. With every group full
-        (N = T^d) every peer ends with the exact mean of all contributions. Returns the
-        result, the level-0 group's size and the members it dropped."""
-        size = dropped = 0
-        t = self.s.matchmaking.target_group_size
-        live = len(self.alive) + self.s.stallers
-        depth = max(1, math.ceil(math.log(max(live, 2)) / math.log(t))) if t > 1 else 1
-        path = ""
-        for level in range(depth):
-            if level:
-                expect = min(t, math.ceil(live / t**level))
-                cfg = dataclasses.replace(
-                    self.s.matchmaking,
-                    target_group_size=max(self.s.matchmaking.min_group_size, expect),
-                )
-                key = f"sim/diloco/{r}/L{level}{path}"
-                group = await form_group(self.swarm.nodes[i], key, me, cfg)
-            index = 0
-            if group is not None and len(group.members) > 1:
-                value, weight, lost = await self._weighted(i, group, value, weight, level)
-                index = sorted(m.peer_id for m in group.members).index(me.peer_id)
-                if not level:
-                    size, dropped = len(group.members), lost
-            path += f"/{index}"
-        return value, max(size, 1), dropped
+    def grid(self, r: int) -> Grid:
+        """Round r's grid (grouping = "grid"), planned from the live heartbeats when its
+        first peer asks: the roster a daemon reads then. Peers that join later sit it out."""
+        if r not in self.grids:
+            target = self.s.matchmaking.target_group_size
+            self.grids[r] = Grid.plan(self.live_ids(), target, f"sim/diloco/{r}".encode())
+        return self.grids[r]
 
-    async def _weighted(
-        self, i: int, group: Group, value: torch.Tensor, weight: float, level: int
-    ) -> tuple[torch.Tensor, float, int]:
-        """The group's weighted mean of ``value``, and the weight it now covers (a second,
-        8-value fp32 all-reduce of the weights: the averager reports no totals)."""
+    def finished(self, r: int) -> trio.Event:
+        return self.done.setdefault(r, trio.Event())
+
+    async def _grid_round(
+        self, i: int, r: int, me: Member, value: torch.Tensor, weight: float, lie: str,
+        t0: float, train_s: float,
+    ) -> bool:  # fmt: skip
+        """One round on the grid (averaging/grid.py): level after level, each of this
+        peer's groups averages the blocks its members hold; the outer step on the result.
+        A peer the round's roster does not name takes the state of the first peer to finish
+        the round (as its catch-up would) and drops its inner steps; True then."""
+        grid, outer = self.grid(r), self.outers[i]
+        if me.peer_id not in grid.roster:
+            return await self._sit_out(i, r, t0, train_s)
+        share = weight * grid.share(me.peer_id)
+        held = {k: (value, share) for k in grid.slots_of(me.peer_id)}
+        size, dropped, form_s = 1, 0, 0.0
+        for level in range(grid.levels):
+            by_group: dict[tuple[int, ...], list[int]] = {}
+            for k in held:
+                by_group.setdefault(grid.group(k, level), []).append(k)
+            out: dict[tuple[int, ...], _GridResult] = {}
+            async with trio.open_nursery() as nursery:
+                for n, (g, mine) in enumerate(by_group.items()):
+                    blocks = [held[k] for k in mine]
+                    nursery.start_soon(
+                        self._grid_group, i, r, me, grid, level, g, mine, blocks, n, out
+                    )
+            nxt: dict[int, tuple[torch.Tensor, float]] = {}
+            for g, res in out.items():
+                mine = by_group[g]
+                for k in [*mine, *(k for k, to in takeover(g, res.lost).items() if to in mine)]:
+                    nxt[k] = (res.value, res.weight)
+                if not level:
+                    size, dropped = max(size, res.members), dropped + res.dropped
+            form_s += max(res.form_s for res in out.values())
+            if any(res.left_out for res in out.values()):
+                return await self._sit_out(i, r, t0, train_s)
+            held = nxt
+        outer.step(next(iter(held.values()))[0])
+        t2 = trio.current_time()
+        if r not in self.snapshots and i not in self.lying:
+            self.snapshots[r] = (outer.values.clone(), outer.momentum().clone())
+        loss = self.work.loss(outer.values)
+        self.records.append(
+            PeerRound(i, r, size, dropped, lie, form_s, t2 - t0 - form_s, train_s, loss)
+        )
+        return False
+
+    async def _sit_out(self, i: int, r: int, t0: float, train_s: float) -> bool:
+        """A peer outside round r's roster, or one its group formed without (it came after
+        the group's window): it takes the state of the first peer to finish the round, as its
+        catch-up would, and its inner steps are lost. Its own state if nobody finishes."""
+        with trio.move_on_after(SIT_OUT_S):
+            await self.finished(r).wait()
+        if r in self.snapshots:
+            self.outers[i].load(*self.snapshots[r])
+        loss = self.work.loss(self.outers[i].values)
+        self.records.append(PeerRound(i, r, 1, 0, "", trio.current_time() - t0, 0.0, train_s, loss))
+        return True
+
+    async def _grid_group(
+        self, i: int, r: int, me: Member, grid: Grid, level: int, g: tuple[int, ...],
+        mine: list[int], blocks: list[tuple[torch.Tensor, float]], n: int,
+        out: dict[tuple[int, ...], _GridResult],
+    ) -> None:  # fmt: skip
+        """One of this peer's groups at ``level``: it contributes the weighted mean of the
+        blocks it holds in ``g`` with their summed weight (the group's mean is the same as
+        if each block came alone). Level 0 waits for the row's peers less those attendance
+        excuses; a level above waits for every peer its group's slots name (a slot taken
+        over from a peer that never came still counts that peer: its group waits out the
+        upper window; the daemon's version must count slots, not peers)."""
+        weight = sum(w for _, w in blocks)
+        value = torch.stack([v * (w / weight) for v, w in blocks]).sum(0)
+        expected = grid.expected(g)
+        cfg, gathered = self.s.matchmaking, Gathered()
+        wait_for = len(expected)
+        if not level:
+            gathered = self.attendance[i].gathering(expected, cfg.target_group_size)
+            wait_for -= len(gathered.excused)
+        cfg = dataclasses.replace(
+            cfg,
+            target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, wait_for)),
+            gather_s=self.s.upper_gather_s if level else cfg.gather_s,
+        )
+        t = trio.current_time()
+        group = None
+        if len(expected) > 1:
+            key = f"sim/diloco/{r}/{grid.label(g[0], level)}"
+            group = await form_group(self.swarm.nodes[i], key, me, cfg, gathered)
+            if not level:
+                self.attendance[i].record(self.live_ids(), gathered, among=expected)
+        form_s = trio.current_time() - t
+        if group is None or len(group.members) < 2:
+            # Alone: a group without this peer formed (others of it announced), or nobody
+            # else came (their slots are lost, and this peer serves them from now on).
+            left_out = bool(gathered.announced - {me.peer_id})
+            out[g] = _GridResult(value, weight, set(g) - set(mine), 1, 0, form_s, left_out)
+            return
+        # Declared weights stay near 1 (the run bounds them): a block at this level covers
+        # about this many slots.
+        scale = float(math.prod(grid.shape[:level]))
         averager = self.averagers[i]
-        result = await averager.allreduce(group, value, weight, key=f"L{level}")
-        weights = torch.full((8,), weight)
-        sibling = Group(hashlib.sha256(group.round_id + b"/weights").digest(), group.members)
-        total = await averager.allreduce(sibling, weights, 1.0, key=f"W{level}", codec="fp32")
-        kept = len(group.members) - len(total.dropped)
-        return result.tensor, float(total.tensor[0]) * kept, len(result.dropped)
+        # Error feedback only in the rows: a residual added at a level above would reach
+        # its own group's mean and not the others' (a 1e-4 spread a round, seen).
+        result = await averager.allreduce(
+            group, value, weight / scale, key=f"G{level}/{n}", feedback=not level
+        )
+        # Which of the group's slots came, and the weight they cover: a second, small fp32
+        # all-reduce (a member's slots marked 2, the rest 1: the averager reports no totals).
+        # Not 1 among zeros: the averager drops a member whose part's norm is far above the
+        # others', and the members' tallies would disagree.
+        marks = torch.ones(1 + len(g))
+        marks[0] = weight / scale
+        for k in mine:
+            marks[1 + g.index(k)] = 2.0
+        sibling = Group(hashlib.sha256(group.round_id + b"/slots").digest(), group.members)
+        tally = await averager.allreduce(sibling, marks, 1.0, key=f"GW{level}/{n}", codec="fp32")
+        kept = len(group.members) - len(tally.dropped)
+        sums = tally.tensor * kept
+        came = {k for j, k in enumerate(g) if float(sums[1 + j]) - kept > 0.5}
+        out[g] = _GridResult(
+            result.tensor, float(sums[0]) * scale, set(g) - came, len(group.members),
+            len(result.dropped), form_s,
+        )  # fmt: skip
 
     async def churn(self, nursery: trio.Nursery) -> None:
         """Each time the run enters a new round (the first live peer starts it), replaces
@@ -413,6 +523,21 @@ class _Run:
             self.outers[i].load(self.outers[donor].values, self.outers[donor].momentum())
             first_round = self.round_of.get(donor, first_round)
         await self.peer(i, first_round)
+
+
+@dataclass(frozen=True)
+class _GridResult:
+    """What one grid group gave this peer: the block's mean and weight, the group's slots
+    nobody came for (served by a survivor from now on: grid.takeover), its size, the
+    members the all-reduce dropped, and how long forming it took."""
+
+    value: torch.Tensor
+    weight: float
+    lost: set[int]
+    members: int
+    dropped: int
+    form_s: float
+    left_out: bool = False
 
 
 class _Lines:
