@@ -49,6 +49,12 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=16, help="target group size")
     parser.add_argument("--churn", type=float, default=0.05)
     parser.add_argument("--stallers", type=int, default=0, help="heartbeat, never join")
+    parser.add_argument(
+        "--grouping",
+        choices=("flat", "grid"),
+        default="flat",
+        help="flat: the daemon's matchmaking; grid: issue 46's levels (averaging/grid.py)",
+    )
     parser.add_argument("--dht-nodes", type=int, default=10_000)
     parser.add_argument("--killed", type=float, default=0.3, help="share of DHT nodes killed")
     parser.add_argument("--gets", type=int, default=1000)
@@ -68,10 +74,14 @@ def main() -> None:
             params=args.params,
             churn=args.churn,
             stallers=args.stallers,
+            grouping=args.grouping,
             matchmaking=MatchmakingConfig(target_group_size=args.target),
             seed=args.seed,
         )
-        print(f"DiLoCo: {scenario.peers} peers, {scenario.rounds} rounds, target {args.target}")
+        print(
+            f"DiLoCo: {scenario.peers} peers, {scenario.rounds} rounds, target {args.target}, "
+            f"{args.grouping} groups"
+        )
         r = run_rounds(scenario, progress)
         print(f"  {rounds_summary(r)}")
         figures |= rounds_figures(r) | {"diloco_rss_gib": f"{rss_gib():.2f}"}
