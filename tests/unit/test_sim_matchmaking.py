@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import trio
 
@@ -14,6 +15,7 @@ from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking, with_target
 from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.virtual import run_virtual
+from swarmd.protocol.identity import PeerId
 
 
 def test_peers_that_fit_one_group_all_meet_every_round() -> None:
@@ -33,34 +35,57 @@ def test_groups_never_exceed_the_target_and_holders_agree_on_their_members() -> 
         assert sum(figures.sizes) - figures.missing + figures.alone == 20
 
 
-async def _excused_came(lead_excuses: bool) -> set[tuple[int, ...]]:
-    """Three simulated peers under one round key. The one with the lowest id (it leads)
-    counts only two of them, the other two count all three; ``lead_excuses``: it also tells
-    its gathering which of the others it excused. The excused peer announces at once with
-    the leader, the expected one a second later (inside the gather window)."""
+#: One simulated peer's part in a round: (its rank by peer id, delay, target, what its
+#: gathering is told: built from the ranked peer ids).
+Part = tuple[int, float, int, Callable[[list[PeerId]], Gathered]]
+
+
+async def _three(parts: list[Part]) -> tuple[set[tuple[int, ...]], dict[int, float]]:
+    """Three simulated peers (ranked by peer id: rank 0 leads any group it is in) under one
+    round key; the groups formed (as sets of ranks) and how long each peer took."""
     swarm = DhtSwarm(3, NetworkConfig(), DHTConfig(), seed=7)
     order = sorted(range(3), key=lambda i: swarm.nodes[i].peer_id)
-    lead, excused, late = order
-    members = [Member(n.peer_id, h.address) for n, h in zip(swarm.nodes, swarm.hosts, strict=True)]
+    members = [Member(swarm.nodes[i].peer_id, swarm.hosts[i].address) for i in order]
+    ids = [m.peer_id for m in members]
     mm = with_target(MatchScenario(peers=3), 3).matchmaking
     groups: dict[int, Group | None] = {}
+    took: dict[int, float] = {}
 
-    async def one(i: int, delay: float, target: int, gathered: Gathered) -> None:
+    async def one(rank: int, delay: float, target: int, gathered: Gathered) -> None:
         await trio.sleep(delay)
         cfg = dataclasses.replace(mm, target_group_size=target)
-        groups[i] = await form_group(swarm.nodes[i], "sim/excused", members[i], cfg, gathered)
+        t0 = trio.current_time()
+        node = swarm.nodes[order[rank]]
+        groups[rank] = await form_group(node, "sim/three", members[rank], cfg, gathered)
+        took[rank] = trio.current_time() - t0
 
     async with trio.open_nursery() as nursery:
         await swarm.join(nursery, 5.0)
-        excuses = frozenset({members[excused].peer_id}) if lead_excuses else frozenset()
         async with trio.open_nursery() as rnd:
-            rnd.start_soon(one, lead, 0.0, 2, Gathered(excused=excuses, most=3))
-            rnd.start_soon(one, excused, 0.0, 3, Gathered())
-            rnd.start_soon(one, late, 1.0, 3, Gathered())
+            for rank, delay, target, told in parts:
+                rnd.start_soon(one, rank, delay, target, told(ids))
         nursery.cancel_scope.cancel()
-    return {
-        tuple(sorted(members.index(m) for m in g.members)) if g else (i,) for i, g in groups.items()
+    formed = {
+        tuple(sorted(members.index(m) for m in g.members)) if g else (rank,)
+        for rank, g in groups.items()
     }
+    return formed, took
+
+
+def _excused_came(lead_excuses: bool) -> set[tuple[int, ...]]:
+    """The leader (rank 0) counts only two peers, the others all three; ``lead_excuses``:
+    it also tells its gathering which one it excused (rank 1). The excused peer announces at
+    once with the leader, the expected one (rank 2) a second later, inside the window."""
+
+    def lead(ids: list[PeerId]) -> Gathered:
+        return Gathered(excused=frozenset({ids[1]}) if lead_excuses else frozenset(), most=3)
+
+    parts: list[Part] = [
+        (0, 0.0, 2, lead),
+        (1, 0.0, 3, lambda _: Gathered()),
+        (2, 1.0, 3, lambda _: Gathered()),
+    ]
+    return run_virtual(_three, parts, seed=7)[0]
 
 
 def test_an_excused_peer_that_comes_is_waited_for_with_the_expected_ones() -> None:
@@ -68,7 +93,28 @@ def test_an_excused_peer_that_comes_is_waited_for_with_the_expected_ones() -> No
     peer it did expect too: the three form one group. Counting the excused peer toward the
     smaller target instead formed a pair at once and left the expected peer alone, under a
     state key the pair then left (the split `swarmd chaos` ended a CI run in)."""
-    assert run_virtual(_excused_came, True, seed=7) == {(0, 1, 2)}
+    assert _excused_came(True) == {(0, 1, 2)}
     # Without the excuse told, the leader's smaller target splits the three: the scenario
     # is the one that breaks.
-    assert run_virtual(_excused_came, False, seed=7) != {(0, 1, 2)}
+    assert _excused_came(False) != {(0, 1, 2)}
+
+
+def test_a_gathering_for_known_peers_ends_when_a_member_stands_for_the_missing_one() -> None:
+    """A grid group (grid.py) waits for the peers its slots name. Rank 1 took over the slot
+    of rank 2, which never comes, and says so in its announcement (MemberInfo.stands_for):
+    the group of two forms as soon as both are there, not at the 5 s gather deadline."""
+
+    def told(stands: bool) -> Callable[[list[PeerId]], Gathered]:
+        return lambda ids: Gathered(
+            expected=frozenset(ids), stands_for=frozenset({ids[2]}) if stands else frozenset()
+        )
+
+    def run(stands: bool) -> tuple[set[tuple[int, ...]], dict[int, float]]:
+        both = (lambda ids: Gathered(expected=frozenset(ids)), told(stands))
+        parts: list[Part] = [(0, 0.0, 3, both[0]), (1, 0.5, 3, both[1])]
+        return run_virtual(_three, parts, seed=7)
+
+    formed, took = run(True)
+    assert formed == {(0, 1)} and max(took.values()) < 2.0, took
+    formed, took = run(False)  # nobody stands for rank 2: the window is waited out
+    assert formed == {(0, 1)} and max(took.values()) > 5.0, took

@@ -48,6 +48,11 @@ class Gathered:
     excused: frozenset[PeerId] = frozenset()
     #: The run's largest group (0: nothing excused, nothing to raise).
     most: int = 0
+    #: The peers this gathering is for, when known in advance (a grid group, grid.py): it may
+    #: stop as soon as each of them announced or is stood for by one that did.
+    expected: frozenset[PeerId] | None = None
+    #: Peers whose places this peer fills in the group (grid.takeover), announced with it.
+    stands_for: frozenset[PeerId] = frozenset()
     #: Every peer seen announcing itself for the round, this one included.
     announced: set[PeerId] = field(default_factory=set)
     #: The round formed without reaching this peer's target (at the gathering's deadline, or

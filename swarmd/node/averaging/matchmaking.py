@@ -37,6 +37,10 @@ from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.matchmaking")
 
+#: The most peers one announcement may stand for (a grid slot's takeovers: at most a group's
+#: size); more are ignored, so a forged list cannot grow a reader's memory.
+MAX_STANDS_FOR = 64
+
 
 @dataclass(frozen=True)
 class MatchmakingConfig:
@@ -145,15 +149,19 @@ def _decode_group(leader: PeerId, raw: bytes) -> _Commitment | None:
     return _Commitment(leader, raw, members)
 
 
-def _decode(peer: PeerId, value: Value) -> tuple[Member, _Commitment | None] | None:
-    """An announcement: the member, and its group if it has committed to one as leader."""
+def _decode(
+    peer: PeerId, value: Value
+) -> tuple[Member, _Commitment | None, frozenset[PeerId]] | None:
+    """An announcement: the member, its group if it has committed to one as leader, and the
+    peers it stands for."""
     info = apb.MemberInfo()
     try:
         info.ParseFromString(value.value)
         member = Member(peer, info.address, info.bandwidth, info.client)
+        stands_for = frozenset(PeerId(raw) for raw in info.stands_for[:MAX_STANDS_FOR])
     except Exception:  # a malformed announcement only costs its author the round
         return None
-    return member, (_decode_group(peer, info.group) if info.group else None)
+    return member, (_decode_group(peer, info.group) if info.group else None), stands_for
 
 
 class _View:
@@ -164,6 +172,8 @@ class _View:
         self._me = me.peer_id
         self.visible: dict[PeerId, Member] = {me.peer_id: me}
         self.groups: dict[PeerId, _Commitment] = {}
+        #: Peer -> the peers whose places it says it fills.
+        self.stands_for: dict[PeerId, frozenset[PeerId]] = {}
 
     def next_store(self) -> trio.Event:
         return self._reader.next_store()
@@ -173,11 +183,19 @@ class _View:
         DHT (light or not, as `waits` says)."""
         found = await self._reader.peers(light=waits.light, local=waits.woken)
         decoded = [(peer, d) for peer, value in found.items() if (d := _decode(peer, value))]
-        for peer, (member, _) in decoded:
+        for peer, (member, _, stands_for) in decoded:
             self.visible[peer] = member
-        for peer, (_, group) in decoded:
+            self.stands_for[peer] = stands_for
+        for peer, (_, group, _) in decoded:
             if group is not None and self._faithful(group):
                 self.groups[peer] = group
+
+    def covers(self, expected: frozenset[PeerId]) -> bool:
+        """Whether each of ``expected`` announced or is stood for by a peer that did."""
+        come = set(self.visible)
+        for peer in self.visible:
+            come |= self.stands_for.get(peer, frozenset())
+        return expected <= come
 
     def _faithful(self, group: _Commitment) -> bool:
         """Whether a leader's group states each member as the member announced itself (as far
@@ -344,7 +362,12 @@ async def _gather(
             if (mine := view.mine()) is not None:
                 return view, mine
             want = gathered.wanted(cfg.target_group_size, view.visible)
-            if _enough(view.visible.values(), want) or not await waits.sleep(stored):
+            enough = _enough(view.visible.values(), want) or (
+                gathered.expected is not None
+                and view.covers(gathered.expected)
+                and _leader_of(list(view.visible.values())) is not None
+            )
+            if enough or not await waits.sleep(stored):
                 break
     return view, None
 
@@ -365,14 +388,19 @@ async def form_group(
     in the simulator and lost more to waiting than it won (48 peers of mixed speeds, target
     16: 69-78% of peer-rounds averaged against 85-89%)."""
     cfg = config or MatchmakingConfig()
-    info = apb.MemberInfo(address=me.address, bandwidth=me.bandwidth, client=me.client)
+    gathered = Gathered() if gathered is None else gathered
+    info = apb.MemberInfo(
+        address=me.address,
+        bandwidth=me.bandwidth,
+        client=me.client,
+        stands_for=[p.raw for p in sorted(gathered.stands_for)[:MAX_STANDS_FOR]],
+    )
     # Not republished: a round is over in seconds; the record only has to outlive it for
     # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
     announced_until = dht.now() + cfg.ttl_s
     await dht.store(
         key, info.SerializeToString(), announced_until, subkey=str(me.peer_id), republish=False
     )
-    gathered = Gathered() if gathered is None else gathered
     view, mine = await _gather(dht, key, me, cfg, gathered)
     gathered.announced = set(view.visible)
     # Excused peers that came make the groups this peer cuts as large as it waited for.

@@ -359,7 +359,8 @@ class _Run:
             nxt: dict[int, tuple[torch.Tensor, float]] = {}
             for g, res in out.items():
                 mine = by_group[g]
-                for k in [*mine, *(k for k, to in takeover(g, res.lost).items() if to in mine)]:
+                taken = takeover(g, res.lost, functools.partial(grid.clashes, level=level))
+                for k in [*mine, *(k for k, to in taken.items() if to in mine)]:
                     nxt[k] = (res.value, res.weight)
                 if not level:
                     size, dropped = max(size, res.members), dropped + res.dropped
@@ -397,9 +398,8 @@ class _Run:
         """One of this peer's groups at ``level``: it contributes the weighted mean of the
         blocks it holds in ``g`` with their summed weight (the group's mean is the same as
         if each block came alone). Level 0 waits for the row's peers less those attendance
-        excuses; a level above waits for every peer its group's slots name (a slot taken
-        over from a peer that never came still counts that peer: its group waits out the
-        upper window; the daemon's version must count slots, not peers)."""
+        excuses; a level above waits for every peer its group's slots name, or the member
+        standing for it (MemberInfo.stands_for)."""
         weight = sum(w for _, w in blocks)
         value = torch.stack([v * (w / weight) for v, w in blocks]).sum(0)
         expected = grid.expected(g)
@@ -408,6 +408,12 @@ class _Run:
         if not level:
             gathered = self.attendance[i].gathering(expected, cfg.target_group_size)
             wait_for -= len(gathered.excused)
+        else:
+            # The group is complete once every slot's peer came or is stood for by the
+            # member that took its slot over: waiting for a peer that never came cost the
+            # upper window (and its stragglers' blocks) with stallers in the roster.
+            taken = frozenset(grid.server(k) for k in mine) - {me.peer_id}
+            gathered = Gathered(expected=frozenset(expected), stands_for=taken)
         cfg = dataclasses.replace(
             cfg,
             target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, wait_for)),
