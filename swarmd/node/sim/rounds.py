@@ -29,11 +29,12 @@ from typing import Literal
 import torch
 import trio
 
-from swarmd.node.averaging.allreduce import Averager, Group, Member
-from swarmd.node.averaging.attendance import Attendance, Gathered
+from swarmd.node.averaging.allreduce import Averager, Member
+from swarmd.node.averaging.attendance import Attendance
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
-from swarmd.node.averaging.grid import Grid, takeover
+from swarmd.node.averaging.grid import Grid
+from swarmd.node.averaging.gridround import GridConfig, GridPeer
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
 from swarmd.node.dht.config import DHTConfig
@@ -335,47 +336,26 @@ class _Run:
         self, i: int, r: int, me: Member, value: torch.Tensor, weight: float, lie: str,
         t0: float, train_s: float,
     ) -> bool:  # fmt: skip
-        """One round on the grid (averaging/grid.py): level after level, each of this
-        peer's groups averages the blocks its members hold; the outer step on the result.
-        A peer the round's roster does not name takes the state of the first peer to finish
-        the round (as its catch-up would) and drops its inner steps; True then."""
+        """One round on the grid (averaging/gridround.py); the outer step on its result. A
+        peer the round's roster does not name, or one left out of a group, takes the state of
+        the first peer to finish the round (as its catch-up would) and drops its inner steps;
+        True then."""
         grid, outer = self.grid(r), self.outers[i]
         if me.peer_id not in grid.roster:
             return await self._sit_out(i, r, t0, train_s)
-        share = weight * grid.share(me.peer_id)
-        held = {k: (value, share) for k in grid.slots_of(me.peer_id)}
-        size, dropped, form_s = 1, 0, 0.0
-        for level in range(grid.levels):
-            by_group: dict[tuple[int, ...], list[int]] = {}
-            for k in held:
-                by_group.setdefault(grid.group(k, level), []).append(k)
-            out: dict[tuple[int, ...], _GridResult] = {}
-            async with trio.open_nursery() as nursery:
-                for n, (g, mine) in enumerate(by_group.items()):
-                    blocks = [held[k] for k in mine]
-                    nursery.start_soon(
-                        self._grid_group, i, r, me, grid, level, g, mine, blocks, n, out
-                    )
-            nxt: dict[int, tuple[torch.Tensor, float]] = {}
-            for g, res in out.items():
-                mine = by_group[g]
-                taken = takeover(g, res.lost, functools.partial(grid.clashes, level=level))
-                for k in [*mine, *(k for k, to in taken.items() if to in mine)]:
-                    nxt[k] = (res.value, res.weight)
-                if not level:
-                    size, dropped = max(size, res.members), dropped + res.dropped
-            form_s += max(res.form_s for res in out.values())
-            if any(res.left_out for res in out.values()):
-                return await self._sit_out(i, r, t0, train_s)
-            held = nxt
-        outer.step(next(iter(held.values()))[0])
+        config = GridConfig(self.s.matchmaking, self.s.upper_gather_s)
+        peer = GridPeer(self.swarm.nodes[i], self.averagers[i], me, self.attendance[i], config)
+        got = await peer.average(grid, f"sim/diloco/{r}", value, weight, self.live_ids())
+        if got.result is None:
+            return await self._sit_out(i, r, t0, train_s)
+        outer.step(got.result)
         t2 = trio.current_time()
         if r not in self.snapshots and i not in self.lying:
             self.snapshots[r] = (outer.values.clone(), outer.momentum().clone())
         loss = self.work.loss(outer.values)
-        self.records.append(
-            PeerRound(i, r, size, dropped, lie, form_s, t2 - t0 - form_s, train_s, loss)
-        )
+        alone = t2 - t0 - got.form_s
+        row = PeerRound(i, r, got.row_size, got.dropped, lie, got.form_s, alone, train_s, loss)
+        self.records.append(row)
         return False
 
     async def _sit_out(self, i: int, r: int, t0: float, train_s: float) -> bool:
@@ -389,76 +369,6 @@ class _Run:
         loss = self.work.loss(self.outers[i].values)
         self.records.append(PeerRound(i, r, 1, 0, "", trio.current_time() - t0, 0.0, train_s, loss))
         return True
-
-    async def _grid_group(
-        self, i: int, r: int, me: Member, grid: Grid, level: int, g: tuple[int, ...],
-        mine: list[int], blocks: list[tuple[torch.Tensor, float]], n: int,
-        out: dict[tuple[int, ...], _GridResult],
-    ) -> None:  # fmt: skip
-        """One of this peer's groups at ``level``: it contributes the weighted mean of the
-        blocks it holds in ``g`` with their summed weight (the group's mean is the same as
-        if each block came alone). Level 0 waits for the row's peers less those attendance
-        excuses; a level above waits for every peer its group's slots name, or the member
-        standing for it (MemberInfo.stands_for)."""
-        weight = sum(w for _, w in blocks)
-        value = torch.stack([v * (w / weight) for v, w in blocks]).sum(0)
-        expected = grid.expected(g)
-        cfg, gathered = self.s.matchmaking, Gathered()
-        wait_for = len(expected)
-        if not level:
-            gathered = self.attendance[i].gathering(expected, cfg.target_group_size)
-            wait_for -= len(gathered.excused)
-        else:
-            # The group is complete once every slot's peer came or is stood for by the
-            # member that took its slot over: waiting for a peer that never came cost the
-            # upper window (and its stragglers' blocks) with stallers in the roster.
-            taken = frozenset(grid.server(k) for k in mine) - {me.peer_id}
-            gathered = Gathered(expected=frozenset(expected), stands_for=taken)
-        cfg = dataclasses.replace(
-            cfg,
-            target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, wait_for)),
-            gather_s=self.s.upper_gather_s if level else cfg.gather_s,
-        )
-        t = trio.current_time()
-        group = None
-        if len(expected) > 1:
-            key = f"sim/diloco/{r}/{grid.label(g[0], level)}"
-            group = await form_group(self.swarm.nodes[i], key, me, cfg, gathered)
-            if not level:
-                self.attendance[i].record(self.live_ids(), gathered, among=expected)
-        form_s = trio.current_time() - t
-        if group is None or len(group.members) < 2:
-            # Alone: a group without this peer formed (others of it announced), or nobody
-            # else came (their slots are lost, and this peer serves them from now on).
-            left_out = bool(gathered.announced - {me.peer_id})
-            out[g] = _GridResult(value, weight, set(g) - set(mine), 1, 0, form_s, left_out)
-            return
-        # Declared weights stay near 1 (the run bounds them): a block at this level covers
-        # about this many slots.
-        scale = float(math.prod(grid.shape[:level]))
-        averager = self.averagers[i]
-        # Error feedback only in the rows: a residual added at a level above would reach
-        # its own group's mean and not the others' (a 1e-4 spread a round, seen).
-        result = await averager.allreduce(
-            group, value, weight / scale, key=f"G{level}/{n}", feedback=not level
-        )
-        # Which of the group's slots came, and the weight they cover: a second, small fp32
-        # all-reduce (a member's slots marked 2, the rest 1: the averager reports no totals).
-        # Not 1 among zeros: the averager drops a member whose part's norm is far above the
-        # others', and the members' tallies would disagree.
-        marks = torch.ones(1 + len(g))
-        marks[0] = weight / scale
-        for k in mine:
-            marks[1 + g.index(k)] = 2.0
-        sibling = Group(hashlib.sha256(group.round_id + b"/slots").digest(), group.members)
-        tally = await averager.allreduce(sibling, marks, 1.0, key=f"GW{level}/{n}", codec="fp32")
-        kept = len(group.members) - len(tally.dropped)
-        sums = tally.tensor * kept
-        came = {k for j, k in enumerate(g) if float(sums[1 + j]) - kept > 0.5}
-        out[g] = _GridResult(
-            result.tensor, float(sums[0]) * scale, set(g) - came, len(group.members),
-            len(result.dropped), form_s,
-        )  # fmt: skip
 
     async def churn(self, nursery: trio.Nursery) -> None:
         """Each time the run enters a new round (the first live peer starts it), replaces
@@ -529,21 +439,6 @@ class _Run:
             self.outers[i].load(self.outers[donor].values, self.outers[donor].momentum())
             first_round = self.round_of.get(donor, first_round)
         await self.peer(i, first_round)
-
-
-@dataclass(frozen=True)
-class _GridResult:
-    """What one grid group gave this peer: the block's mean and weight, the group's slots
-    nobody came for (served by a survivor from now on: grid.takeover), its size, the
-    members the all-reduce dropped, and how long forming it took."""
-
-    value: torch.Tensor
-    weight: float
-    lost: set[int]
-    members: int
-    dropped: int
-    form_s: float
-    left_out: bool = False
 
 
 class _Lines:
