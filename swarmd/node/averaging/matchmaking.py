@@ -372,6 +372,15 @@ async def _gather(
     return view, None
 
 
+def _announcement(me: Member, gathered: Gathered) -> apb.MemberInfo:
+    return apb.MemberInfo(
+        address=me.address,
+        bandwidth=me.bandwidth,
+        client=me.client,
+        stands_for=[p.raw for p in sorted(gathered.stands_for)[:MAX_STANDS_FOR]],
+    )
+
+
 async def form_group(
     dht: DHTNode,
     key: str,
@@ -389,12 +398,7 @@ async def form_group(
     16: 69-78% of peer-rounds averaged against 85-89%)."""
     cfg = config or MatchmakingConfig()
     gathered = Gathered() if gathered is None else gathered
-    info = apb.MemberInfo(
-        address=me.address,
-        bandwidth=me.bandwidth,
-        client=me.client,
-        stands_for=[p.raw for p in sorted(gathered.stands_for)[:MAX_STANDS_FOR]],
-    )
+    info = _announcement(me, gathered)
     # Not republished: a round is over in seconds; the record only has to outlive it for
     # latecomers (ttl_s); republishing re-sent every round's records a minute after it ended.
     announced_until = dht.now() + cfg.ttl_s

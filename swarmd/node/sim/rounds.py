@@ -39,6 +39,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.sim.dht import DhtSwarm
+from swarmd.node.sim.lines import Lines, RoundLine
 from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.virtual import run_virtual
 from swarmd.node.sim.workload import Quadratic, QuadraticConfig
@@ -150,18 +151,6 @@ class PeerRound:
 
 
 @dataclass(frozen=True)
-class RoundLine:
-    """The live peers' states after one round: how far apart, and the loss of one group of
-    everybody that took part (the exact mean of all contributions, from the same start)."""
-
-    round: int
-    peers: int
-    #: RMS distance of the states from their mean, relative to the mean's norm (0: one line).
-    spread: float
-    ideal_loss: float
-
-
-@dataclass(frozen=True)
 class RoundsReport:
     peers: int
     rounds: int
@@ -229,7 +218,7 @@ class _Run:
             scenario.params, scenario.inner_steps, scenario.workload, scenario.seed
         )
         self.outers: list[FlatOuter] = []
-        self.lines = _Lines(scenario.rounds, scenario.params)
+        self.lines = Lines(scenario.rounds, scenario.params)
         #: Virtual seconds each peer spent in the run (from its first round to its end).
         self.alive_s: dict[int, float] = {}
         #: The stallers' identities, and each peer's record of who never came (attendance.py).
@@ -439,39 +428,6 @@ class _Run:
             self.outers[i].load(self.outers[donor].values, self.outers[donor].momentum())
             first_round = self.round_of.get(donor, first_round)
         await self.peer(i, first_round)
-
-
-class _Lines:
-    """Per round, online: the sum and squared norms of the honest peers' states after it
-    (their spread without keeping N states), and the sum of the contributors' optima (the
-    ideal run's pseudo-gradient: one group of everybody is the mean over its members)."""
-
-    def __init__(self, rounds: int, dims: int) -> None:
-        self.states = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
-        self.optima = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
-        self.squares = [0.0] * rounds
-        self.count = [0] * rounds
-
-    def add(self, r: int, state: torch.Tensor, optimum: torch.Tensor) -> None:
-        s = state.to(torch.float64)
-        self.states[r] += s
-        self.optima[r] += optimum
-        self.squares[r] += float(s.dot(s))
-        self.count[r] += 1
-
-    def finish(self, work: Quadratic) -> tuple[RoundLine, ...]:
-        """Each round's spread, and the ideal run replayed from the start."""
-        ideal = work.outer()
-        lines = []
-        for r, n in enumerate(self.count):
-            if not n:
-                break
-            mean = self.states[r] / n
-            norm2 = float(mean.dot(mean))
-            spread = math.sqrt(max(0.0, self.squares[r] / n - norm2) / max(norm2, 1e-300))
-            ideal.step(work.pseudo_gradient(ideal.values, self.optima[r] / n))
-            lines.append(RoundLine(r, n, spread, work.loss(ideal.values)))
-        return tuple(lines)
 
 
 async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -> RoundsReport:
