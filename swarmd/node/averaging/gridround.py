@@ -51,7 +51,8 @@ class GridOutcome:
     """What the round gave this peer."""
 
     #: The mean of every contribution that made the round; None: this peer was left out of
-    #: a group (it came after the group's window) and must take the round's state instead.
+    #: a group (it came after the group's window), or one of its groups above the rows lost
+    #: a block the others have: it must take the round's state instead.
     result: torch.Tensor | None
     #: Its row's size, and the members its row's all-reduce dropped.
     row_size: int
@@ -183,9 +184,18 @@ class GridPeer:
         kept = len(group.members) - len(tally.dropped)
         sums = tally.tensor * kept
         came = {k for j, k in enumerate(g) if float(sums[1 + j]) - kept > 0.5}
+        # Above the rows, a block that was there and did not make it in (a member dropped
+        # mid-reduce, one that announced and was left out) is in the other groups' means and
+        # not in this one's: this peer's result is not the round's, and it takes the round's
+        # state instead (as left out). A slot whose peer never came anywhere (a staller's,
+        # not taken over) is missing from every group alike.
+        partial = bool(level) and (
+            bool(result.dropped) or bool(tally.dropped)
+            or any(grid.server(k) in gathered.announced for k in set(g) - came)
+        )  # fmt: skip
         out[g] = _Result(
             _Block(result.tensor, float(sums[0]) * scale), set(g) - came, len(group.members),
-            len(result.dropped), form_s,
+            len(result.dropped), form_s, partial,
         )  # fmt: skip
 
 
