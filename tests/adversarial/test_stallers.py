@@ -29,22 +29,27 @@ def test_identities_that_heartbeat_and_never_join_are_waited_for_less_and_less(
         processes.start(join_cmd(tmp_path, "p0", boot, "--create-run", str(run), steps=10**6)),
         processes.start(join_cmd(tmp_path, "p1", boot, steps=10**6)),
     ]
-    rounds = [[wait_for(p, "outer_step", timeout=120) for _ in range(4)] for p in peers]
+    rounds = [[wait_for(p, "outer_step", timeout=120) for _ in range(6)] for p in peers]
     stop_and_collect(peers)
-    # On failure, what each peer did and logged (a load-dependent failure cannot be studied
-    # from the assertion alone: seen once under two busy loops, round 2 waited 10 s).
+    # On failure, what each peer did and logged (a timing-dependent failure cannot be
+    # studied from the assertion alone).
     print(*(f"p{i}: {[_brief(s) for s in steps]}" for i, steps in enumerate(rounds)), sep="\n")
     print(*("".join(p.stderr_tail) for p in peers), sep="\n")
     for steps in rounds:
-        # Every round is the two honest peers together; the stallers count as live...
+        # Every round is the two honest peers together; the stallers count as live.
         assert all(s["status"] == "averaged" and s["group_size"] == 2 for s in steps), steps
         assert all(s["live_peers"] == 5 for s in steps[1:]), steps
-        # ... and are not waited for in the round after a miss, nor in the two after the
-        # next (attendance.py): rounds 2 and 4 of these four form without them.
-        assert steps[1]["wait_s"] < GATHER_S / 2 and steps[3]["wait_s"] < GATHER_S / 2, steps
-    # Rounds 1 and 3: whoever came first waited the whole window for them (the other, less).
-    for n in (0, 2):
-        assert max(steps[n]["wait_s"] for steps in rounds) >= GATHER_S, rounds
+    # The first round waits the whole window for them (whoever came first; the other less).
+    assert max(steps[0]["wait_s"] for steps in rounds) >= GATHER_S, rounds
+    # A peer may read a staller's heartbeat only in its second round and pay that one's
+    # first miss then (seen in CI). From the third round on, the stallers are waited for in
+    # at most two rounds of four (attendance.py's one schedule: skip 1, then 2, ...): before
+    # that schedule, stallers first seen in different rounds came due in turns and all four
+    # waited; before attendance, every round did.
+    waited = [max(steps[n]["wait_s"] for steps in rounds) >= GATHER_S for n in range(2, 6)]
+    assert sum(waited) <= 2, rounds
+    fast = [max(steps[n]["wait_s"] for steps in rounds) < GATHER_S / 2 for n in range(2, 6)]
+    assert sum(fast) >= 2, rounds
 
 
 def _brief(step: dict[str, object]) -> tuple[object, ...]:

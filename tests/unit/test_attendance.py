@@ -74,3 +74,18 @@ def test_each_excused_peer_that_comes_raises_the_wait_up_to_the_largest_group() 
     assert gathering.wanted(2, [ME, STALLER, LATE]) == 3  # never past the largest group
     # A peer whose heartbeat lapsed is not excused any more (nor waited for).
     assert att.gathering([ME, HONEST, LATE], most=3).excused == {LATE}
+
+
+def test_stallers_first_seen_in_different_rounds_come_due_together() -> None:
+    """Two stallers' heartbeats are read in round 1, the third's only in round 2. Each on its
+    own schedule, the first two came due in round 3 and the third in round 4: every round
+    waited (CI). On one schedule: rounds 3, 5 and 6 wait for none of them."""
+    a, b, c = pid("a"), pid("b"), pid("c")
+    att = Attendance()
+    waited = []
+    for r in range(1, 8):
+        live = [ME, HONEST, a, b] + ([c] if r > 1 else [])
+        waits = att.expected(live) > 2
+        waited.append(waits)
+        att.record(live, Gathered(announced={ME, HONEST}, short=waits))
+    assert waited == [True, True, False, True, False, False, True]

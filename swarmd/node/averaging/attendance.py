@@ -6,7 +6,9 @@ honest peers sit out the whole gather window: 0.16 s rounds became 10.8 s (issue
 peer remembers who was live, was counted in its target, and did not come (the round formed
 short of that target without them), and does not wait for them in the next rounds:
 1 round after the first miss, then 2, 4 and at most MAX_SKIP rounds after each further miss in
-a row. A peer seen announcing for a round is waited for again at once.
+a row. A peer seen announcing for a round is waited for again at once. All the peers not
+waited for share one schedule (the longest skip any of them earned), so stallers first seen
+in different rounds do not come due in turns.
 
 Why back off rather than wait again only for peers seen announcing: the peers that are not
 waited for are exactly the ones nobody sees announcing, because a group that stops waiting
@@ -108,7 +110,8 @@ class Attendance:
         """Accounts one round; returns the peers newly not waited for. ``among``: the live
         peers this gathering was for (a grid row, grid.py), when not all of them."""
         alive = set(live)
-        waited_for = (alive if among is None else alive & set(among)) - self.absent
+        absent = self.absent
+        waited_for = (alive if among is None else alive & set(among)) - absent
         self._rounds += 1
         self._missing = {
             p: m for p, m in self._missing.items() if p in alive and p not in gathered.announced
@@ -118,6 +121,17 @@ class Attendance:
         newly = waited_for - gathered.announced
         for p in newly:
             misses = self._missing[p].misses + 1 if p in self._missing else 1
-            skip = min(MAX_SKIP, 2 ** (misses - 1))
-            self._missing[p] = _Missing(misses, self._rounds + skip)
+            self._missing[p] = _Missing(misses, self._rounds)
+        # One schedule for all of them: the peers marked now and those already not waited
+        # for come due together, after the longest skip any of them has earned. Each on its
+        # own schedule, a staller first seen a round after the others came due in the rounds
+        # between theirs, and every round waited out the window (seen in CI: two of three
+        # stallers' heartbeats read in round 1, the third in round 2, then all four rounds
+        # waited 10 s).
+        marked = [p for p in self._missing if p in newly or p in absent]
+        if marked:
+            most = max(self._missing[p].misses for p in marked)
+            until = self._rounds + min(MAX_SKIP, 2 ** (most - 1))
+            for p in marked:
+                self._missing[p] = _Missing(self._missing[p].misses, until)
         return newly
