@@ -89,3 +89,14 @@ def test_stallers_first_seen_in_different_rounds_come_due_together() -> None:
         waited.append(waits)
         att.record(live, Gathered(announced={ME, HONEST}, short=waits))
     assert waited == [True, True, False, True, False, False, True]
+
+
+def test_a_short_round_with_nobody_new_missing_does_not_put_the_absent_off_again() -> None:
+    """A lone honest peer is held at min_group_size: its rounds fall short with no one new
+    missing. The staller still comes due on its own schedule (after 1 round, here)."""
+    att = Attendance()
+    live = [ME, STALLER]
+    att.record(live, Gathered(announced={ME}, short=True))  # the staller's first miss
+    assert att.absent == {STALLER}
+    att.record(live, Gathered(announced={ME}, short=True))  # alone again, nobody new
+    assert att.absent == set()

@@ -4,11 +4,11 @@ A round waits for as many peers as heartbeat in the run (up to the target group 
 identities that heartbeat and never announce themselves for a round made every round of two
 honest peers sit out the whole gather window: 0.16 s rounds became 10.8 s (issue 46). Here a
 peer remembers who was live, was counted in its target, and did not come (the round formed
-short of that target without them), and does not wait for them in the next rounds:
-1 round after the first miss, then 2, 4 and at most MAX_SKIP rounds after each further miss in
-a row. A peer seen announcing for a round is waited for again at once. All the peers not
-waited for share one schedule (the longest skip any of them earned), so stallers first seen
-in different rounds do not come due in turns.
+short of that target without them), and does not wait for them in the next rounds: a lone
+staller 1 round after its first miss, then 2, 4 and at most MAX_SKIP rounds after each
+further miss in a row. A peer seen announcing for a round is waited for again at once. The
+peers not waited for share one schedule (the longest skip any of them earned), so stallers
+first seen in different rounds do not come due in turns.
 
 Why back off rather than wait again only for peers seen announcing: the peers that are not
 waited for are exactly the ones nobody sees announcing, because a group that stops waiting
@@ -128,10 +128,15 @@ class Attendance:
         # between theirs, and every round waited out the window (seen in CI: two of three
         # stallers' heartbeats read in round 1, the third in round 2, then all four rounds
         # waited 10 s).
-        marked = [p for p in self._missing if p in newly or p in absent]
-        if marked:
+        # Only when someone new missed, never earlier than a peer's own due round, and only
+        # among the peers this gathering was for: else every short round (a lone peer held
+        # at min_group_size) would put the absent ones off again and again.
+        scope = alive if among is None else alive & set(among)
+        marked = [p for p in self._missing if p in newly or (p in absent and p in scope)]
+        if newly:
             most = max(self._missing[p].misses for p in marked)
             until = self._rounds + min(MAX_SKIP, 2 ** (most - 1))
             for p in marked:
-                self._missing[p] = _Missing(self._missing[p].misses, until)
+                m = self._missing[p]
+                self._missing[p] = _Missing(m.misses, max(m.until, until))
         return newly

@@ -38,7 +38,7 @@ from swarmd.protocol.identity import PeerId
 log = logging.getLogger("swarmd.matchmaking")
 
 #: The most peers one announcement may stand for (a grid slot's takeovers: at most a group's
-#: size); more are ignored, so a forged list cannot grow a reader's memory.
+#: size); only this many are kept, so a forged list cannot grow what a reader holds.
 MAX_STANDS_FOR = 64
 
 
@@ -158,7 +158,9 @@ def _decode(
     try:
         info.ParseFromString(value.value)
         member = Member(peer, info.address, info.bandwidth, info.client)
-        stands_for = frozenset(PeerId(raw) for raw in info.stands_for[:MAX_STANDS_FOR])
+        stands_for = frozenset(
+            PeerId(raw) for raw in info.stands_for[:MAX_STANDS_FOR] if len(raw) == len(peer.raw)
+        )  # a malformed id is skipped, not the member
     except Exception:  # a malformed announcement only costs its author the round
         return None
     return member, (_decode_group(peer, info.group) if info.group else None), stands_for
@@ -389,7 +391,9 @@ async def form_group(
     gathered: Gathered | None = None,
 ) -> Group | None:
     """The group this peer averages with for ``key``, or None (too few peers: skip the round).
-    ``gathered``, if given, is told who announced and whether the gathering fell short
+    ``gathered``, if given, tells the gathering whom it excuses (each that comes raises the
+    size waited for) or which peers it is for (`Gathered.expected`: done once each came or is
+    stood for), and is told who announced and whether the gathering fell short
     (attendance.py: whom the next round need not wait for).
 
     Gathering stops once the target is visible, also when more peers are coming: waiting for
@@ -406,15 +410,16 @@ async def form_group(
         key, info.SerializeToString(), announced_until, subkey=str(me.peer_id), republish=False
     )
     view, mine = await _gather(dht, key, me, cfg, gathered)
-    gathered.announced = set(view.visible)
+    # The members of a leader's group came, also those whose announcements this peer had
+    # not read yet: counted as absent, they would not be waited for in the next rounds.
+    seen = set(view.visible) | ({m.peer_id for m in mine.members} if mine else set())
+    gathered.announced = seen
     # Excused peers that came make the groups this peer cuts as large as it waited for.
-    cfg = dataclasses.replace(
-        cfg, target_group_size=gathered.wanted(cfg.target_group_size, view.visible)
-    )
+    cfg = dataclasses.replace(cfg, target_group_size=gathered.wanted(cfg.target_group_size, seen))
     # Short even when a leader's group came first: the round still formed without the peers
     # this one counted, and every member must reach the same verdict, or the ones that still
     # count them make the next round wait when they lead it.
-    gathered.short = len(view.visible) < cfg.target_group_size
+    gathered.short = len(seen) < cfg.target_group_size
     if mine is not None:
         return _group(key, mine)
     available = await _available(dht, view, me, cfg)
