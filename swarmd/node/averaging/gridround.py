@@ -141,7 +141,7 @@ class GridPeer:
         wait_for = len(expected)
         if not level:
             gathered = self.attendance.gathering(expected, cfg.target_group_size)
-            wait_for -= len(gathered.excused)
+            wait_for = self.attendance.expected(expected)
         else:
             # Complete once every slot's peer came or is stood for by the member that took
             # its slot over: waiting for a peer that never came cost the upper window.
