@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Generator
 
 from swarmd.node.algorithms.swarm.directory import StageRecord, by_stage
-from swarmd.node.algorithms.swarm.rebalance import choose_move, stage_rates
+from swarmd.node.algorithms.swarm.rebalance import choose_move, contest, stage_rates
 from swarmd.node.algorithms.swarm.router import MAX_BAN_S, Router
-from swarmd.protocol.identity import Identity
+from swarmd.protocol.identity import Identity, PeerId
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]
 
@@ -159,3 +160,58 @@ def test_a_named_mover_stays_named_while_the_rates_swing() -> None:
     # A named server that fell far behind the best (beyond the gain) is not the mover.
     far = {**first, PEERS[1]: rec(0, 3)}
     assert choose_move(far, named, 2, 1.25, named=True) is None
+
+
+Directory = dict[PeerId, StageRecord]
+
+
+def _claimer(store: Directory, me: PeerId) -> Generator[None, None, bool]:
+    """StageServer._claim as steps on a shared directory: each `yield` is where another
+    server may act (a DHT store or read in between)."""
+    store[me] = rec(1, 10, state="joining")
+    yield
+    verdict = contest(dict(store), me, 1)
+    yield
+    if verdict == "wait":
+        yield  # CONTEST_WAIT_S: long enough for a rival's read and publish (two steps)
+        yield
+        verdict = "go" if contest(dict(store), me, 1) == "go" else "yield"
+        yield
+    if verdict != "go":
+        store[me] = rec(0, 10)
+        yield
+    return verdict == "go"
+
+
+def _outcomes(schedule: list[int], pair: tuple[PeerId, PeerId]) -> list[bool]:
+    """Runs two claimers, taking a step of server schedule[k] at step k (a finished server's
+    turns are skipped), and returns whether each went."""
+    store: Directory = {p: rec(0, 10) for p in pair}
+    runs = [_claimer(store, p) for p in pair]
+    went: list[bool | None] = [None, None]
+    turns = iter(schedule)
+    while None in went:
+        k = next(turns, went.index(None))
+        if went[k] is not None:
+            continue
+        try:
+            next(runs[k])
+        except StopIteration as done:
+            went[k] = done.value
+    return [bool(w) for w in went]
+
+
+def test_two_servers_claiming_one_move_never_both_go() -> None:
+    """Every interleaving of two servers' claims (publish, read, maybe read again, maybe
+    publish a yield): at most one moves. In CI both spare stage-0 servers moved when they
+    looked after the same round with no claim step."""
+    pair = (PEERS[0], PEERS[1])
+    for bits in range(1 << 12):
+        schedule = [(bits >> i) & 1 for i in range(12)]
+        assert sum(_outcomes(schedule, pair)) <= 1, schedule
+    # One after the other: the first goes, the second sees it joining and stays.
+    assert _outcomes([0] * 7 + [1] * 7, pair) == [True, False]
+    assert _outcomes([1] * 7 + [0] * 7, pair) == [False, True]
+    # In lockstep (both publish, then both read) each sees the other; exactly one goes.
+    assert sum(_outcomes([0, 1] * 7, pair)) == 1
+    assert sum(_outcomes([1, 0] * 7, pair)) == 1

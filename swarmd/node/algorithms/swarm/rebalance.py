@@ -12,12 +12,22 @@ leave it at once (Petals saw decisions reverse within minutes as servers moved t
 petals#389). A server moving
 publishes itself as `joining` its new stage at once, so the next look already counts it
 there. Pure functions of the directory: the strategy does the move.
+
+Naming one mover from one view is not enough: the servers of a stage look right after the
+same round boundary, and a mover stays named while its rates swing (`named`), so two servers
+can each be named by their own reads and confirm together (CI: both spare stage-0 servers
+moved). A mover therefore claims first and checks after (`contest`): it publishes itself as
+`joining`, reads the directory again, and goes only when no other server joins the target.
+Of two that both publish before either reads, at least one sees the other; the one with the
+higher lot yields at once, the lower waits a moment and goes only when the other has
+yielded, so two claims never both go (both may yield: the next looks try again).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Literal
 
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.protocol.identity import PeerId
@@ -84,3 +94,17 @@ def choose_move(
     if mover != me or mine.rate <= 0 or not (best > before * gain and best > before):
         return None
     return Move(mine.stage, target, before, best)
+
+
+def contest(
+    records: dict[PeerId, StageRecord], me: PeerId, target: int
+) -> Literal["go", "wait", "yield"]:
+    """What a server that has published its claim on `target` does after reading `records`
+    (see the module's docstring): "go" when nobody else joins the target, "yield" when one
+    with a lower lot does, otherwise "wait" (read again shortly; still contested: yield)."""
+    rivals = [
+        p for p, r in records.items() if p != me and r.state == "joining" and r.stage == target
+    ]
+    if not rivals:
+        return "go"
+    return "yield" if min(_lot(p) for p in rivals) < _lot(me) else "wait"

@@ -26,7 +26,7 @@ from swarmd.node.algorithms.swarm import copies, directory, recovery
 from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.follow import countable, state_to_follow
-from swarmd.node.algorithms.swarm.rebalance import Move, choose_move, stage_rates
+from swarmd.node.algorithms.swarm.rebalance import Move, choose_move, contest, stage_rates
 from swarmd.node.algorithms.swarm.stage_service import StageHost, StageJob, StageShape
 from swarmd.node.averaging.allreduce import Member
 from swarmd.node.averaging.codecs import CodecName
@@ -40,6 +40,10 @@ from swarmd.optim.stage import StageTrainer
 from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.swarm")
+
+#: How long a contested mover waits for its rival to yield (its read and publish, a DHT
+#: round trip each) before reading again.
+CONTEST_WAIT_S = 2.0
 
 
 def cut_stages(model: nn.Module, count: int) -> list[nn.Module]:
@@ -449,13 +453,32 @@ class StageServer:
             self._last_move = None
             await self._move(move)
 
+    async def _claim(self, target: int) -> bool:
+        """Publishes this server as joining `target`, then reads whether another server
+        claims it too (rebalance.py, `contest`): True when this one goes; otherwise it
+        publishes itself serving its stage again."""
+        peer, me = self.peer, self.peer.identity.peer_id
+        await directory.publish(peer.dht, peer.config.name, me, self._record())
+        stages = self.swarm.stages
+        verdict = contest(await directory.read(peer.dht, peer.config.name, stages), me, target)
+        if verdict == "wait":
+            await trio.sleep(CONTEST_WAIT_S)
+            records = await directory.read(peer.dht, peer.config.name, stages)
+            verdict = "go" if contest(records, me, target) == "go" else "yield"
+        if verdict != "go":
+            self._moving_to = None
+            log.info("left the move to stage %d to another server", target)
+            await directory.publish(peer.dht, peer.config.name, me, self._record())
+        return verdict == "go"
+
     async def _move(self, move: Move) -> None:
         """Serves `move.target` instead: announced as joining it, its state downloaded, then
         switched (the old stage keeps its other servers)."""
         assert self.job is not None
         peer = self.peer
         self._moving_to = move.target
-        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())
+        if not await self._claim(move.target):
+            return
         peer.out.event(
             "rebalance",
             f"moving from stage {move.source} to stage {move.target}: the slowest stage's "
