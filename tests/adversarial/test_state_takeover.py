@@ -91,7 +91,15 @@ def test_forged_adverts_do_not_take_over_running_peers(
 
 
 @pytest.mark.parametrize(
-    ("attack", "quorum"), [("huge", 1), ("nan", 1), ("scrambled", 1), ("nan", 2)]
+    ("attack", "quorum"),
+    [
+        # Each kind of unusable state is vetted in tests/unit/test_state_vetting.py; the
+        # default suite keeps one kind with each quorum in processes.
+        pytest.param("huge", 1, marks=pytest.mark.slow),
+        ("nan", 1),
+        pytest.param("scrambled", 1, marks=pytest.mark.slow),
+        ("nan", 2),
+    ],
 )
 def test_a_joiner_refuses_an_unusable_state_and_takes_the_groups(
     processes: ProcessGroup, tmp_path: Path, attack: str, quorum: int

@@ -103,6 +103,9 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     assert len(resumed) == 2 and resumed[1]["origin"] in ("saved", "group")
 
 
+# Slow tier; default suite: the simulator bans a liar (test_sim_rounds, test_sim_cli) and
+# test_poisoned_updates bans one in processes.
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_a_byzantine_peer_is_banned_and_the_honest_ones_agree(tmp_path: Path) -> None:
     """`swarmd chaos --byzantine`'s fault on a committed schedule (deploy/chaos/byzantine.json):
@@ -133,6 +136,9 @@ def test_a_byzantine_peer_is_banned_and_the_honest_ones_agree(tmp_path: Path) ->
     assert all(r["offence"] == "bad_weight" for r in banned)
 
 
+# Slow tier; default suite: the DiLoCo chaos run above and DeMo's own process test
+# (test_demo_join).
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_short_chaos_run_of_demo_keeps_every_invariant(tmp_path: Path) -> None:
     """The same faults on a DeMo run: its per-step exchange survives the kill, the lossy link

@@ -14,7 +14,10 @@ from tests.harness.processes import ProcessGroup
 from tests.harness.runs import DEMO_RUN, STREAMING_RUN, SWARM_RUN, TINY_RUN
 
 
-@pytest.mark.parametrize("algo", ["diloco", "streaming-diloco"])
+# Streaming DiLoCo's client mode shares DiLoCo's matchmaking and reduce: slow tier.
+@pytest.mark.parametrize(
+    "algo", ["diloco", pytest.param("streaming-diloco", marks=pytest.mark.slow)]
+)
 def test_a_client_mode_peer_trains_with_two_servers(
     processes: ProcessGroup, tmp_path: Path, algo: str
 ) -> None:

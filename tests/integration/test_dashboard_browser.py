@@ -160,6 +160,8 @@ def stage_rows(driver: webdriver.Chrome) -> list[list[str]]:
     return found
 
 
+# Slow tier; default suite: a live run in a browser and hostile values as text (above).
+@pytest.mark.slow
 def test_swarm_stages_in_a_browser(
     processes: ProcessGroup, tmp_path: Path, browser: webdriver.Chrome
 ) -> None:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
 from tests.harness.processes import ProcessGroup
 from tests.harness.runs import DEMO_RUN
@@ -55,6 +57,9 @@ def _agreeing_tail(runs: list[list[dict[str, Any]]], last: int) -> dict[int, set
     return {n: {r[n] for r in per_run} for n in common}
 
 
+# Slow tier; default suite: three DeMo peers (above), a member killed mid-reduce (test_allreduce,
+# test_sim_allreduce).
+@pytest.mark.slow
 def test_a_killed_member_does_not_stall_the_others_and_a_joiner_catches_up(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:

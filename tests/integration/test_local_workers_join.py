@@ -118,6 +118,9 @@ def test_more_ranks_than_the_run_allows_is_refused(processes: ProcessGroup, tmp_
     assert "allows at most 2 local ranks per peer" in "".join(peer.stderr_tail)
 
 
+# Slow tier; default suite: a dead rank is reported (test_local_ranks) and a two-rank peer trains
+# (above).
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_peer_which_restarts_and_resumes(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:

@@ -81,6 +81,8 @@ class _Joiner:
         )  # fmt: skip
 
 
+# Slow tier; default suite: one NATed peer with a public one, DiLoCo and DeMo (above).
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_two_of_four_behind_nat_train_with_the_rest(
     net: Network, peers: ProcessGroup, tmp_path: Path

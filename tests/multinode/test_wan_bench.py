@@ -12,6 +12,9 @@ import pytest
 from tests.harness.processes import ROOT
 
 
+# Slow tier; a benchmark's run; netns hosts and shaped links stay in the default suite
+# (test_netns).
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_wan_benchmark_short_run_reports_every_figure() -> None:
     done = subprocess.run(
