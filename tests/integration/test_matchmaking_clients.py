@@ -60,9 +60,16 @@ def test_only_unreachable_peers_form_no_group(caplog: pytest.LogCaptureFixture) 
     trio.run(main)
 
 
-def test_the_lowest_reachable_peer_leads_even_when_the_cut_would_leave_it_out() -> None:
+def test_with_the_lowest_ids_behind_nat_every_group_has_a_leader_and_its_holders_agree() -> None:
     """Target 2 with the two lowest ids behind NAT: cutting the sorted list to the target
-    first would leave two clients and no leader, and nobody would average."""
+    first left two clients and no leader, and nobody averaged. `partition`'s unit test
+    (tests/unit/test_matchmaking_partition.py) checks the cut: the lowest reachable peer
+    leads the lowest client. Here, on a real DHT, which pairs form depends on the order the
+    announcements are read: a peer stops gathering once the target is visible, and a client
+    follows the first leader that names it ({0, 2} when peer 2 read all four first, {0, 3}
+    when peer 3 read peer 0 first: CI saw both). What holds in every order: each group has a
+    reachable leader, every peer holding it is among its members and all holders agree, and
+    a client is never grouped with clients only."""
 
     async def main() -> None:
         async with matchmaking_peers(4) as peers:
@@ -72,23 +79,19 @@ def test_the_lowest_reachable_peer_leads_even_when_the_cut_would_leave_it_out() 
             pair = dataclasses.replace(FAST, target_group_size=2, gather_s=2.0)
             with trio.fail_after(30):
                 groups = await form_all(peers, round_key("run", 3), pair)
-            # The lowest reachable peer and the lowest id overall average together.
-            first, second = groups[0], groups[2]
-            assert first is not None and second is not None, groups
-            assert first.round_id == second.round_id
-            assert [m.peer_id for m in first.members] == [
-                peers[0].member.peer_id,
-                peers[2].member.peer_id,
-            ]
-            assert [m.client for m in first.members] == [True, False]
-            # Peer 3 stops gathering once it sees two peers (the target): if it saw peer 0
-            # first it led {0, 3}, a group peer 0 passed over for its lower leader's (seen in
-            # CI). Such a group is 3's own and never the pair's; peer 1 (a client) is in no
-            # group but one peer 3 leads.
-            for i in (1, 3):
-                other = groups[i]
-                if other is not None:
-                    assert other.round_id != first.round_id, groups
-                    assert peers[3].member.peer_id in {m.peer_id for m in other.members}
+            assert any(g is not None for g in groups), groups
+            holders: dict[bytes, list[int]] = {}
+            for i, group in enumerate(groups):
+                if group is None:
+                    continue
+                holders.setdefault(group.round_id, []).append(i)
+                assert peers[i].member.peer_id in {m.peer_id for m in group.members}, groups
+                # Three when the only reachable peer visible to its leader saw both clients.
+                assert 2 <= len(group.members) <= 3, group
+                assert any(not m.client for m in group.members), group
+            for round_id, held in holders.items():
+                first = groups[held[0]]
+                assert first is not None
+                assert all(groups[i] == first for i in held), (round_id, groups)
 
     trio.run(main)

@@ -64,9 +64,8 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     )
     for s in servers:
         wait_for(s, "stage", timeout=STAGE_START_S)
-    trainers = processes.start_many(
-        [trainer_cmd(tmp_path, "t0", boot, STEPS), trainer_cmd(tmp_path, "t1", boot, STEPS)],
-        timeout=STAGE_START_S,
+    (first,) = processes.start_many(
+        [trainer_cmd(tmp_path, "t0", boot, STEPS)], timeout=STAGE_START_S
     )
     # Once the pipeline has trained a round, a third server joins stage 1.
     while (e := servers[2].receive(timeout=90))["event"] != "stage_round" or e["round"] < 1:
@@ -76,6 +75,13 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     )
     joined = wait_for(joiner, "stage", timeout=STAGE_START_S)
     assert joined["origin"] == "group" and joined["round"] >= 1, joined
+    # The second trainer starts once the joiner serves: an idle stage round logs nothing, and
+    # with both trainers started first, an unloaded machine ran all their micro-batches
+    # before the joiner's first round (seen: the joiner logged no round at all).
+    (second,) = processes.start_many(
+        [trainer_cmd(tmp_path, "t1", boot, STEPS)], timeout=STAGE_START_S
+    )
+    trainers = [first, second]
     trained = [events_until_exit(t, timeout=240) for t in trainers]
     assert all(t.process.returncode == 0 for t in trainers), [t.stderr_tail for t in trainers]
     for events in trained:
