@@ -21,18 +21,20 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import FileStore, Store
 
 from swarmd.node.peer.local.config import LocalConfig
 from swarmd.node.peer.local.module import training_module
@@ -74,6 +76,27 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+@dataclass(frozen=True)
+class _Rendezvous:
+    store: Store
+    path: str
+
+
+def _rendezvous(work_dir: Path, world: int, timeout: datetime.timedelta) -> _Rendezvous:
+    """The ranks' rendezvous: a torch FileStore in the peer's own directory, readable by its
+    user alone. A TCPStore (torchrun's) listens on every interface whatever host it is given
+    (measured: `*:PORT` for "127.0.0.1") and takes any client's reads and writes: another
+    host could have set the ranks' keys. The ranks are on one machine, so a file does; a
+    killed peer's leftover store is removed first (a stale one would hold old keys)."""
+    work_dir.chmod(0o700)
+    for stale in work_dir.glob("rendezvous-*"):
+        stale.unlink(missing_ok=True)
+    path = str(work_dir / f"rendezvous-{secrets.token_hex(8)}")
+    store = FileStore(path, world)
+    store.set_timeout(timeout)
+    return _Rendezvous(store, path)
+
+
 class LocalRanks(InnerForward):
     """Rank 0's `InnerForward`: each step it tells the other ranks to take the same step (on
     their own batches) and runs its own through DDP; parameters it changed outside a step
@@ -86,7 +109,7 @@ class LocalRanks(InnerForward):
         config: LocalConfig,
         params: Sequence[nn.Parameter],
         procs: list[subprocess.Popen[bytes]],
-        store: TCPStore,
+        store: Store,
     ) -> None:
         super().__init__(nn.Identity())
         self.config = config
@@ -118,23 +141,19 @@ class LocalRanks(InnerForward):
         work_dir.mkdir(parents=True, exist_ok=True)
         spec_path = work_dir / "spec.json"
         spec.write(spec_path)
-        store = TCPStore(
-            "127.0.0.1", 0, config.workers, is_master=True, timeout=timeout,
-            wait_for_workers=False,
-        )  # fmt: skip
+        store = _rendezvous(work_dir, config.workers, timeout)
         env = dict(os.environ)
         # gloo binds the interface its host name resolves to unless told; the ranks of one
         # machine talk over loopback only.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(store.port),
+            SWARMD_LOCAL_STORE=store.path,
             WORLD_SIZE=str(config.workers),
             LOCAL_WORLD_SIZE=str(config.workers),
         )
         procs: list[subprocess.Popen[bytes]] = []
-        ranks = cls(config, params, procs, store)
+        ranks = cls(config, params, procs, store.store)
         try:
             for rank in range(1, config.workers):
                 procs.append(
@@ -144,12 +163,13 @@ class LocalRanks(InnerForward):
                         stdout=sys.stderr,  # stdout carries rank 0's JSON lines
                     )
                 )
-            ranks._await_ready(store, config.timeout_s)
+            ranks._await_ready(store.store, config.timeout_s)
             if config.backend == "nccl":
                 torch.cuda.set_device(ranks._device)
             dist.init_process_group(
-                config.backend, store=store, rank=0, world_size=config.workers, timeout=timeout
-            )
+                config.backend, store=store.store, rank=0, world_size=config.workers,
+                timeout=timeout,
+            )  # fmt: skip
             ranks.module = ranks._guard(
                 lambda: training_module(
                     model, ranks._device, config.precision,
@@ -161,7 +181,7 @@ class LocalRanks(InnerForward):
             raise
         return ranks
 
-    def _await_ready(self, store: TCPStore, timeout_s: float) -> None:
+    def _await_ready(self, store: Store, timeout_s: float) -> None:
         keys = [f"ready/{r}" for r in range(1, self.world)]
         deadline = time.monotonic() + timeout_s
         while not store.check(keys):

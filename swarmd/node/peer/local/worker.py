@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import FileStore
 
 from swarmd.node.peer.local.module import training_module
 from swarmd.node.peer.local.protocol import (
@@ -54,7 +54,7 @@ def inner_config(config: RunConfig) -> DiLoCoConfig:
     return config.diloco_config()
 
 
-def run_worker(spec: WorkerSpec, rank: int, world: int, addr: str, port: int) -> int:
+def run_worker(spec: WorkerSpec, rank: int, world: int, store_path: str) -> int:
     torch.set_num_threads(1)
     config = RunConfig.from_json(spec.run_config.encode())
     local = spec.local
@@ -72,7 +72,8 @@ def run_worker(spec: WorkerSpec, rank: int, world: int, addr: str, port: int) ->
         load_inner_state(names, params, optimizer, state)
     source = load_source(config.data)
     timeout = datetime.timedelta(seconds=local.timeout_s)
-    store = TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    store = FileStore(store_path, world)
+    store.set_timeout(timeout)
     store.set(f"ready/{rank}", "1")
     dist.init_process_group(
         local.backend, store=store, rank=rank, world_size=world, timeout=timeout
@@ -120,8 +121,7 @@ def main(argv: list[str]) -> int:
             WorkerSpec.read(Path(argv[0])),
             rank,
             int(os.environ["WORLD_SIZE"]),
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            os.environ["SWARMD_LOCAL_STORE"],
         )
     except Exception as exc:
         print(f"swarmd: local rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
