@@ -89,11 +89,23 @@ class DhtFlood(multiprocessing.Process):
     """The stranger; ``result()`` after ``join()``: a dict of what it got through."""
 
     def __init__(
-        self, targets: list[Target], identities: int = 300, store: bool = True, ping: bool = True
+        self,
+        targets: list[Target],
+        identities: int = 300,
+        store: bool = True,
+        ping: bool = True,
+        neighbour_records: int = 0,
+        store_identities: int | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.targets, self.identities = targets, identities
+        #: How many of them store (default all): each one's stores are accepted within its
+        #: address's share, replacing the largest holder's records (dht/storage.py).
+        self.store_identities = identities if store_identities is None else store_identities
         self.do_store, self.do_ping = store, ping
+        #: After the store flood, one more identity from the flood's address (an honest
+        #: volunteer behind the same router) stores this many small records at every node.
+        self.neighbour_records = neighbour_records
         self._out: multiprocessing.Queue[dict[str, Any]] = multiprocessing.Queue()
 
     def result(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -115,20 +127,32 @@ class DhtFlood(multiprocessing.Process):
             start = time.monotonic()
             if self.do_store:
                 out.update(await self._store_flood(relays))
+            if self.neighbour_records:
+                records = [(f"neighbour/{j}", b"v%d" % j) for j in range(self.neighbour_records)]
+                stored = await self._store_as(Identity.generate(), relays, records)
+                out["neighbour_stored"] = [n for n, _ in stored]
             out["store_s"] = time.monotonic() - start
             if self.do_ping:
                 out["ids"] = await self._ping_flood(relays)
             nursery.cancel_scope.cancel()
         return out
 
-    async def _store_as(self, identity: Identity, relays: list[str]) -> list[tuple[int, int]]:
-        """One identity's whole owner quota at every node: (records, bytes) stored at each."""
+    async def _store_as(
+        self,
+        identity: Identity,
+        relays: list[str],
+        values: list[tuple[str, bytes]] | None = None,
+    ) -> list[tuple[int, int]]:
+        """`values` (key, value), by default one identity's whole owner quota, at every
+        node: (records, bytes) stored at each."""
         expires = time.time() + 600
         tag = identity.peer_id.raw.hex()[:16]
-        records = [
-            sign_record(identity, f"flood/{tag}/{j}".encode(), os.urandom(VALUE_BYTES), expires)
-            for j in range(math.ceil((4 << 20) / VALUE_BYTES))
-        ]
+        if values is None:
+            values = [
+                (f"flood/{tag}/{j}", os.urandom(VALUE_BYTES))
+                for j in range(math.ceil((4 << 20) / VALUE_BYTES))
+            ]
+        records = [sign_record(identity, k.encode(), v, expires) for k, v in values]
         stored = [(0, 0)] * len(relays)
         client = rpc.RpcClient(identity)
         try:
@@ -153,7 +177,7 @@ class DhtFlood(multiprocessing.Process):
 
     async def _store_flood(self, relays: list[str]) -> dict[str, Any]:
         records, nbytes, used, refused_in_a_row = [0] * len(relays), [0] * len(relays), 0, 0
-        while used < self.identities and refused_in_a_row < 3:
+        while used < self.store_identities and refused_in_a_row < 3:
             stored = await self._store_as(Identity.generate(), relays)
             used += 1
             for i, (n, b) in enumerate(stored):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from swarmd.node.dht.records import RecordError, sign_record
@@ -209,3 +211,49 @@ def test_source_shares_are_validated() -> None:
             StorageLimits(address_share=shares[0], block_share=shares[1])
     assert StorageLimits().per_address == (12_500, 16 << 20)
     assert StorageLimits().per_block == (25_000, 32 << 20)
+
+
+def test_one_identity_that_filled_its_address_leaves_a_newcomer_there_half(
+    clock: FakeClock,
+) -> None:
+    """Volunteers behind one router share an address: a flood from one identity used to
+    lock the next one out (issue 47: 3 of 20 records stored)."""
+    store = Storage(StorageLimits(max_records=160), clock=clock)  # 10 records per address
+    flooder, honest, third = Identity.generate(), Identity.generate(), Identity.generate()
+    for i in range(10):
+        store.put(sign_record(flooder, b"f%d" % i, b"v", clock.now + 10 + i), "10.0.0.7")
+    with pytest.raises(RecordError, match="address quota"):
+        store.put(sign_record(flooder, b"f10", b"v", clock.now + 10), "10.0.0.7")
+    stored = 0
+    for i in range(20):
+        try:
+            store.put(sign_record(honest, b"h%d" % i, b"v", clock.now + 60), "10.0.0.7")
+            stored += 1
+        except RecordError:
+            pass
+    assert stored == 5  # half the address's share; the flooder keeps the other half
+    assert store.source_usage("10.0.0.7")[0] == 10
+    # The flooder's records that went first were its soonest to expire.
+    assert [store.get(b"f%d" % i) != [] for i in range(10)] == [False] * 5 + [True] * 5
+    # The flooder cannot take its room back: it holds as much as the newcomer now.
+    with pytest.raises(RecordError, match="address quota"):
+        store.put(sign_record(flooder, b"f11", b"v", clock.now + 90), "10.0.0.7")
+    # A third identity takes from whichever holds most, down to an even split.
+    for i in range(3):
+        store.put(sign_record(third, b"t%d" % i, b"v", clock.now + 60), "10.0.0.7")
+    with pytest.raises(RecordError, match="address quota"):
+        store.put(sign_record(third, b"t3", b"v", clock.now + 60), "10.0.0.7")
+    counts = sorted(store.usage(o.public_key)[0] for o in (flooder, honest, third))
+    assert counts == [3, 3, 4] and len(store) == 10
+
+
+def test_a_forged_record_evicts_nothing(clock: FakeClock) -> None:
+    store = Storage(StorageLimits(max_records=32), clock=clock)  # 2 records per address
+    flooder, honest = Identity.generate(), Identity.generate()
+    for i in range(2):
+        store.put(sign_record(flooder, b"f%d" % i, b"v", clock.now + 10), "10.0.0.7")
+    good = sign_record(honest, b"h", b"v", clock.now + 10)
+    forged = dataclasses.replace(good, value=b"w")
+    with pytest.raises(RecordError):
+        store.put(forged, "10.0.0.7")
+    assert all(store.get(b"f%d" % i) for i in range(2)) and len(store) == 2

@@ -17,6 +17,17 @@ address the call came from and against its /24 (IPv4) or /48 (IPv6) network: fil
 takes many hosts in many networks, not many keys. A record is charged to whoever delivered its
 current version; records this node stores itself (its own, or ones it fetched) are charged to
 no address.
+
+Within an address's share, identities are served fairly: volunteers behind one home router
+share an address, and first come, first served let one identity that filled the share lock
+out the next (issue 47: a new honest identity stored 3 of 20 records). When the share is
+full, a record from an owner that holds less there than the address's largest holder
+replaces that holder's record that expires first. So a flood from one identity leaves a
+newcomer at its address half the share, and a flood of identities that each filled their
+owner quota (issue 31's) leaves a newcomer with small records all it asks for. The address's
+total stays at its share. What it cannot do: tell a volunteer from fresh identities made to
+look like many (owner keys are free); a flood of one-record identities from the same
+address drives every holder there, honest ones too, toward one record.
 """
 
 from __future__ import annotations
@@ -118,6 +129,9 @@ class Storage:
         #: network's has a "/"), and the two keys each delivered record is charged to.
         self._by_source: dict[str, _Usage] = {}
         self._sources: dict[Slot, tuple[str, str]] = {}
+        #: Per source address, each owner's usage there and the slots it holds (the fair
+        #: share's bookkeeping: who holds most, and which of its records go first).
+        self._held: dict[str, dict[bytes, tuple[_Usage, set[Slot]]]] = {}
         self._total = _Usage()
         # (expires_ms, key, has_subkey, subkey) of every stored record, so that tuples always
         # compare; entries whose slot has changed since are skipped when popped.
@@ -177,12 +191,15 @@ class Storage:
         if old is not None and old.owner_key != record.owner_key:
             raise RecordError("slot is held by another owner until its record expires")
         keys = (source, source_block(source)) if source is not None else None
-        self._check_quota(record, old)
+        evict: list[Slot] = []
         if keys is not None and (old is None or record.supersedes(old)):
-            self._check_source_quota(record, old, keys)
+            evict = self._check_source_quota(record, old, keys)
+        self._check_quota(record, old, evict)
         self._verifier.verify(record)  # cheap for records seen before (republishes)
         if old is not None and not record.supersedes(old):
             return Outcome.SUPERSEDED
+        for gone in evict:  # only once the record that takes their room is verified
+            self._drop(gone)
         if old is not None:
             self._account(old, -1, self._sources.pop(slot, None))
         if record.subkey is None:
@@ -199,7 +216,7 @@ class Storage:
             event.set()
         return Outcome.STORED
 
-    def _check_quota(self, record: Record, old: Record | None) -> None:
+    def _check_quota(self, record: Record, old: Record | None, evict: list[Slot]) -> None:
         lim = self.limits
         usage = self._usage.get(record.owner_key, _Usage())
         count = usage.count + (0 if old else 1)
@@ -209,16 +226,22 @@ class Storage:
                 f"owner quota exceeded ({lim.max_records_per_owner} records, "
                 f"{lim.max_bytes_per_owner} B per owner)"
             )
-        total_count = self._total.count + (0 if old else 1)
-        total_bytes = self._total.nbytes + record.size - (old.size if old else 0)
+        freed = [r for r in map(lambda slot: self._slot(*slot), evict) if r is not None]
+        total_count = self._total.count + (0 if old else 1) - len(freed)
+        total_bytes = (
+            self._total.nbytes + record.size - (old.size if old else 0) - sum(r.size for r in freed)
+        )
         if total_count > lim.max_records or total_bytes > lim.max_bytes:
             raise RecordError("this node's storage is full")
 
     def _check_source_quota(
         self, record: Record, old: Record | None, keys: tuple[str, str]
-    ) -> None:
+    ) -> list[Slot]:
+        """Raises if the record does not fit the source's shares; returns the slots of the
+        address's largest holder it replaces to fit (see the module's docstring)."""
         lim = self.limits
         held_by = self._sources.get((record.key, record.subkey)) if old is not None else None
+        evict: list[Slot] = []
         for key, (max_count, max_bytes), what in zip(
             keys, (lim.per_address, lim.per_block), ("address", "network"), strict=True
         ):
@@ -226,13 +249,67 @@ class Storage:
             same = old is not None and held_by is not None and key in held_by
             count = usage.count + (0 if same else 1)
             nbytes = usage.nbytes + record.size - (old.size if same and old else 0)
+            if what == "address" and (count > max_count or nbytes > max_bytes):
+                evict = self._fair_room(key, record, count - max_count, nbytes - max_bytes)
+            freed = [r for r in map(lambda slot: self._slot(*slot), evict) if r is not None]
+            count, nbytes = count - len(freed), nbytes - sum(r.size for r in freed)
             if count > max_count or nbytes > max_bytes:
                 raise RecordError(
                     f"source {what} quota exceeded: {key} may store {max_count} records, "
                     f"{max_bytes} B on this node"
                 )
+        return evict
+
+    def _fair_room(self, address: str, record: Record, count: int, nbytes: int) -> list[Slot]:
+        """The records of `address`'s largest holder that `record`'s owner may replace to
+        free `count` records and `nbytes` bytes there: its soonest-expiring ones, each while
+        that holder still holds more than the owner will. Empty when it may not (the caller
+        then refuses the record)."""
+        owners = self._held.get(address, {})
+        mine, _ = owners.get(record.owner_key, (_Usage(), set()))
+        my_count, my_bytes = mine.count + 1, mine.nbytes + record.size
+        others = {o: u for o, (u, _) in owners.items() if o != record.owner_key}
+        if not others:
+            return []
+        top = max(others, key=lambda o: (others[o].count, others[o].nbytes))
+        top_count, top_bytes = others[top].count, others[top].nbytes
+        slots = sorted(owners[top][1], key=lambda slot: self._expiry_of(slot))
+        evict: list[Slot] = []
+        for slot in slots:
+            if count <= 0 and nbytes <= 0:
+                break
+            gone = self._slot(*slot)
+            if gone is None:
+                return []
+            if (count > 0 and top_count <= my_count) or (nbytes > 0 and top_bytes <= my_bytes):
+                return []
+            evict.append(slot)
+            top_count, top_bytes = top_count - 1, top_bytes - gone.size
+            count, nbytes = count - 1, nbytes - gone.size
+        return evict if count <= 0 and nbytes <= 0 else []
+
+    def _expiry_of(self, slot: Slot) -> int:
+        found = self._slot(*slot)
+        return found.expires_ms if found is not None else 0
+
+    def _drop(self, slot: Slot) -> None:
+        """Removes a live record (its expiry heap entry is skipped when popped)."""
+        key, subkey = slot
+        current = self._slot(key, subkey)
+        if current is None:
+            return
+        self._account(current, -1, self._sources.pop(slot, None))
+        if subkey is None:
+            del self._plain[key]
+        else:
+            subs = self._subs[key]
+            del subs[subkey]
+            if not subs:
+                del self._subs[key]
 
     def _account(self, record: Record, sign: int, sources: tuple[str, str] | None) -> None:
+        if sources is not None:
+            self._hold(sources[0], record, sign)
         usage = self._usage.setdefault(record.owner_key, _Usage())
         usage.count += sign
         usage.nbytes += sign * record.size
@@ -246,6 +323,21 @@ class Storage:
             by.nbytes += sign * record.size
             if by.count == 0:
                 del self._by_source[key]
+
+    def _hold(self, address: str, record: Record, sign: int) -> None:
+        owners = self._held.setdefault(address, {})
+        usage, slots = owners.setdefault(record.owner_key, (_Usage(), set()))
+        usage.count += sign
+        usage.nbytes += sign * record.size
+        slot = (record.key, record.subkey)
+        if sign > 0:
+            slots.add(slot)
+        else:
+            slots.discard(slot)
+        if usage.count == 0:
+            del owners[record.owner_key]
+            if not owners:
+                del self._held[address]
 
     def get(self, key: bytes) -> list[Record]:
         """Live records under ``key``: the plain one (if any) then sub-key entries."""
@@ -274,12 +366,5 @@ class Storage:
             subkey = raw_subkey if has_subkey else None
             current = self._slot(key, subkey)
             if current is None or current.expires_ms != expires_ms:
-                continue  # replaced since; the newer record has its own heap entry
-            self._account(current, -1, self._sources.pop((key, subkey), None))
-            if subkey is None:
-                del self._plain[key]
-            else:
-                subs = self._subs[key]
-                del subs[subkey]
-                if not subs:
-                    del self._subs[key]
+                continue  # replaced or dropped since; a newer record has its own entry
+            self._drop((key, subkey))
