@@ -253,7 +253,10 @@ def dht_row(args: argparse.Namespace) -> dict[str, Any]:
             pids = [d.pid for d in daemons]
             with RssSampler(pids) as calm_rss:
                 calm = trio.run(_honest_ops, boot, args.dht_ops, "calm")
-            flood = DhtFlood([Target(str(i["address"]), str(i["peer_id"])) for i in infos], 300)
+            # 24 identities store (6x the address's share: within it they replace each other's
+            # records, dht/storage.py), 300 ping.
+            targets = [Target(str(i["address"]), str(i["peer_id"])) for i in infos]
+            flood = DhtFlood(targets, 300, store_identities=24)
             flood.start()
             with RssSampler(pids) as rss:
                 under = trio.run(_honest_ops, boot, args.dht_ops, "flood")
