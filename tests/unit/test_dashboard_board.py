@@ -164,3 +164,53 @@ def test_a_peers_bans_and_recoveries_are_events_once_and_fragments_in_flight_cou
     assert run_view(board)["fragments_in_flight"] == {"0": 1}
     rows = {row["peer_id"][0]: row["in_flight"] for row in peers_view(board)["peers"]}
     assert rows == {"a": 0, "b": None}
+
+
+def test_throwaway_identities_claiming_huge_rounds_do_not_take_over_the_page() -> None:
+    """Issue 47: 60 identities publishing rounds up to 2^63 - 1 set the page's round, emptied
+    the loss chart, made the honest peers' agreeing states show as differing and filled the
+    event list. The board trusts the creator's round (the key that published the config)."""
+    creator = Identity.generate().peer_id
+    honest = [str(creator), "h" * 52, "i" * 52]
+    strangers = [f"s{i:051d}" for i in range(60)]
+    board = Board("r")
+    for poll in range(20):
+        found = reading({p: (5 + poll // 10, 3.0 - poll / 100, "averaged") for p in honest})
+        for i, p in enumerate(strangers):
+            found.heartbeats[p] = "127.0.0.1:9"
+            huge = (1 << 63) - 1 - i - 60 * poll  # a fresh round every poll
+            found.progress[p] = dataclasses.replace(
+                RECORD, round=huge, val_loss=0.01, last_outer="alone"
+            )
+            found.adverts[p] = Advert(huge, f"forged{i}")
+        found.run = parse_config(_value(b'{"algo": "diloco"}'), time.time())[0]
+        assert found.run is not None
+        found.run = dataclasses.replace(found.run, creator=str(creator))
+        board.update(found, float(poll))
+    assert run_view(board)["round"] == 6
+    rows = {row["peer_id"]: row for row in peers_view(board)["peers"]}
+    assert all(rows[p]["state_agrees"] for p in honest)
+    assert not any(rows[p]["state_agrees"] for p in strangers)
+    history = history_view(board)
+    assert history["loss"]["rounds"] == [5, 6]
+    assert {s["peer_id"] for s in history["loss"]["series"]} == set(honest)
+    # The first poll: eight "is in the run" lines and one for the other 55.
+    joins = [e for e in board.events if e["kind"] == "joined"]
+    assert len(joins) == board_module.MAX_JOINS_PER_POLL + 1 == len(board.events) - 1
+    assert joins[-1]["text"] == "55 more peers are in the run"
+    # Without the creator's advert, the live peers' median round is trusted instead.
+    del found.adverts[str(creator)]
+    board.update(found, 21.0)
+    assert run_view(board)["round"] > 1 << 62  # the strangers are a majority: a known limit
+    found.heartbeats = {p: a for p, a in found.heartbeats.items() if p not in strangers[:59]}
+    board.update(found, 22.0)
+    assert run_view(board)["round"] == 6  # one stranger of three is not
+
+
+def test_one_peer_holds_at_most_its_share_of_the_events() -> None:
+    board = Board("r")
+    loud = "l" * 52
+    for poll in range(40):
+        status = "alone" if poll % 2 else "local"
+        board.update(reading({loud: (poll, 1.0, status), "q" * 52: (poll, 1.0, "averaged")}))
+    assert sum(e["peer"] == loud for e in board.events) == board_module.MAX_EVENTS_PER_PEER

@@ -25,6 +25,13 @@ MAX_EVENTS = 200
 _NOTABLE = frozenset({"local", "alone", "partial", "deferred", "failed"})
 #: The event kind on the board of each notice kind a peer publishes (others are not shown).
 _NOTICE_EVENTS = {"peer_banned": "ban", "stage_recovered": "recovery"}
+#: Rounds a peer may claim beyond the run's (`Board.anchor_round`) and still be charted: a
+#: peer is at most a round ahead of another between their outer steps.
+ROUND_SLACK = 2
+#: Events one peer may hold on the board at once, and "joined" events one poll may add (more
+#: are folded into one): 60 throwaway identities once filled all 200 slots (issue 47).
+MAX_EVENTS_PER_PEER = 8
+MAX_JOINS_PER_POLL = 8
 
 
 @dataclass
@@ -75,8 +82,12 @@ class Board:
         #: SWARM: the stage each server was last seen serving, and the stages seen unserved.
         self.stage_of: dict[str, int] = {}
         self.unserved: set[int] = set()
+        #: The peers that came live in the poll being folded in (`_joined`).
+        self._joins: list[str] = []
 
     def event(self, kind: str, text: str, peer: str | None = None, at: float | None = None) -> None:
+        if peer is not None and sum(e["peer"] == peer for e in self.events) >= MAX_EVENTS_PER_PEER:
+            return
         self.events.append(
             {"time": round(at or time.time(), 3), "kind": kind, "text": text, "peer": peer}
         )
@@ -94,8 +105,13 @@ class Board:
             now,
             "",
         )
-        for peer_id in reading.heartbeats.keys() | reading.progress.keys():
+        self._joins = []
+        seen = reading.heartbeats.keys() | reading.progress.keys()
+        for peer_id in seen:
             self._see(peer_id, reading, now)
+        self._joined(reading, now)
+        for peer_id in seen:
+            self._take(peer_id, reading, now)
         for view in self.peers.values():
             if view.live and view.peer_id not in reading.heartbeats:
                 view.live = False
@@ -158,23 +174,61 @@ class Board:
         if view is None:
             view = self.peers[peer_id] = PeerView(peer_id, first_seen=now, last_seen=now)
             view.live = False
-        record = reading.progress.get(peer_id)
         if beating:
             view.last_seen, view.address = now, reading.heartbeats[peer_id]
             if not view.live:
                 view.live = True
-                verb = "is in the run" if self.polls == 1 else "joined"
-                label = self.label_of(peer_id, record or view.record)
-                self.event("joined", f"{label} {verb}", peer_id, now)
+                self._joins.append(peer_id)
+
+    def _take(self, peer_id: str, reading: Reading, now: float) -> None:
+        """A seen peer's record and advert (after the poll's "joined" events)."""
+        view = self.peers[peer_id]
+        record = reading.progress.get(peer_id)
         if record is not None:
             self._record(view, record, now)
         advert = reading.adverts.get(peer_id)
         if advert is not None:
             view.advert_round, view.state_hash = advert.round, advert.state_hash
 
+    def _joined(self, reading: Reading, now: float) -> None:
+        """This poll's "joined" events: one each up to MAX_JOINS_PER_POLL, then one for the
+        rest."""
+        verb = "is in the run" if self.polls == 1 else "joined"
+        for peer_id in sorted(self._joins)[:MAX_JOINS_PER_POLL]:
+            record = reading.progress.get(peer_id) or self.peers[peer_id].record
+            self.event("joined", f"{self.label_of(peer_id, record)} {verb}", peer_id, now)
+        rest = len(self._joins) - MAX_JOINS_PER_POLL
+        if rest > 0:
+            self.event(
+                "joined",
+                f"{rest} more peers {'are in the run' if self.polls == 1 else 'joined'}",
+                at=now,
+            )
+
+    def anchor_round(self) -> int | None:
+        """The run's round as the board trusts it: the creator's (the key that published the
+        run's config) while it advertises a state, else the median of the live peers'
+        advertised rounds. Rounds are self-declared: 60 throwaway identities claiming
+        2^63 - 1 once set the page's round, emptied its loss chart and made the honest
+        peers' agreeing states show as differing (issue 47). Without the creator, a
+        majority of such identities still moves the median."""
+        reading = self.reading
+        creator = reading.run.creator if reading.run is not None else None
+        if creator is not None and creator in reading.adverts and creator in reading.heartbeats:
+            return reading.adverts[creator].round
+        rounds = sorted(a.round for p, a in reading.adverts.items() if p in reading.heartbeats)
+        return rounds[(len(rounds) - 1) // 2] if rounds else None
+
+    def plausible(self, round_no: int) -> bool:
+        """Whether a round a peer claims is within ROUND_SLACK of the run's."""
+        anchor = self.anchor_round()
+        return anchor is None or round_no <= anchor + ROUND_SLACK
+
     def _record(self, view: PeerView, record: ProgressRecord, now: float) -> None:
         old, view.record = view.record, record
         self._notices(view, record, now)
+        if not self.plausible(record.round):
+            return  # shown in its own row; kept out of the charts and the round's events
         if old is not None and record.step > old.step and record.sent_bytes >= old.sent_bytes:
             view.bytes_per_step = (record.sent_bytes - old.sent_bytes) / (record.step - old.step)
         if record.val_loss is not None:
@@ -228,6 +282,7 @@ class Board:
         live = [v for v in self.peers.values() if v.live and v.state_hash is not None]
         if not live:
             return None
-        newest = max(v.advert_round or 0 for v in live)
+        anchor = self.anchor_round()
+        newest = anchor if anchor is not None else max(v.advert_round or 0 for v in live)
         counts = Counter(v.state_hash for v in live if v.advert_round == newest)
         return counts.most_common(1)[0][0] if counts else None

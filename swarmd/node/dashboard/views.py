@@ -33,7 +33,8 @@ def run_view(board: Board) -> dict[str, Any]:
             "creator": info.creator,
             "age_s": info.age_s,
         },
-        "round": max(rounds, default=None),
+        # The round the board trusts (board.anchor_round), not the largest anyone claims.
+        "round": board.anchor_round() if reading.adverts else max(rounds, default=None),
         "step": max((r.step for r in records), default=None),
         "live_peers": sum(v.live for v in board.peers.values()),
         "gone_peers": sum(not v.live for v in board.peers.values()),
