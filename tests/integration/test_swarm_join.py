@@ -29,6 +29,7 @@ from tests.harness.swarm import STAGE_START_S, stage_server_cmd, trainer_cmd
 
 #: Micro-batches of each trainer in the first test: enough for rounds after the joiner's.
 STEPS = 400
+LATE_STEPS = 100
 
 
 def _longest_run(numbers: list[int]) -> int:
@@ -64,8 +65,9 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     )
     for s in servers:
         wait_for(s, "stage", timeout=STAGE_START_S)
-    (first,) = processes.start_many(
-        [trainer_cmd(tmp_path, "t0", boot, STEPS)], timeout=STAGE_START_S
+    trainers = processes.start_many(
+        [trainer_cmd(tmp_path, "t0", boot, STEPS), trainer_cmd(tmp_path, "t1", boot, STEPS)],
+        timeout=STAGE_START_S,
     )
     # Once the pipeline has trained a round, a third server joins stage 1.
     while (e := servers[2].receive(timeout=90))["event"] != "stage_round" or e["round"] < 1:
@@ -75,18 +77,19 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     )
     joined = wait_for(joiner, "stage", timeout=STAGE_START_S)
     assert joined["origin"] == "group" and joined["round"] >= 1, joined
-    # The second trainer starts once the joiner serves: an idle stage round logs nothing, and
-    # with both trainers started first, an unloaded machine ran all their micro-batches
-    # before the joiner's first round (seen: the joiner logged no round at all).
-    (second,) = processes.start_many(
-        [trainer_cmd(tmp_path, "t1", boot, STEPS)], timeout=STAGE_START_S
+    # A third, short trainer starts once the joiner serves: an idle stage round logs nothing,
+    # and an unloaded machine ran the first two trainers' micro-batches before the joiner's
+    # first round (seen: the joiner logged no round at all). Starting the second one late
+    # instead made the run twice as long, and under load its stage-0 pair split for three
+    # rounds in a row (a clean-clone rehearsal).
+    trainers += processes.start_many(
+        [trainer_cmd(tmp_path, "t2", boot, LATE_STEPS)], timeout=STAGE_START_S
     )
-    trainers = [first, second]
     trained = [events_until_exit(t, timeout=240) for t in trainers]
     assert all(t.process.returncode == 0 for t in trainers), [t.stderr_tail for t in trainers]
-    for events in trained:
+    for events, steps in zip(trained, [STEPS, STEPS, LATE_STEPS], strict=True):
         done = next(e for e in events if e["event"] == "trainer_done")
-        assert done["micro_batches"] == STEPS, done
+        assert done["micro_batches"] == steps, done
     runs = stop_and_collect([*servers, joiner])
 
     by_stage: dict[int, list[list[dict[str, Any]]]] = collections.defaultdict(list)
