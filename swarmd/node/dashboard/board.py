@@ -82,8 +82,10 @@ class Board:
         #: SWARM: the stage each server was last seen serving, and the stages seen unserved.
         self.stage_of: dict[str, int] = {}
         self.unserved: set[int] = set()
-        #: The peers that came live in the poll being folded in (`_joined`).
+        #: The peers that came live in the poll being folded in (`_joined`), and the run's
+        #: round as this poll trusts it (`anchor_round`).
         self._joins: list[str] = []
+        self._anchor: int | None = None
 
     def event(self, kind: str, text: str, peer: str | None = None, at: float | None = None) -> None:
         if peer is not None and sum(e["peer"] == peer for e in self.events) >= MAX_EVENTS_PER_PEER:
@@ -105,7 +107,7 @@ class Board:
             now,
             "",
         )
-        self._joins = []
+        self._joins, self._anchor = [], self._anchor_of(reading)
         seen = reading.heartbeats.keys() | reading.progress.keys()
         for peer_id in seen:
             self._see(peer_id, reading, now)
@@ -206,13 +208,16 @@ class Board:
             )
 
     def anchor_round(self) -> int | None:
+        """The run's round as the board trusts it (computed once per poll, `_anchor_of`)."""
+        return self._anchor
+
+    def _anchor_of(self, reading: Reading) -> int | None:
         """The run's round as the board trusts it: the creator's (the key that published the
         run's config) while it advertises a state, else the median of the live peers'
         advertised rounds. Rounds are self-declared: 60 throwaway identities claiming
         2^63 - 1 once set the page's round, emptied its loss chart and made the honest
         peers' agreeing states show as differing (issue 47). Without the creator, a
         majority of such identities still moves the median."""
-        reading = self.reading
         creator = reading.run.creator if reading.run is not None else None
         if creator is not None and creator in reading.adverts and creator in reading.heartbeats:
             return reading.adverts[creator].round
