@@ -10,10 +10,10 @@ from tests.harness.processes import ProcessGroup
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) the multi-host tests
-    share one worker and run one at a time: they make namespaces, bridges and compose
-    projects on the machine itself, and each sizes its shaped links for a machine that is
-    not also running another host test."""
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, docs/architecture.md "Tiers") the
+    multi-host tests share one worker and run one at a time: they make namespaces, bridges
+    and compose projects on the machine itself, and each sizes its shaped links for a
+    machine that is not also running another host test."""
     for item in items:
         if "tests/multinode/" in item.nodeid:
             item.add_marker(pytest.mark.xdist_group("hosts"))
