@@ -226,11 +226,9 @@ class Storage:
                 f"owner quota exceeded ({lim.max_records_per_owner} records, "
                 f"{lim.max_bytes_per_owner} B per owner)"
             )
-        freed = [r for r in map(lambda slot: self._slot(*slot), evict) if r is not None]
-        total_count = self._total.count + (0 if old else 1) - len(freed)
-        total_bytes = (
-            self._total.nbytes + record.size - (old.size if old else 0) - sum(r.size for r in freed)
-        )
+        freed_count, freed_bytes = self._freed(evict)
+        total_count = self._total.count + (0 if old else 1) - freed_count
+        total_bytes = self._total.nbytes + record.size - (old.size if old else 0) - freed_bytes
         if total_count > lim.max_records or total_bytes > lim.max_bytes:
             raise RecordError("this node's storage is full")
 
@@ -251,8 +249,8 @@ class Storage:
             nbytes = usage.nbytes + record.size - (old.size if same and old else 0)
             if what == "address" and (count > max_count or nbytes > max_bytes):
                 evict = self._fair_room(key, record, count - max_count, nbytes - max_bytes)
-            freed = [r for r in map(lambda slot: self._slot(*slot), evict) if r is not None]
-            count, nbytes = count - len(freed), nbytes - sum(r.size for r in freed)
+            freed_count, freed_bytes = self._freed(evict)
+            count, nbytes = count - freed_count, nbytes - freed_bytes
             if count > max_count or nbytes > max_bytes:
                 raise RecordError(
                     f"source {what} quota exceeded: {key} may store {max_count} records, "
@@ -287,6 +285,11 @@ class Storage:
             top_count, top_bytes = top_count - 1, top_bytes - gone.size
             count, nbytes = count - 1, nbytes - gone.size
         return evict if count <= 0 and nbytes <= 0 else []
+
+    def _freed(self, evict: list[Slot]) -> tuple[int, int]:
+        """(records, bytes) that dropping `evict` frees."""
+        gone = [r for r in (self._slot(*slot) for slot in evict) if r is not None]
+        return len(gone), sum(r.size for r in gone)
 
     def _expiry_of(self, slot: Slot) -> int:
         found = self._slot(*slot)
