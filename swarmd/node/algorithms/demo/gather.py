@@ -161,7 +161,7 @@ class Gatherer:
 
     def __init__(
         self,
-        client: rpc.RpcClient,
+        client: rpc.TensorCaller,
         me: PeerId,
         config: GatherConfig | None = None,
         metrics: Metrics | None = None,

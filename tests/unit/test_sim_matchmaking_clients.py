@@ -1,5 +1,6 @@
-"""Matchmaking with client-mode peers (issue 27), through a real DHT on loopback: peers that
-cannot be dialled join groups, never lead one, and a group of only such peers does not form."""
+"""Matchmaking with client-mode peers (issue 27), through real DHT nodes on the simulated
+network, in virtual time: peers that cannot be dialled join groups, never lead one, and a
+group of only such peers does not form."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import torch
 import trio
 
 from swarmd.node.runkeys import round_key
-from tests.harness.clients import UNREACHABLE
-from tests.harness.matchmaking import FAST, form_all, matchmaking_peers
+from tests.harness.matchmaking import FAST, UNREACHABLE, form_all, matchmaking_peers, run_sim
 
 
 def test_the_two_lowest_ids_unreachable_still_average_with_the_rest() -> None:
@@ -44,7 +44,7 @@ def test_the_two_lowest_ids_unreachable_still_average_with_the_rest() -> None:
             truth = (sum(v.double() for v in values) / 4).float()
             assert all(torch.equal(r, truth) for r in results)
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_only_unreachable_peers_form_no_group(caplog: pytest.LogCaptureFixture) -> None:
@@ -57,7 +57,7 @@ def test_only_unreachable_peers_form_no_group(caplog: pytest.LogCaptureFixture) 
             assert groups == [None, None]
             assert "are all unreachable (client mode)" in caplog.text
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_with_the_lowest_ids_behind_nat_every_group_has_a_leader_and_its_holders_agree() -> None:
@@ -94,4 +94,4 @@ def test_with_the_lowest_ids_behind_nat_every_group_has_a_leader_and_its_holders
                 assert first is not None
                 assert all(groups[i] == first for i in held), (round_id, groups)
 
-    trio.run(main)
+    run_sim(main)

@@ -1,4 +1,5 @@
-"""Matchmaking through a real DHT (in-process nodes on loopback), then a real all-reduce."""
+"""Matchmaking through real DHT nodes on the simulated network, then the real all-reduce,
+in virtual time (tests/harness/matchmaking.py says why not loopback)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from swarmd.node.averaging.allreduce import AllReduceConfig, CodecName, Group, a
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.runkeys import round_key
 from swarmd.protocol import averaging_pb2 as apb
-from tests.harness.matchmaking import FAST, Peer, form_all, matchmaking_peers
+from tests.harness.matchmaking import (
+    FAST,
+    UNREACHABLE,
+    Peer,
+    form_all,
+    matchmaking_peers,
+    run_sim,
+)
 
 
 def test_peers_asking_at_once_agree_on_one_group_and_average() -> None:
@@ -45,7 +53,7 @@ def test_peers_asking_at_once_agree_on_one_group_and_average() -> None:
             assert any('direction="sent"' in ln and float(ln.split()[1]) >= 6000 for ln in sent)
             assert any('direction="received"' in ln and float(ln.split()[1]) >= 6000 for ln in sent)
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_group_forms_with_whoever_is_there_after_the_deadline() -> None:
@@ -58,7 +66,7 @@ def test_group_forms_with_whoever_is_there_after_the_deadline() -> None:
             assert len({g.round_id for g in groups if g}) == 1
             assert all(g is not None and len(g.members) == 3 for g in groups)
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
@@ -70,12 +78,12 @@ def test_a_lonely_peer_skips_the_round_and_a_latecomer_joins_the_next() -> None:
             # Only peer 0 is ready for round 3: below min_group_size, it skips.
             assert (
                 await form_group(peers[0].dht, round_key("run", 3), peers[0].member, quick) is None
-            )  # type: ignore[arg-type]
+            )
             # Round 4: everyone is there, including the peer that missed round 3.
             groups = await form_all(peers, round_key("run", 4), quick)
             assert len({g.round_id for g in groups if g}) == 1 and all(groups)
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_named_tensors_travel_with_a_codec_per_tensor() -> None:
@@ -106,7 +114,7 @@ def test_named_tensors_travel_with_a_codec_per_tensor() -> None:
             assert 'codec="int8",direction="sent"' in text
             assert 'codec="fp32",direction="sent"' in text
 
-    trio.run(main)
+    run_sim(main)
 
 
 def _sent_part_bytes(peer: Peer) -> float:
@@ -153,7 +161,7 @@ def test_zstd_framed_int8_parts_shrink_and_average_within_the_int8_bound() -> No
                 assert float((results[0] - truth).abs().max()) <= bound
                 sent[level] = sum(_sent_part_bytes(p) for p in peers)
 
-        trio.run(main)
+        run_sim(main)
     # 2 phases x 3 peers x 2 parts of ~13,333 values at ~1 byte each, unframed.
     assert sent[None] >= 6 * 2 * 13_000
     assert sent[3] < 0.8 * sent[None]
@@ -212,7 +220,7 @@ def test_out_receives_the_same_average_and_bad_out_is_refused_before_the_round()
                 with pytest.raises(ValueError, match="out must"):
                     await peers[0].averager.allreduce(group, values[0], 1.0, out=bad)
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_a_latecomer_does_not_group_with_peers_already_committed() -> None:
@@ -225,10 +233,10 @@ def test_a_latecomer_does_not_group_with_peers_already_committed() -> None:
             quick = MatchmakingConfig(
                 target_group_size=4, min_group_size=2, gather_s=1.0, commit_wait_s=1.0
             )
-            late = await form_group(peers[3].dht, key, peers[3].member, quick)  # type: ignore[arg-type]
+            late = await form_group(peers[3].dht, key, peers[3].member, quick)
             assert late is None
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_a_peer_that_announced_and_died_does_not_block_the_round() -> None:
@@ -239,14 +247,14 @@ def test_a_peer_that_announced_and_died_does_not_block_the_round() -> None:
         async with matchmaking_peers(4) as peers:
             key = round_key("run", 9)
             ghost, *live = sorted(peers, key=lambda p: p.identity.peer_id)
-            dead = apb.MemberInfo(address="127.0.0.1:1", bandwidth=1e8).SerializeToString()
+            dead = apb.MemberInfo(address=UNREACHABLE, bandwidth=1e8).SerializeToString()
             await ghost.dht.store(key, dead, ghost.dht.now() + 60, subkey=str(ghost.member.peer_id))  # type: ignore[attr-defined]
             groups = await form_all(live, key, FAST)
             assert all(g is not None for g in groups), groups
             members = {tuple(m.peer_id for m in g.members) for g in groups if g is not None}
             assert members == {tuple(p.identity.peer_id for p in live)}
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_a_peer_still_gathering_goes_at_once_when_a_leader_commits_to_it() -> None:
@@ -270,7 +278,7 @@ def test_a_peer_still_gathering_goes_at_once_when_a_leader_commits_to_it() -> No
 
             async def form(name: str, peer: Peer, cfg: MatchmakingConfig) -> None:
                 start = trio.current_time()
-                groups[name] = await form_group(peer.dht, key, peer.member, cfg)  # type: ignore[arg-type]
+                groups[name] = await form_group(peer.dht, key, peer.member, cfg)
                 took[name] = trio.current_time() - start
 
             async with trio.open_nursery() as nursery:
@@ -283,7 +291,7 @@ def test_a_peer_still_gathering_goes_at_once_when_a_leader_commits_to_it() -> No
             # within a few polls of it, far inside its 8 s gather deadline.
             assert took["follower"] < 4.0, took
 
-    trio.run(main)
+    run_sim(main)
 
 
 def test_news_stored_on_a_waiting_peers_own_node_ends_its_wait_before_the_next_poll() -> None:
@@ -303,7 +311,7 @@ def test_news_stored_on_a_waiting_peers_own_node_ends_its_wait_before_the_next_p
 
             async def form(i: int, delay: float) -> None:
                 await trio.sleep(delay)
-                groups[i] = await form_group(peers[i].dht, key, peers[i].member, slow_polls)  # type: ignore[arg-type]
+                groups[i] = await form_group(peers[i].dht, key, peers[i].member, slow_polls)
                 done[i] = trio.current_time()
 
             async with trio.open_nursery() as nursery:
@@ -317,4 +325,4 @@ def test_news_stored_on_a_waiting_peers_own_node_ends_its_wait_before_the_next_p
             # group at their next poll after that: about 4-8 s after the last arrival.
             assert max(done) - last_arrival < 2.0, [t - last_arrival for t in done]
 
-    trio.run(main)
+    run_sim(main)
