@@ -13,7 +13,9 @@ Per parameter p with gradient g (None counts as zeros) and learning rate lr::
     δ ← β·δ + lr·g                         (β = compression_decay)
     (idx, val) ← top-k |DCT(δ)| per block  (what this peer sends: `prepare`)
     δ ← δ − IDCT(scatter(idx, val))        (error feedback)
-    c ← mean over the peers that sent each coefficient (`apply`)
+    c ← mean over the peers that sent each coefficient (`apply`; each peer's
+        norm clipped to the group's median, a peer opposed to the rest left out:
+        demo_robust.py)
     p ← p·(1 − lr·wd) − lr·sign(IDCT(c))
 
 This follows the reference implementation (github.com/bloc97/DeMo), written anew:
@@ -57,6 +59,7 @@ from swarmd.compression.sparse_wire import (
     dequantize_values,
     quantize_values,
 )
+from swarmd.optim.demo_robust import clipped_to_median, opposed
 
 __all__ = ["DeMo", "DeMoConfig", "SparseLayout", "SparseUpdate", "dct_basis"]
 
@@ -91,6 +94,13 @@ class DeMoConfig:
     #: with a scale per block, `sparse_wire.quantize_values`). Below 16 what is removed from δ
     #: is what the codes decode to, so the rounding stays in δ and is sent later.
     value_bits: int = 16
+    #: Each peer's coefficients for a tensor are scaled down to at most this multiple of the
+    #: peers' (lower) median norm for it before they are averaged (demo_robust.py); 0 turns
+    #: it off (the reference's plain mean, which one peer's x(-1000) coefficients steer).
+    clip_to_median: float = 1.0
+    #: From three peers on, a peer whose coefficients point against the sum of the others'
+    #: is left out of the step's mean while such peers are fewer than half (demo_robust.py).
+    drop_opposed: bool = True
 
     def __post_init__(self) -> None:
         if _number("lr", self.lr) <= 0:
@@ -103,6 +113,10 @@ class DeMoConfig:
         _positive_int("compression_chunk", self.compression_chunk)
         if _number("weight_decay", self.weight_decay) < 0:
             raise ValueError(f"DeMoConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if _number("clip_to_median", self.clip_to_median) < 0:
+            raise ValueError(
+                f"DeMoConfig.clip_to_median must be >= 0 (0: off), got {self.clip_to_median!r}"
+            )
         if self.value_bits not in VALUE_DTYPES:
             raise ValueError(
                 f"DeMoConfig.value_bits must be one of {sorted(VALUE_DTYPES)}, "
@@ -255,8 +269,9 @@ class DeMo:
         return out
 
     @torch.no_grad()
-    def apply(self, gathered: Sequence[Sequence[SparseUpdate]]) -> None:
-        """Average every peer's coefficients, decode, and take the weight-decay + sign step.
+    def apply(self, gathered: Sequence[Sequence[SparseUpdate]]) -> list[int]:
+        """Average every peer's coefficients, decode, and take the weight-decay + sign step;
+        the positions of the peers left out of the mean (demo_robust.py).
 
         `gathered[j]` is peer j's list (this peer's own included). Everything is validated
         before any parameter changes, so a ValueError leaves the state as it was. Duplicate
@@ -264,20 +279,35 @@ class DeMo:
         they would count as two contributions, as in the reference.
         """
         self._check_gathered(gathered)
-        lr, wd = self._lr, self.config.weight_decay
-        for i, (p, pl) in enumerate(zip(self._params, self._plans, strict=True)):
+        lr, wd, cfg = self._lr, self.config.weight_decay, self.config
+        indices = [
+            [peer[i].indices.to(pl.device).reshape(pl.blocks, -1) for peer in gathered]
+            for i, pl in enumerate(self._plans)
+        ]
+        values = [
+            clipped_to_median(
+                [
+                    peer[i].values.to(device=pl.device, dtype=pl.dtype).reshape(pl.blocks, -1)
+                    for peer in gathered
+                ],
+                cfg.clip_to_median,
+            )
+            for i, pl in enumerate(self._plans)
+        ]
+        shapes = [(pl.blocks, pl.block_size) for pl in self._plans]
+        left_out = set(opposed(indices, values, shapes)) if cfg.drop_opposed else set()
+        for p, pl, idx, val in zip(self._params, self._plans, indices, values, strict=True):
             total = torch.zeros(pl.blocks, pl.block_size, dtype=pl.dtype, device=pl.device)
             count = torch.zeros_like(total)
-            for peer in gathered:
-                update = peer[i]
-                idx = update.indices.to(pl.device).reshape(pl.blocks, -1)
-                val = update.values.to(device=pl.device, dtype=pl.dtype).reshape(pl.blocks, -1)
-                total.scatter_add_(1, idx, val)
-                count.scatter_add_(1, idx, torch.ones_like(val))
+            for j, (ix, v) in enumerate(zip(idx, val, strict=True)):
+                if j not in left_out:
+                    total.scatter_add_(1, ix, v)
+                    count.scatter_add_(1, ix, torch.ones_like(v))
             step = self._inverse(total / count.clamp_min(1.0), pl).sign_()
             if wd:
                 p.mul_(1.0 - lr * wd)
             p.sub_(step.to(p.dtype), alpha=lr)
+        return sorted(left_out)
 
     def step(
         self, exchange: Callable[[list[SparseUpdate]], Sequence[Sequence[SparseUpdate]]]

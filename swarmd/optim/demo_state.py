@@ -87,11 +87,13 @@ class DeMoRun:
         self.opt.lr = self.config.lr * self.schedule.factor(self.step)
         return self.opt.prepare()
 
-    def apply(self, gathered: Sequence[Sequence[SparseUpdate]]) -> None:
+    def apply(self, gathered: Sequence[Sequence[SparseUpdate]]) -> list[int]:
         """Every member's updates, in the same order on every member (floating-point sums
-        depend on it): the step every member takes alike."""
-        self.opt.apply(gathered)
+        depend on it): the step every member takes alike; the positions of the members
+        left out of its mean (optim/demo_robust.py)."""
+        left_out = self.opt.apply(gathered)
         self.step += 1
+        return left_out
 
     def param_hash(self) -> bytes:
         """Blake2b of the parameters' bytes: equal on members that took the same steps."""

@@ -8,6 +8,7 @@ the peer `swarmd chaos --byzantine` runs), or its reductions lie.
     SWARMD_LIE=reducer  python -m tests.harness.lying_peer join ...   # serves its part x -1
     SWARMD_LIE=forger   python -m tests.harness.lying_peer join ...   # ... and forges its proof
     SWARMD_LIE=equivocator ...                                # ... a different proof per member
+    SWARMD_LIE=demo1000 ...            # DeMo: its signed payloads carry its coefficients x -1000
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
 swarmd code.
@@ -35,7 +36,20 @@ def lying_aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
     return result.neg_()
 
 
-LIES = (*byzantine.LIES, "reducer", "forger", "equivocator")
+def install_demo_scaled(factor: float) -> None:
+    """Every DeMo step sends (and applies itself) its coefficients x ``factor``: finite,
+    well-formed, signed, and the same bytes to every member, so its state agrees with theirs."""
+    from swarmd.optim.demo import DeMo, SparseUpdate
+
+    honest = DeMo.prepare
+
+    def lying_prepare(self: DeMo) -> list[SparseUpdate]:
+        return [SparseUpdate(u.indices, u.values * factor, u.block_size) for u in honest(self)]
+
+    DeMo.prepare = lying_prepare  # type: ignore[method-assign]
+
+
+LIES = (*byzantine.LIES, "reducer", "forger", "equivocator", "demo1000")
 if LIE not in LIES:
     raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
@@ -43,6 +57,8 @@ if LIE == "forger":
     forger.install()
 elif LIE == "equivocator":
     forger.install_equivocator()
+elif LIE == "demo1000":
+    install_demo_scaled(-1000.0)
 elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:

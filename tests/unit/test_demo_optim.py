@@ -18,6 +18,7 @@ import torch
 
 from swarmd.compression.sparse_wire import decode_sparse, encode_sparse
 from swarmd.optim.demo import DeMo, DeMoConfig, SparseUpdate
+from swarmd.optim.demo_robust import clipped_to_median, opposed
 from swarmd.optim.demo_state import DeMoRun
 from swarmd.optim.schedule import LrSchedule
 
@@ -218,7 +219,15 @@ def test_one_peer_matches_the_paper(
 
 def test_three_peers_stay_identical_and_match_the_paper() -> None:
     shapes = [(37,), (48, 80), (16, 24)]
-    cfg = DeMoConfig(lr=1e-2, compression_topk=4, compression_chunk=8, weight_decay=0.01)
+    # The reference's plain mean (demo_robust.py's rules are swarmd's, tested below).
+    cfg = DeMoConfig(
+        lr=1e-2,
+        compression_topk=4,
+        compression_chunk=8,
+        weight_decay=0.01,
+        clip_to_median=0,
+        drop_opposed=False,
+    )
     peers = [make_params(shapes, 3, torch.float64) for _ in range(3)]
     demos = [DeMo(p, cfg) for p in peers]
     ref_params = [p.numpy().copy() for p in make_params(shapes, 3, torch.float64)]
@@ -447,3 +456,64 @@ def test_a_run_clips_the_gradient_before_the_momentum(clip: float | None) -> Non
     run.gradients((torch.ones(2, 4), torch.ones(2, 4)))
     norm = float(torch.linalg.vector_norm(run.model.w.grad))
     assert norm == pytest.approx(1.0, rel=1e-5) if clip else norm > 1000
+
+
+def _steps_with_a_liar(clip: float, factor: float, drop: bool = True) -> float:
+    """Three peers on a shared least-squares target, the last sending its coefficients
+    x ``factor``: the honest peers' distance to the optimum after 200 steps, over the one
+    they started at."""
+    torch.manual_seed(0)
+    target = torch.randn(32, 32, dtype=torch.float64)
+    cfg = DeMoConfig(
+        lr=1e-2, compression_topk=8, compression_chunk=16, clip_to_median=clip, drop_opposed=drop
+    )
+    params = [[torch.zeros(32, 32, dtype=torch.float64)] for _ in range(3)]
+    demos = [DeMo(p, cfg) for p in params]
+    start = float(target.norm())
+    for _ in range(200):
+        for p in params:
+            p[0].grad = p[0].detach() - target + 0.3 * torch.randn_like(target)
+        sent = [d.prepare() for d in demos]
+        sent[2] = [SparseUpdate(u.indices, u.values * factor, u.block_size) for u in sent[2]]
+        for d in demos:
+            d.apply(sent)
+    assert torch.equal(params[0][0], params[1][0])  # clipped or not, members agree
+    return float((params[0][0] - target).norm()) / start
+
+
+def test_a_member_sending_its_coefficients_x_minus_1000_is_bounded_then_left_out() -> None:
+    """Measured (seed 0), distance left of the starting one: honest 0.42; the liar
+    unbounded 1.38 (it turns the honest ones round), clipped only 0.80 (it weighs one honest
+    peer sending the opposite), clipped and left out when opposed 0.68; two honest peers
+    alone reach 0.51 (the third's samples are what the liar takes away)."""
+    honest = _steps_with_a_liar(1.0, 1.0)
+    # The rules cost honest peers nothing here.
+    assert honest == pytest.approx(_steps_with_a_liar(0.0, 1.0, drop=False), rel=0.05)
+    assert _steps_with_a_liar(0.0, -1000.0, drop=False) > 1.0
+    clipped = _steps_with_a_liar(1.0, -1000.0, drop=False)
+    both = _steps_with_a_liar(1.0, -1000.0)
+    assert honest < 0.5 and both < clipped < 0.9, (honest, clipped, both)
+
+
+def test_a_member_opposed_to_the_rest_is_left_out_and_a_pair_never_is() -> None:
+    shapes = [(2, 4)]
+    idx = torch.tensor([[0, 1], [2, 3]])
+    agree = torch.tensor([[1.0, 2.0], [1.0, 1.0]])
+    members = [agree, agree * 1.5, agree * 0.5, -agree]
+    indices = [[idx] * 4]
+    assert opposed(indices, [members], shapes) == [3]
+    assert opposed([[idx] * 2], [[agree, -agree]], shapes) == []  # a pair: no majority
+    # Half or more opposed: no majority to trust, nobody left out.
+    assert opposed(indices, [[agree, agree, -agree, -agree]], shapes) == []
+    # Disjoint coefficients are orthogonal, not opposed.
+    other = torch.tensor([[2, 3], [0, 1]])
+    assert opposed([[idx, idx, other]], [[agree, agree, -agree]], shapes) == []
+
+
+def test_clipping_leaves_peers_within_the_median_norm_as_they_are() -> None:
+    values = [torch.full((4,), x) for x in (1.0, 2.0, 3.0, 400.0)]
+    out = clipped_to_median(values, 1.0)
+    # The lower median of four norms is the second: 2 x |(2, 2, 2, 2)| = 4.
+    assert [float(v.norm()) for v in out] == pytest.approx([2.0, 4.0, 4.0, 4.0])
+    assert out[0] is values[0] and float(values[3][0]) == 400.0  # inputs never changed
+    assert clipped_to_median(values, 0.0) is values

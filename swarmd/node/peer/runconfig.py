@@ -160,6 +160,13 @@ class RunConfig:
     demo_chunk: int = 64
     demo_decay: float = 0.999
     demo_value_bits: int = 4
+    #: Each member's coefficients for a tensor are clipped to this multiple of the group's
+    #: median norm before the mean whose sign every member steps by (optim/demo.py); 0 is
+    #: the paper's plain mean, which one member sending x(-1000) its coefficients steers.
+    demo_clip: float = 1.0
+    #: From three members on, a member whose coefficients point against the sum of the
+    #: others' is left out of that step's mean while such members are fewer than half.
+    demo_drop_opposed: bool = True
     weight_decay: float = 0.0
     #: The most local ranks (`swarmd join --local-workers`) one peer may train on: a peer's
     #: outer weight is its samples, N times one process's, and the all-reduce drops a member
@@ -333,6 +340,8 @@ class RunConfig:
             compression_chunk=self.demo_chunk,
             weight_decay=self.weight_decay,
             value_bits=self.demo_value_bits,
+            clip_to_median=self.demo_clip,
+            drop_opposed=self.demo_drop_opposed,
         )
 
     def swarm_config(self) -> SwarmConfig:

@@ -87,10 +87,20 @@ def decode_payloads(
     (a sender that sends different bytes to different members makes their states differ,
     which the state-hash check finds). Bytes that do not decode are evidence: with ``bans``,
     their sender is banned (its later payloads are refused and not waited for)."""
-    out: list[list[SparseUpdate]] = []
+    return [updates for _, updates in decode_senders(payloads, layout, max_bytes, bans)]
+
+
+def decode_senders(
+    payloads: Mapping[PeerId, bytes],
+    layout: SparseLayout,
+    max_bytes: int,
+    bans: Bans | None = None,
+) -> list[tuple[PeerId, list[SparseUpdate]]]:
+    """`decode_payloads`, each with its sender."""
+    out: list[tuple[PeerId, list[SparseUpdate]]] = []
     for sender in sorted(payloads, key=str):
         try:
-            out.append(decode_sparse(payloads[sender], layout, max_bytes))
+            out.append((sender, decode_sparse(payloads[sender], layout, max_bytes)))
         except CompressionError as exc:
             log.warning("refused DeMo payload from %s: %s", sender.short(), exc)
             if bans is not None:
@@ -332,11 +342,18 @@ class DeMoStrategy(Strategy):
         )
         loss = await trio.to_thread.run_sync(run.gradients, batch)
         mine = await trio.to_thread.run_sync(run.prepare)
+        senders: list[PeerId] = []
         if self.group is None:
             gathered, shared = [mine], False
         else:
-            gathered, shared = await self._exchange(mine)
-        await trio.to_thread.run_sync(run.apply, gathered)
+            senders, gathered, shared = await self._exchange(mine)
+        left_out = await trio.to_thread.run_sync(run.apply, gathered)
+        if left_out and shared:
+            log.info(
+                "step %d: left out of the mean, opposed to the others: %s",
+                run.step,
+                ", ".join(senders[j].short() for j in left_out),
+            )
         if shared:  # the step every member that heard the same payloads took alike
             self.state.averaged("averaged", len(gathered), 0)
         self.last_size = len(gathered) if shared else 1
@@ -344,10 +361,12 @@ class DeMoStrategy(Strategy):
         stats.step, stats.loss = run.step, loss
         stats.tokens += config.batch_size * config.block_size * run.forward.world
 
-    async def _exchange(self, mine: list[SparseUpdate]) -> tuple[list[list[SparseUpdate]], bool]:
+    async def _exchange(
+        self, mine: list[SparseUpdate]
+    ) -> tuple[list[PeerId], list[list[SparseUpdate]], bool]:
         """This step's updates of every member heard, in peer-id order, each decoded from
-        the bytes that travelled (this peer's own too: the others see its rounding), and
-        whether the step was shared with others."""
+        the bytes that travelled (this peer's own too: the others see its rounding), their
+        senders, and whether the step was shared with others."""
         run = self.run
         payload = await trio.to_thread.run_sync(encode_sparse, mine, run.opt.config.value_dtype)
         check = run.step % HASH_EVERY == 0
@@ -356,7 +375,8 @@ class DeMoStrategy(Strategy):
         result = await self.gatherer.gather(payload, state_hash)
         self.peer.clock.wait_s += time.monotonic() - t0
         self.gone.update(dict.fromkeys(result.dropped, time.monotonic()))
-        gathered = await trio.to_thread.run_sync(self._decode_all, result)
+        decoded = await trio.to_thread.run_sync(self._decode_all, result)
+        senders, gathered = [p for p, _ in decoded], [u for _, u in decoded]
         if result.agree(self.peer.identity.peer_id) is False:
             log.warning(
                 "step %d: this peer's parameters differ from the group's; leaving the group "
@@ -365,13 +385,13 @@ class DeMoStrategy(Strategy):
             )
             self.group = None
             self.gatherer.stop()
-            return gathered, False
+            return senders, gathered, False
         self.state.meet(result.payloads)
-        return gathered, len(gathered) > 1
+        return senders, gathered, len(gathered) > 1
 
-    def _decode_all(self, result: GatherResult) -> list[list[SparseUpdate]]:
+    def _decode_all(self, result: GatherResult) -> list[tuple[PeerId, list[SparseUpdate]]]:
         limit = self.gatherer.config.max_payload_bytes
-        return decode_payloads(result.payloads, self.run.opt.layout(), limit, self.gatherer.bans)
+        return decode_senders(result.payloads, self.run.opt.layout(), limit, self.gatherer.bans)
 
     # -- validation and judging offered states -------------------------------------------------
 
