@@ -54,6 +54,10 @@ def parse_args() -> argparse.Namespace:
         "--clip", type=float, default=1.0,
         help="each peer's coefficients clipped to this x the median norm (0: the paper's mean)",
     )  # fmt: skip
+    p.add_argument(
+        "--keep-opposed", action="store_true",
+        help="keep a peer opposed to most others in the mean (default: left out)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
@@ -77,7 +81,7 @@ def demo_config(a: argparse.Namespace) -> DeMoConfig:
     return DeMoConfig(
         lr=a.lr, compression_decay=a.decay, compression_topk=a.topk,
         compression_chunk=a.chunk, weight_decay=a.weight_decay, value_bits=a.value_bits,
-        clip_to_median=a.clip,
+        clip_to_median=a.clip, drop_opposed=not a.keep_opposed,
     )  # fmt: skip
 
 
@@ -114,7 +118,8 @@ def main() -> None:
     print(f"demo seed {a.seed} lr {a.lr}: {time.monotonic() - started:.0f} s", flush=True)
     print(
         f"algo=demo seed={a.seed} lr={a.lr} topk={a.topk} value_bits={a.value_bits} "
-        f"clip={a.grad_clip} median_clip={a.clip} val_loss={loss:.4f} "
+        f"clip={a.grad_clip} median_clip={a.clip} drop_opposed={not a.keep_opposed} "
+        f"val_loss={loss:.4f} "
         f"payload_bytes={payload} bytes_ratio={ratio:.1f}"
     )
 

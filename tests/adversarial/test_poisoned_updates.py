@@ -89,6 +89,9 @@ def _final(events: list[dict[str, Any]]) -> dict[str, Any]:
     ("size", "lie", "evidence"),
     [
         (3, "weight", "weight 1e+09 > bound"),
+        # 3.9x its samples (inside every bound) and its update reversed at an honest norm:
+        # each reducer drops it as opposed to both honest contributions (issue 47 item 4).
+        (3, "weightflip", "opposed to 2 of the other 2 contributions"),
         # Simulated by tests/unit/test_sim_rounds.py (a pair and a group of five); 80 s here.
         pytest.param(2, "scale100", "x the reducer's own", marks=pytest.mark.slow),
         # Negates its part and fills in its own proof entry to fit: the naive liar (negates

@@ -12,6 +12,7 @@ from swarmd.node.averaging.reduction import (
     aggregate,
     check_contribution,
     norm_outliers,
+    opposed_outliers,
     weight_outliers,
 )
 
@@ -128,3 +129,17 @@ def test_declared_weights_are_bounded() -> None:
     loose = ReductionConfig()
     assert set(weight_outliers({0: 400.0, 1: 380.0, 2: 1e9}, loose)) == {2}  # the median's
     assert weight_outliers({0: 400.0, 1: 380.0, 2: 1500.0}, loose) == {}
+
+
+def test_a_contribution_opposed_to_most_others_is_dropped_only_with_a_majority() -> None:
+    on = ReductionConfig(drop_opposed=True)
+    a = torch.tensor([1.0, 2.0, 0.5])
+    agree = {0: a, 1: a * 2, 2: a * 0.5, 3: -a * 3}
+    assert set(opposed_outliers(agree, on)) == {3}
+    assert "opposed to 3 of the other 3" in opposed_outliers(agree, on)[3]
+    assert opposed_outliers(agree, ReductionConfig()) == {}  # off unless the run asks
+    assert opposed_outliers({0: a, 1: -a}, on) == {}  # a pair: no majority
+    assert opposed_outliers({0: a, 1: a, 2: -a, 3: -a}, on) == {}  # two camps: no majority
+    # Against one of the three others (not more than half): kept.
+    b = torch.tensor([0.0, 0.0, 1.0])
+    assert opposed_outliers({0: a, 1: a, 2: b, 3: a - 3 * b}, on) == {}

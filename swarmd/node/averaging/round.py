@@ -28,6 +28,7 @@ from swarmd.node.averaging.reduction import (
     ReductionConfig,
     aggregate,
     norm_outliers,
+    opposed_outliers,
     weight_outliers,
 )
 from swarmd.node.runtime import offload
@@ -187,6 +188,9 @@ async def finish_reduction(
         red.rejected[index] = outlier
         del values[index]
     for index, outlier in weight_outliers({i: red.weights[i] for i in values}, config).items():
+        red.rejected[index] = outlier
+        del values[index]
+    for index, outlier in opposed_outliers(values, config).items():
         red.rejected[index] = outlier
         del values[index]
     for index, why in red.rejected.items():

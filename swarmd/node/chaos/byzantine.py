@@ -6,6 +6,7 @@ that tells them starts from cli/liar.py: the CLI is above chaos, never the other
     SWARMD_LIE=weight   python -m swarmd.node.cli.liar join ...  # 1e9 samples, update x -1
     SWARMD_LIE=scale100 python -m swarmd.node.cli.liar join ...  # update x 100
     SWARMD_LIE=signflip python -m swarmd.node.cli.liar join ...  # update x -1
+    SWARMD_LIE=weightflip ...  # 3.9x its samples (inside the run's bounds), update x -1
 
 A declared weight beyond the run's bound is evidence (every reducer bans it); a flipped or
 scaled update is finite and well-formed, so it is bounded (norm rules, robust aggregation when
@@ -22,7 +23,10 @@ if TYPE_CHECKING:  # the harness and schedules import this module without torch
     from swarmd.optim.diloco import DiLoCo
 
 #: The lies this module tells, by SWARMD_LIE value.
-LIES = ("weight", "scale100", "signflip")
+LIES = ("weight", "scale100", "signflip", "weightflip")
+#: What "weightflip" multiplies its declared samples by: under the reducers' 4x-the-median
+#: outlier rule and the run's bound (32x a one-rank peer).
+WEIGHTFLIP = 3.9
 ENV_VAR = "SWARMD_LIE"
 
 
@@ -41,3 +45,6 @@ def install(lie: str) -> None:
     DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
     if lie == "weight":
         DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
+    elif lie == "weightflip":
+        honest_weight = DiLoCo.weight
+        DiLoCo.weight = lambda self: WEIGHTFLIP * honest_weight(self)  # type: ignore[method-assign]

@@ -360,7 +360,11 @@ class Peer:
         self.averager.limit_weights(config.max_weight)
         aggregation = cast(Aggregation, config.aggregation)
         self.averager.set_reduction(
-            dataclasses.replace(self.averager.config.reduction, aggregation=aggregation)
+            dataclasses.replace(
+                self.averager.config.reduction,
+                aggregation=aggregation,
+                drop_opposed=config.drop_opposed,
+            )
         )
         strategy = strategy_for(self.strategies, config.algo)(peer)
         await strategy.join()

@@ -106,6 +106,12 @@ class RunConfig:
     #: coordinate median). Robust rules apply from three contributions on; their results are
     #: checked by the proofs' entries only (a robust aggregate is not linear in them).
     aggregation: str = "mean"
+    #: From three contributions on, one pointing against more than half of the others' (a
+    #: negative inner product) is left out of the mean, while such are fewer than half: a
+    #: DiLoCo reducer drops it from its part, a DeMo member from the step. It keeps a liar
+    #: inside the weight and norm bounds (3.9x its weight, its update reversed) from turning
+    #: the honest members round; `false` keeps every in-bounds contribution.
+    drop_opposed: bool = True
     #: A joiner takes a state only when at least this many distinct keys advertise it (the
     #: run creator's advert counts as enough alone), so that one liar cannot hand newcomers
     #: a poisoned state; 1 takes the newest advertised state (checked anyway: its layout,
@@ -164,9 +170,6 @@ class RunConfig:
     #: median norm before the mean whose sign every member steps by (optim/demo.py); 0 is
     #: the paper's plain mean, which one member sending x(-1000) its coefficients steers.
     demo_clip: float = 1.0
-    #: From three members on, a member whose coefficients point against the sum of the
-    #: others' is left out of that step's mean while such members are fewer than half.
-    demo_drop_opposed: bool = True
     weight_decay: float = 0.0
     #: The most local ranks (`swarmd join --local-workers`) one peer may train on: a peer's
     #: outer weight is its samples, N times one process's, and the all-reduce drops a member
@@ -239,8 +242,9 @@ class RunConfig:
             )
         if isinstance(self.topk_bits, bool) or self.topk_bits not in (1, 2, 4, 8):
             raise RunConfigError(f"topk_bits must be 1, 2, 4 or 8, got {self.topk_bits!r}")
-        if not isinstance(self.zstd, bool):
-            raise RunConfigError(f"zstd must be true or false, got {self.zstd!r}")
+        for flag in ("zstd", "drop_opposed"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RunConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
         if not (0 < self.inner_lr < 1 and 0 < self.outer_lr <= 10 and 0 <= self.outer_momentum < 1):
@@ -341,7 +345,7 @@ class RunConfig:
             weight_decay=self.weight_decay,
             value_bits=self.demo_value_bits,
             clip_to_median=self.demo_clip,
-            drop_opposed=self.demo_drop_opposed,
+            drop_opposed=self.drop_opposed,
         )
 
     def swarm_config(self) -> SwarmConfig:

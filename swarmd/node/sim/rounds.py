@@ -54,7 +54,10 @@ FaultKind = Literal["kill", "partition", "slow", "liar"]
 #: arrived in ("levels", removed): exact when all arrived together, spread 0.15 -> 0.46 over
 #: four rounds once they did not.
 Grouping = Literal["flat", "grid"]
-LIES = ("weight", "scale100", "signflip")
+LIES = ("weight", "scale100", "signflip", "weightflip")
+#: The weight "weightflip" declares (x an honest peer's): under the run's bound of 32 and the
+#: reducers' 4x-the-median outlier rule, with its update sign-flipped at an honest norm.
+WEIGHTFLIP = 3.9
 #: How long a grid peer that sits a round out waits for a finished state before it goes on
 #: with its own.
 SIT_OUT_S = 120.0
@@ -105,6 +108,8 @@ class RoundsScenario:
     #: The run's bound on a member's declared weight (RunConfig.max_weight's default role).
     max_weight: float = 32.0
     aggregation: Aggregation = "mean"
+    #: Reducers drop a contribution opposed to most others' (reduction.opposed_outliers).
+    drop_opposed: bool = True
     #: Identities that heartbeat in the run (so every peer's group target counts them) and
     #: never join a group: issue 46's staller attack.
     stallers: int = 0
@@ -238,7 +243,9 @@ class _Run:
     def _equip(self, i: int) -> None:
         """Peer i's averager, speed and outer optimiser (at the run's start)."""
         host = self.swarm.hosts[i]
-        reduction = ReductionConfig(aggregation=self.s.aggregation)
+        reduction = ReductionConfig(
+            aggregation=self.s.aggregation, drop_opposed=self.s.drop_opposed
+        )
         config = AllReduceConfig(codec=self.s.codec, reduction=reduction)
         averager = Averager(self.swarm.net.client(host), host.identity.peer_id, config)
         averager.limit_weights(self.s.max_weight)
@@ -277,7 +284,7 @@ class _Run:
                     lie, until = self.lying.get(i, ("", -1))
                     lie = lie if r <= until else ""
                     sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
-                    weight = 1e9 if lie == "weight" else 1.0
+                    weight = {"weight": 1e9, "weightflip": WEIGHTFLIP}.get(lie, 1.0)
                     if self.s.grouping == "grid":
                         sat_out = await self._grid_round(i, r, me, sent, weight, lie, t0, train_s)
                         if sat_out or i in self.lying:
