@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
         help="gradient norm bound before δ (0: none; the daemon clips at 1.0)",
     )  # fmt: skip
     p.add_argument(
-        "--clip", type=float, default=1.0,
+        "--clip", type=float, default=2.0,
         help="each peer's coefficients clipped to this x the median norm (0: the paper's mean)",
     )  # fmt: skip
     p.add_argument(

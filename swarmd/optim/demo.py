@@ -97,9 +97,9 @@ class DeMoConfig:
     #: Each peer's coefficients for a tensor are scaled down to at most this multiple of the
     #: peers' (lower) median norm for it before they are averaged (demo_robust.py); 0 turns
     #: it off (the reference's plain mean, which one peer's x(-1000) coefficients steer).
-    clip_to_median: float = 1.0
-    #: From three peers on, a peer whose coefficients point against the sum of the others'
-    #: is left out of the step's mean while such peers are fewer than half (demo_robust.py).
+    clip_to_median: float = 2.0
+    #: From three peers on, a peer whose coefficients point against most others' is left
+    #: out of the step's mean while such peers are fewer than half (demo_robust.py).
     drop_opposed: bool = True
 
     def __post_init__(self) -> None:

@@ -7,9 +7,10 @@ computed by every member from the same decoded bytes in the same order, so membe
 the same payloads still take bit-identical steps:
 
 - **Norm clip** (`clipped_to_median`): a member's coefficients for a tensor are scaled down
-  to the group's (lower) median norm for it. Measured through `swarmd join` (3 members, the
-  tiny model, 30 steps): x(-1000) took the honest two from 3.54 to 7.59 unclipped, to 4.38
-  clipped: the liar then weighs what one honest member sending the opposite does.
+  to twice the group's (lower) median norm for it (`demo_clip`). Measured through `swarmd
+  join` (3 members, the tiny model, 30 steps): x(-1000) took the honest two from 3.54 to 7.59
+  unclipped, to 5.53 clipped (4.38 at 1x the median, which cost 3% without a liar): alone it
+  only bounds the liar to what two honest members sending the opposite would do.
 - **Opposed members left out** (`opposed`): from three members on, a member whose
   coefficients point against most other members' (a negative inner product over the whole
   model with more than half of them) is left out of that step's mean, while such members are

@@ -169,7 +169,7 @@ class RunConfig:
     #: Each member's coefficients for a tensor are clipped to this multiple of the group's
     #: median norm before the mean whose sign every member steps by (optim/demo.py); 0 is
     #: the paper's plain mean, which one member sending x(-1000) its coefficients steers.
-    demo_clip: float = 1.0
+    demo_clip: float = 2.0
     weight_decay: float = 0.0
     #: The most local ranks (`swarmd join --local-workers`) one peer may train on: a peer's
     #: outer weight is its samples, N times one process's, and the all-reduce drops a member
