@@ -462,8 +462,10 @@ def _steps_with_a_liar(clip: float, factor: float, drop: bool = True) -> float:
     """Three peers on a shared least-squares target, the last sending its coefficients
     x ``factor``: the honest peers' distance to the optimum after 200 steps, over the one
     they started at."""
-    torch.manual_seed(0)
-    target = torch.randn(32, 32, dtype=torch.float64)
+    # A generator of its own: the global one is shared with any thread an earlier test left
+    # drawing from it (one full-suite run saw different figures here, never reproduced alone).
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(32, 32, dtype=torch.float64, generator=gen)
     cfg = DeMoConfig(
         lr=1e-2, compression_topk=8, compression_chunk=16, clip_to_median=clip, drop_opposed=drop
     )
@@ -472,7 +474,8 @@ def _steps_with_a_liar(clip: float, factor: float, drop: bool = True) -> float:
     start = float(target.norm())
     for _ in range(200):
         for p in params:
-            p[0].grad = p[0].detach() - target + 0.3 * torch.randn_like(target)
+            noise = torch.randn(32, 32, dtype=torch.float64, generator=gen)
+            p[0].grad = p[0].detach() - target + 0.3 * noise
         sent = [d.prepare() for d in demos]
         sent[2] = [SparseUpdate(u.indices, u.values * factor, u.block_size) for u in sent[2]]
         for d in demos:
@@ -484,7 +487,7 @@ def _steps_with_a_liar(clip: float, factor: float, drop: bool = True) -> float:
 def test_a_member_sending_its_coefficients_x_minus_1000_is_bounded_then_left_out() -> None:
     """Measured (seed 0), distance left of the starting one: honest 0.42; the liar
     unbounded 1.38 (it turns the honest ones round), clipped only 0.80 (it weighs one honest
-    peer sending the opposite), clipped and left out when opposed 0.68; two honest peers
+    peer sending the opposite), clipped and left out when opposed 0.55; two honest peers
     alone reach 0.51 (the third's samples are what the liar takes away)."""
     honest = _steps_with_a_liar(1.0, 1.0)
     # The rules cost honest peers nothing here.
