@@ -53,8 +53,10 @@ def opposed(
     the sum the honest members look opposed too (measured: the liar was left out in about a
     quarter of the steps that way). ``indices[i][j]`` and ``values[i][j]``: member j's
     coefficients for tensor i, shaped (blocks, k); ``shapes[i]``: tensor i's (blocks, block
-    size). One dense buffer at a time: member k's coefficients scattered, then every other
-    member's gathered from it."""
+    size). One dense buffer per tensor: member k's coefficients scattered, every other
+    member's gathered from it, then those entries zeroed again: one more dense buffer per
+    tensor (as `DeMo.apply`'s own sums) and O(n^2) times the payload, not n passes over the
+    model."""
     members = len(values[0]) if values else 0
     if members < 3:
         return []
@@ -62,11 +64,12 @@ def opposed(
     for idx, val, shape in zip(indices, values, shapes, strict=True):
         dense = torch.zeros(shape, dtype=torch.float64, device=val[0].device)
         for k in range(1, members):
-            dense.zero_().scatter_(1, idx[k], val[k].to(torch.float64))
+            dense.scatter_(1, idx[k], val[k].to(torch.float64))
             for j in range(k):
                 dot = float((val[j].to(torch.float64) * dense.gather(1, idx[j])).sum())
                 dots[j][k] += dot
                 dots[k][j] += dot
+            dense.scatter_(1, idx[k], 0.0)  # only what was written: O(payload), not O(tensor)
     out = [
         j
         for j in range(members)

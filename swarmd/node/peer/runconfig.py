@@ -108,7 +108,8 @@ class RunConfig:
     aggregation: str = "mean"
     #: From three contributions on, one pointing against more than half of the others' (a
     #: negative inner product) is left out of the mean, while such are fewer than half: a
-    #: DiLoCo reducer drops it from its part, a DeMo member from the step. It keeps a liar
+    #: DiLoCo reducer drops it from its part, a DeMo member from the step (not SWARM's stage
+    #: averaging, whose gradients of different micro-batches are noisier). It keeps a liar
     #: inside the weight and norm bounds (3.9x its weight, its update reversed) from turning
     #: the honest members round; `false` keeps every in-bounds contribution.
     drop_opposed: bool = True
