@@ -363,10 +363,7 @@ class Peer:
             dataclasses.replace(
                 self.averager.config.reduction,
                 aggregation=aggregation,
-                # Pseudo-gradients of one model agree; SWARM's stage averaging sums the
-                # gradients of whichever micro-batches each server got, noisier, and a drop
-                # leaves its servers unsure of their state: not measured there, so off.
-                drop_opposed=config.drop_opposed and config.algo != "swarm",
+                drop_opposed=config.drop_opposed,
             )
         )
         strategy = strategy_for(self.strategies, config.algo)(peer)

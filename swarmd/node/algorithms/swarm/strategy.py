@@ -17,6 +17,7 @@ through the pipeline. Its steps are micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -68,6 +69,11 @@ class SwarmStrategy(Strategy):
         self._source: TokenSource | None = None
         self.shard = 0
         self._audit = peer.opts.state_dir if peer.opts.swarm_audit else None
+        # The run's drop of opposed contributions is for pseudo-gradients, which agree. A
+        # stage's servers average the gradients of whichever micro-batches each got,
+        # noisier, and a drop leaves them unsure of their state: never measured here, off.
+        reduction = peer.averager.config.reduction
+        peer.averager.set_reduction(dataclasses.replace(reduction, drop_opposed=False))
 
     @property
     def round(self) -> int:
