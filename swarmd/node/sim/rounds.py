@@ -37,6 +37,7 @@ from swarmd.node.averaging.grid import Grid
 from swarmd.node.averaging.gridround import GridConfig, GridPeer
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
+from swarmd.node.chaos.byzantine import LIES, WEIGHTFLIP
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.lines import Lines, RoundLine
@@ -54,10 +55,6 @@ FaultKind = Literal["kill", "partition", "slow", "liar"]
 #: arrived in ("levels", removed): exact when all arrived together, spread 0.15 -> 0.46 over
 #: four rounds once they did not.
 Grouping = Literal["flat", "grid"]
-LIES = ("weight", "scale100", "signflip", "weightflip")
-#: The weight "weightflip" declares (x an honest peer's): under the run's bound of 32 and the
-#: reducers' 4x-the-median outlier rule, with its update sign-flipped at an honest norm.
-WEIGHTFLIP = 3.9
 #: How long a grid peer that sits a round out waits for a finished state before it goes on
 #: with its own.
 SIT_OUT_S = 120.0
