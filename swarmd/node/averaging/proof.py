@@ -58,6 +58,9 @@ from swarmd.protocol.identity import Identity, PeerId, verify_signature
 NONCE_BYTES = 16
 #: Hoeffding's multiplier: P(|<d, z>| > k ||d||) <= 2 exp(-k^2 / 2) for independent signs.
 SIGMAS = 6.0
+#: The energy check's exponent: an honest part is refused by it with probability at most
+#: e^-18 (~1.5e-8, the single-probe check's 2 exp(-18) at SIGMAS).
+ENERGY_TAIL = 18.0
 #: Relative float error allowed for in the reducer's mean (float32, a few additions per
 #: element) and in projections computed by different machines.
 FLOAT_SLACK = 1e-5
@@ -321,14 +324,35 @@ def _verdict(
     scale = reduction.norm_outlier_factor * max(mine_norm, l2_norm(result))
     bound = quantization_bound(result, claim.codec, claim.int8_block_size, claim.int8_bits)
     tolerance = SIGMAS * (bound + FLOAT_SLACK * scale)
+    gaps = []
     for k in range(probes):
         mean = sum(e.weight * e.projections[k] for e in entries.values()) / total
-        if not abs(mean - projected[0][k]) <= tolerance:
+        gaps.append(mean - projected[0][k])
+        if not abs(gaps[-1]) <= tolerance:
             return (
                 f"is not the mean of the contributions it names: probe {k} gives "
                 f"{projected[0][k]:.6g}, the contributions {mean:.6g} (tolerance {tolerance:.3g})"
             )
+    energy, most = math.sqrt(sum(g * g for g in gaps)), energy_factor(probes) * tolerance / SIGMAS
+    if not energy <= most:
+        return (
+            f"is not the mean of the contributions it names: its {probes} probes miss by "
+            f"{energy:.6g} together (tolerance {most:.3g})"
+        )
     return None
+
+
+def energy_factor(probes: int, tail: float = ENERGY_TAIL) -> float:
+    """How far, in units of ||e||, the probes' misses may reach together, sqrt(sum_k <z_k, e>^2),
+    for a fixed e (the part's rounding) before the probes were drawn: sqrt(k + 2 sqrt(k t)
+    + 2t), exceeded with probability at most e^-t (Laurent and Massart's chi-square bound; it
+    needs only E exp(l <z, e>^2) <= (1 - 2 l ||e||^2)^-1/2, which random signs meet).
+
+    Why a second check: at 3 bits (the run's default int8) the rounding bound is ~half the
+    part's norm, so a sign-flipped part (each probe misses by 2 |<z, m>|) escapes a probe's
+    own 6-sigma bound ~85% of the time, and two probes 75% (test_proof). Its misses summed
+    over 16 probes stand out ~99% of the time at the same false-refusal rate."""
+    return math.sqrt(probes + 2 * math.sqrt(probes * tail) + 2 * tail)
 
 
 def _check_form(
