@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from swarmd.optim.majority import against_most
+
 
 def clipped_to_median(values: list[torch.Tensor], multiple: float) -> list[torch.Tensor]:
     """``values`` with every tensor whose norm exceeds ``multiple`` times the lower median of
@@ -70,9 +72,5 @@ def opposed(
                 dots[j][k] += dot
                 dots[k][j] += dot
             dense.scatter_(1, idx[k], 0.0)  # only what was written: O(payload), not O(tensor)
-    out = [
-        j
-        for j in range(members)
-        if 2 * sum(dots[j][k] < 0 for k in range(members) if k != j) > members - 1
-    ]
-    return out if 2 * len(out) < members else []
+    against = {j: sum(dots[j][k] < 0 for k in range(members) if k != j) for j in range(members)}
+    return against_most(against, members)

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from swarmd.node.bans import Rejection
+from swarmd.optim.majority import against_most
 
 Aggregation = Literal["mean", "trimmed_mean", "centered_clip"]
 
@@ -234,12 +235,12 @@ def opposed_outliers(
             if float(torch.dot(flat[k], flat[m])) < 0:
                 against[k] += 1
                 against[m] += 1
-    out = {
-        k: Rejection(f"opposed to {n} of the other {len(keys) - 1} contributions", "outlier")
-        for k, n in against.items()
-        if 2 * n > len(keys) - 1
+    return {
+        k: Rejection(
+            f"opposed to {against[k]} of the other {len(keys) - 1} contributions", "outlier"
+        )
+        for k in against_most(against, len(keys))
     }
-    return out if 2 * len(out) < len(keys) else {}
 
 
 def aggregate(
