@@ -45,6 +45,9 @@ def _rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "stage_round"]
 
 
+# Alone on the machine (README, "solo"): beside another test its stage servers split three
+# rounds in a row in 2 of 3 clean-clone runs, the SWARM liveness race under load of issue 45.
+@pytest.mark.solo
 @pytest.mark.timeout(300)  # ~100 s alone; 9 processes on 2 cores stretch it under load
 def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     processes: ProcessGroup, tmp_path: Path
