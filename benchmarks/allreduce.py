@@ -230,7 +230,8 @@ def main() -> None:
         f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} probes={args.probes} "
         f"round_s={statistics.median(round_times):.3f} "
         f"matchmaking_s={statistics.median(mm_times):.3f} "
-        f"max_err={max(errs):.3g} bound_s={bound:.3f}"
+        f"max_err={max(errs):.3g} bound_s={bound:.3f} "
+        f"cpu_s={statistics.median(cpu_times):.2f}"
     )
 
 
