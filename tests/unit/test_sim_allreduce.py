@@ -3,6 +3,7 @@ peers, on the in-memory network's tensor plane, in virtual time."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -12,6 +13,7 @@ import trio
 from swarmd.node.averaging.allreduce import Averager, Group, Member
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig, AllReduceResult
+from swarmd.node.averaging.reduction import ReductionConfig
 from swarmd.node.sim.dht import seeded_identity
 from swarmd.node.sim.network import NetworkConfig, SimNetwork
 from swarmd.node.sim.virtual import run_virtual
@@ -20,25 +22,34 @@ from swarmd.protocol import rpc
 N, SIZE = 4, 10_000
 
 
-def average(codec: CodecName, kill: int | None = None) -> tuple[list[AllReduceResult], float, int]:
+def average(
+    codec: CodecName,
+    kill: int | None = None,
+    vectors: list[torch.Tensor] | None = None,
+    weights: list[float] | None = None,
+    reduction: ReductionConfig | None = None,
+) -> tuple[list[AllReduceResult], float, int]:
+    """N peers (or one per vector) average ``vectors`` (peer i: all i + 1 by default)."""
+    vectors = vectors or [torch.full((SIZE,), float(i + 1)) for i in range(N)]
+    weights = weights or [1.0] * len(vectors)
+    config = AllReduceConfig(codec=codec, reduction=reduction or ReductionConfig())
     rng = random.Random(0)
     net = SimNetwork(NetworkConfig(rtt_min_s=0.05, rtt_max_s=0.05, up_bytes_s=1e6), seed=0)
-    hosts = [net.add_host(seeded_identity(rng)) for _ in range(N)]
+    hosts = [net.add_host(seeded_identity(rng)) for _ in vectors]
     averagers = []
     for host in hosts:
-        averager = Averager(net.client(host), host.identity.peer_id, AllReduceConfig(codec=codec))
+        averager = Averager(net.client(host), host.identity.peer_id, config)
         net.serve(host, [averager.service()])
         averagers.append(averager)
     group = Group(b"round-1", tuple(Member(h.identity.peer_id, h.address) for h in hosts))
-    vectors = [torch.full((SIZE,), float(i + 1)) for i in range(N)]
     results: dict[int, AllReduceResult] = {}
 
     async def one(i: int) -> None:
-        results[i] = await averagers[i].allreduce(group, vectors[i], 1.0)
+        results[i] = await averagers[i].allreduce(group, vectors[i], weights[i])
 
     async def main() -> float:
         async with trio.open_nursery() as nursery:
-            for i in range(N):
+            for i in range(len(vectors)):
                 if i != kill:
                     nursery.start_soon(one, i)
             if kill is not None:
@@ -105,3 +116,22 @@ def test_a_tensor_call_to_a_dead_host_ends_at_its_own_deadline() -> None:
 
     took = run_virtual(main, seed=1)
     assert took == pytest.approx(2.0)  # its own deadline, not the network's default 30 s
+
+
+def test_an_idle_stage_server_s_zeros_and_its_partner_s_gradient_average_without_a_bound() -> None:
+    """SWARM's stage pairs: a server that got no micro-batch sends zeros (weight 1), its
+    partner the mean of its micro-batches' gradients (weight 5). Under the relative norm
+    bound (10x the reducer's or the member's own) each refused the other's, so the pair
+    stepped apart (seen under load: 4-10 of 31-41 rounds of a stage split); without it
+    (norm_outlier_factor = inf, what stage servers use) they agree on the weighted mean,
+    with every proof checked."""
+    zeros, grad = torch.zeros(SIZE), torch.linspace(-1, 1, SIZE)
+    bounded, _, _ = average("fp32", vectors=[zeros, grad], weights=[1.0, 5.0])
+    assert any(r.dropped or r.failed_parts for r in bounded), bounded
+    assert not torch.equal(bounded[0].tensor, bounded[1].tensor)
+    free = ReductionConfig(norm_outlier_factor=math.inf)
+    results, _, _ = average("fp32", vectors=[zeros, grad], weights=[1.0, 5.0], reduction=free)
+    for r in results:
+        assert r.ok and not r.dropped and not r.failed_parts, r
+    assert torch.equal(results[0].tensor, results[1].tensor)
+    assert torch.allclose(results[0].tensor, grad * 5 / 6)

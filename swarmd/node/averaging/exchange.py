@@ -317,7 +317,7 @@ class Exchange:
             return Rejection(f"undecodable part: {exc}", "undecodable")
         got, mine = l2_norm(self.result[s:e]), l2_norm(self.to_send[s:e])
         factor = self.link.config.reduction.norm_outlier_factor
-        if math.isfinite(got) and got <= factor * mine + 1e-6:
+        if math.isfinite(got) and (math.isinf(factor) or got <= factor * mine + 1e-6):
             return None
         log.warning(
             "round %s: refused part %d from reducer %s: norm %.3g, this peer's own %.3g "

@@ -321,7 +321,10 @@ def _verdict(
         return None  # a robust aggregate is not linear in the contributions
     total = sum(e.weight for e in entries.values())
     mine_norm = l2_norm(mine) if mine is not None else 0.0
-    scale = reduction.norm_outlier_factor * max(mine_norm, l2_norm(result))
+    # How large the contributions can be against this member's own and the mean, for the
+    # float slack of the mean: the run's relative bound, or (none: SWARM) the mean itself.
+    factor = reduction.norm_outlier_factor if math.isfinite(reduction.norm_outlier_factor) else 1
+    scale = factor * max(mine_norm, l2_norm(result))
     bound = quantization_bound(result, claim.codec, claim.int8_block_size, claim.int8_bits)
     tolerance = SIGMAS * (bound + FLOAT_SLACK * scale)
     gaps = []

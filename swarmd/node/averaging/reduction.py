@@ -27,7 +27,11 @@ class ReductionConfig:
     #: centered_clip: radius of the clip, relative to the median contribution norm.
     clip_radius: float = 1.0
     clip_iterations: int = 3
-    #: With >= 3 contributions, a norm beyond this multiple of the median norm is dropped.
+    #: With >= 3 contributions, a norm beyond this multiple of the median norm is dropped
+    #: (with fewer, beyond this multiple of the reducer's own; a member refuses a reduced part
+    #: beyond this multiple of its own contribution). math.inf: no relative bound, for
+    #: vectors whose norms differ by design (SWARM's stage gradients: a server that got no
+    #: micro-batch in a round sends zeros).
     norm_outlier_factor: float = 10.0
     #: Absolute bound on a contribution's L2 norm (inf: none).
     max_norm: float = math.inf
