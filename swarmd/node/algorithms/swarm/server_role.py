@@ -109,19 +109,12 @@ class StageServer:
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
-        # Servers of a stage process different numbers of micro-batches by design (the
-        # router sends more to faster ones): weights far from the median are normal here, and
-        # so are norms: a server that got no micro-batch in a round sends zeros (weight 1).
-        # With the relative norm bound, such a server dropped its partner's contribution and
-        # refused its partner's part (each over 10x its own zero), so the pair stepped apart:
-        # under load, 4-10 of 31-41 rounds of a stage split (the pipeline test beside other
-        # process tests). What bounds a stage's step is the finite checks, the reducers'
-        # proofs and the stage's clip of the averaged gradient (optim/stage.py).
-        averager = self.peer.averager
-        averager.set_reduction(
-            dataclasses.replace(
-                averager.config.reduction, weight_outlier_factor=1e9, norm_outlier_factor=math.inf
-            )
+        # Servers of a stage differ by design in micro-batches (weights) and so in norms: one
+        # that got none sends zeros, and a 10x-its-own bound then refused its partner's part
+        # (stages split under load). Finite checks, proofs and the stage's clip bound a step.
+        red = self.peer.averager.config.reduction
+        self.peer.averager.set_reduction(
+            dataclasses.replace(red, weight_outlier_factor=1e9, norm_outlier_factor=math.inf)
         )
         stage = self.peer.opts.stage
         if stage is None:
