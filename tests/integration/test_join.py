@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import time
@@ -86,12 +88,17 @@ def test_demo_kills_a_peer_adds_one_and_survivors_agree(tmp_path: Path) -> None:
             stdout=stdout,
             stderr=subprocess.STDOUT,
             text=True,
+            # Its own process group, so that a failure here takes the demo's bootstrap,
+            # dashboard and peers down with it (demo.kill() alone left them running).
+            start_new_session=True,
         )
     try:
         peers_seen = _dashboard_peers_while_running(out, demo)
         assert demo.wait(timeout=400) == 0, out.read_text()
     finally:
-        demo.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait(timeout=10)
     text = out.read_text()
     assert peers_seen >= 3, text
     assert "killed peer1" in text
