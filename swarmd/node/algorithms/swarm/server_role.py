@@ -10,7 +10,6 @@ servers and steps (`_round`); now and then it looks whether to move to the bottl
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -109,13 +108,6 @@ class StageServer:
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
-        # Servers of a stage differ by design in micro-batches (weights) and so in norms: one
-        # that got none sends zeros, and a 10x-its-own bound then refused its partner's part
-        # (stages split under load). Finite checks, proofs and the stage's clip bound a step.
-        red = self.peer.averager.config.reduction
-        self.peer.averager.set_reduction(
-            dataclasses.replace(red, weight_outlier_factor=1e9, norm_outlier_factor=math.inf)
-        )
         stage = self.peer.opts.stage
         if stage is None:
             stage = await self._least_served()

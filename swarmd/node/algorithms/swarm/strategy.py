@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 
 import trio
@@ -69,11 +70,22 @@ class SwarmStrategy(Strategy):
         self._source: TokenSource | None = None
         self.shard = 0
         self._audit = peer.opts.state_dir if peer.opts.swarm_audit else None
-        # The run's drop of opposed contributions is for pseudo-gradients, which agree. A
-        # stage's servers average the gradients of whichever micro-batches each got,
-        # noisier, and a drop leaves them unsure of their state: never measured here, off.
-        reduction = peer.averager.config.reduction
-        peer.averager.set_reduction(dataclasses.replace(reduction, drop_opposed=False))
+        # A stage's servers average the gradients of whichever micro-batches each got, so
+        # the run's outlier rules for pseudo-gradients do not fit their averaging:
+        # - weights differ by design (the router sends more to faster servers);
+        # - so do norms: a server that got no micro-batch sends zeros, and a 10x-its-own
+        #   bound then refused its partner's part (stages split under load). Finite checks,
+        #   the proofs and the stage's clip of the averaged gradient bound a step;
+        # - opposed contributions are dropped for pseudo-gradients, which agree; these are
+        #   noisier, and a drop leaves the servers unsure of their state: never measured.
+        peer.averager.set_reduction(
+            dataclasses.replace(
+                peer.averager.config.reduction,
+                weight_outlier_factor=1e9,
+                norm_outlier_factor=math.inf,
+                drop_opposed=False,
+            )
+        )
 
     @property
     def round(self) -> int:
