@@ -190,11 +190,20 @@ class SimNetwork:
         return host is not None and host.up and host.dialable and self.same_side(src, dst)
 
     async def transfer(self, src: Host, dst: Host, nbytes: int) -> None:
-        """Waits while ``nbytes`` cross from ``src`` to ``dst`` behind earlier transfers."""
+        """Waits while ``nbytes`` cross from ``src`` to ``dst`` behind earlier transfers.
+
+        Each uplink and each downlink sends one transfer at a time, in order of arrival: the
+        bytes leave when the sender's uplink is free and arrive once the receiver's downlink
+        has taken them, no sooner than they left. A transfer waiting for a busy receiver does
+        not hold its sender's uplink meanwhile (one reservation of both links idled the
+        uplink of a trainer calling many servers: a SWARM run of 40 servers computed half the
+        time it could, all of it waiting on links that sent nothing)."""
         now = trio.current_time()
-        start = max(now, src.up_free, dst.down_free)
-        end = start + nbytes / min(src.up_bytes_s, dst.down_bytes_s)
-        src.up_free = dst.down_free = end
+        start = max(now, src.up_free)
+        sent = start + nbytes / src.up_bytes_s
+        src.up_free = sent
+        end = max(max(start, dst.down_free) + nbytes / dst.down_bytes_s, sent)
+        dst.down_free = end
         src.sent_bytes += nbytes
         dst.received_bytes += nbytes
         await trio.sleep(end - now)

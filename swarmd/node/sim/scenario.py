@@ -7,10 +7,12 @@ seeds S, S+1, ..., S+K-1 and hands back each failing seed with the invariant it 
 `swarmd sim FILE --seed N` then replays that run exactly (TigerBeetle's VOPR does the same
 for its cluster).
 
-Kinds so far: ``dht`` (store, kill, read), ``matchmaking`` (rounds of group formation) and
+Kinds so far: ``dht`` (store, kill, read), ``matchmaking`` (rounds of group formation),
 ``diloco`` (DiLoCo on a synthetic quadratic: inner steps charged as virtual time, group
-formation, the real all-reduce and outer step each round, churn, stallers, liars). Not yet:
-the training peer's whole lifecycle (state sync, catch-up, a real model) and SWARM pipelines.
+formation, the real all-reduce and outer step each round, churn, stallers, liars) and
+``swarm`` (SWARM pipelines: the real trainer routing and server rebalancing against modelled
+stage servers, with preemption; a ``[swarm]`` table sets SwarmConfig). Not yet: the training
+peer's whole lifecycle (state sync, catch-up, a real model).
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.rounds import RoundsReport, RoundsScenario, run_rounds
+from swarmd.node.sim.swarm import SwarmReport, SwarmScenario, run_swarm
 
-KINDS = ("dht", "matchmaking", "diloco")
+KINDS = ("dht", "matchmaking", "diloco", "swarm")
 
 Progress = Callable[[str], None]
 
@@ -83,6 +87,21 @@ class RoundsInvariants:
 
 
 @dataclass(frozen=True)
+class SwarmInvariants:
+    """What every run of a swarm scenario must show: at least ``min_efficiency`` of the ideal
+    pipeline throughput, and at most ``max_failed`` micro-batches given up."""
+
+    min_efficiency: float = 0.0
+    max_failed: int = 1 << 62
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_efficiency <= 1:
+            raise ValueError("invariants.min_efficiency is a share between 0 and 1")
+        if self.max_failed < 0:
+            raise ValueError("invariants.max_failed must be >= 0")
+
+
+@dataclass(frozen=True)
 class Outcome:
     """One seed's run: a line for people, figures for the last line, what broke."""
 
@@ -96,8 +115,8 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Scenario:
-    spec: DhtScenario | MatchScenario | RoundsScenario
-    invariants: DhtInvariants | MatchInvariants | RoundsInvariants
+    spec: DhtScenario | MatchScenario | RoundsScenario | SwarmScenario
+    invariants: DhtInvariants | MatchInvariants | RoundsInvariants | SwarmInvariants
 
     def run(self, seed: int, progress: Progress | None = None) -> Outcome:
         spec = dataclasses.replace(self.spec, seed=seed)
@@ -107,6 +126,9 @@ class Scenario:
         if isinstance(spec, RoundsScenario):
             assert isinstance(self.invariants, RoundsInvariants)
             return _rounds_outcome(spec, self.invariants, progress)
+        if isinstance(spec, SwarmScenario):
+            assert isinstance(self.invariants, SwarmInvariants)
+            return _swarm_outcome(spec, self.invariants, progress)
         assert isinstance(self.invariants, MatchInvariants)
         return _match_outcome(spec, self.invariants, progress)
 
@@ -170,6 +192,40 @@ def _rounds_outcome(
     return Outcome(spec.seed, rounds_summary(r), rounds_figures(r), r.log_hash, broken, row)
 
 
+def _swarm_outcome(
+    spec: SwarmScenario, rules: SwarmInvariants, progress: Progress | None
+) -> Outcome:
+    r = run_swarm(spec, progress)
+    broken = []
+    if not r.efficiency >= rules.min_efficiency:
+        broken.append(f"efficiency {r.efficiency:.4f} < {rules.min_efficiency}")
+    if r.failed > rules.max_failed:
+        broken.append(f"{r.failed} micro-batches given up > {rules.max_failed}")
+    row = dataclasses.asdict(r) | {"efficiency": r.efficiency}
+    return Outcome(spec.seed, swarm_summary(r), swarm_figures(r), r.log_hash, broken, row)
+
+
+def swarm_summary(r: SwarmReport) -> str:
+    return (
+        f"{r.stages} stages, {r.servers} servers, {r.trainers} trainers: {r.done} micro-batches "
+        f"of an ideal {r.ideal:.0f} ({r.efficiency:.1%}), {r.moves} moves, {r.preempted} "
+        f"preempted, {r.failed} given up, {r.retries} retried hops, median latency "
+        f"{r.latency_s:.1f}s, stage totals at the end {r.stage_balance} of their mean, "
+        f"busy {r.busy}, {r.wall_s:.1f}s wall"
+    )
+
+
+def swarm_figures(r: SwarmReport, prefix: str = "swarm") -> dict[str, str]:
+    """A swarm run's ``key=value`` figures (swarmd sim's and benchmarks/sim.py's)."""
+    return {
+        f"{prefix}_efficiency": f"{r.efficiency:.4f}",
+        f"{prefix}_moves": str(r.moves),
+        f"{prefix}_failed": str(r.failed),
+        f"{prefix}_latency_s": f"{r.latency_s:.2f}",
+        f"{prefix}_wall_s": f"{r.wall_s:.1f}",
+    }
+
+
 def rounds_summary(r: RoundsReport) -> str:
     return (
         f"{r.peers} peers, {r.rounds} rounds, {r.replaced} replaced, {r.bans} bans: "
@@ -229,6 +285,10 @@ def load_scenario(path: Path | None) -> Scenario:
             network[ms.replace("_ms", "_s")] = network.pop(ms) / 1000
     data["network"] = _build(NetworkConfig, network, f"{path} [network]")
     rules_table = data.pop("invariants", {})
+    if kind == "swarm":
+        data["swarm"] = _build(SwarmConfig, data.pop("swarm", {}), f"{path} [swarm]")
+        rules = _build(SwarmInvariants, rules_table, f"{path} [invariants]")
+        return Scenario(_build(SwarmScenario, data, str(path)), rules)
     if kind == "dht":
         rules = _build(DhtInvariants, rules_table, f"{path} [invariants]")
         return Scenario(_build(DhtScenario, data, str(path)), rules)

@@ -4,9 +4,14 @@ Each call goes to the server with the smallest expected finish time, estimated a
 
     (calls this trainer has in flight there + the queue it published + 1) / its rate
 
-with the rate the server measured of its own compute (published in its stage record) and,
-once this trainer has timed calls there, the slower of that and what the trainer saw (the
-network and other trainers' load count too). The estimate is multiplied by a random factor
+with the rate the server measured of its own compute (published in its stage record), or,
+once this trainer has timed calls there, what the trainer saw a call take (the network and
+the queue it met count too) if that is longer. A timed call already holds the queue it
+waited in, so it is a floor on the estimate, never multiplied by the queue: multiplied, one
+call that met a queue made its server look (queue + 1) times slower than it was, for as long
+as nobody called it again, and trainers crowded the servers they had not yet timed (the
+simulator's 40 servers on 4 stages computed 60-63% of what they could; 68-74% with the
+floor, same seeds). The estimate is multiplied by a random factor
 in [0.8, 1.2] so trainers that read the same directory don't all pick the same server.
 A call that failed bans its server for a while (2 s, doubling per failure in a row, at most
 60 s), unless every server of the stage is banned, in which case the least recently failed
@@ -21,6 +26,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from swarmd.node.algorithms.swarm.directory import StageRecord
@@ -51,9 +57,12 @@ class Choice:
 class Router:
     """One trainer's view of the servers: what it measured of each, and its bans."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, rng: random.Random | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._servers: dict[PeerId, _Server] = {}
         self._rng = rng or random.Random()
+        self._clock = clock
 
     def _of(self, peer: PeerId) -> _Server:
         return self._servers.setdefault(peer, _Server())
@@ -61,14 +70,13 @@ class Router:
     def expected_s(self, peer: PeerId, record: StageRecord) -> float:
         s = self._of(peer)
         own = 1.0 / record.rate if record.rate > 0 else UNMEASURED_S
-        per_call = max(own, s.seconds or 0.0)
-        return (s.inflight + record.queue + 1) * per_call
+        return max((s.inflight + record.queue + 1) * own, s.seconds or 0.0)
 
     def pick(self, servers: dict[PeerId, StageRecord], now: float | None = None) -> Choice | None:
         """The server for the next call among `servers` (one stage's), or None if empty."""
         if not servers:
             return None
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         open_ = {p: r for p, r in servers.items() if self._of(p).banned_until <= now}
         if not open_:
             peer = min(servers, key=lambda p: self._of(p).banned_until)
@@ -84,7 +92,7 @@ class Router:
 
     def rest_s(self, peer: PeerId, now: float | None = None) -> float:
         """Seconds until the server's ban ends (0: not banned)."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         return max(0.0, self._of(peer).banned_until - now)
 
     def started(self, peer: PeerId) -> None:
@@ -103,14 +111,14 @@ class Router:
     def busy(self, peer: PeerId, now: float | None = None) -> None:
         """The server refused a call for load or rate (nothing computed): it is passed over
         for BUSY_BAN_S, without counting as a failure."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         s = self._of(peer)
         s.inflight -= 1
         s.banned_until = max(s.banned_until, now + BUSY_BAN_S)
 
     def failed(self, peer: PeerId, now: float | None = None) -> float:
         """Bans the server after a failed call; returns the ban's length."""
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         s = self._of(peer)
         s.inflight -= 1
         s.failures += 1

@@ -25,7 +25,13 @@ from swarmd.node.algorithms.swarm import copies, directory, recovery
 from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.follow import countable, state_to_follow
-from swarmd.node.algorithms.swarm.rebalance import Move, choose_move, contest, stage_rates
+from swarmd.node.algorithms.swarm.rebalance import (
+    Looks,
+    Move,
+    choose_move,
+    contest,
+    least_served,
+)
 from swarmd.node.algorithms.swarm.stage_service import StageHost, StageJob, StageShape
 from swarmd.node.averaging.allreduce import Member
 from swarmd.node.averaging.codecs import CodecName
@@ -100,9 +106,7 @@ class StageServer:
         self._moving_to: int | None = None
         #: When this server began rebuilding its lost stage (until its first step).
         self._recovered_at: float | None = None
-        #: The move (source, target) the last look named, if any: a move is made when two
-        #: looks in a row name it.
-        self._last_move: tuple[int, int] | None = None
+        self._looks = Looks()
         #: CheckFree+: the copies of a neighbouring end stage's edge layers this one keeps.
         self._copies = copies.Keeper(peer, swarm.stages)
 
@@ -121,11 +125,7 @@ class StageServer:
 
     async def _least_served(self) -> int:
         records = await directory.read(self.peer.dht, self.peer.config.name, self.swarm.stages)
-        totals = stage_rates(records, self.swarm.stages)
-        counts = [0] * self.swarm.stages
-        for r in records.values():
-            counts[r.stage] += 1
-        return min(range(self.swarm.stages), key=lambda s: (counts[s], totals[s], s))
+        return least_served(records, self.swarm.stages)
 
     def _build_stages(self) -> tuple[list[StageTrainer], StageShape]:
         config = self.peer.config
@@ -426,12 +426,9 @@ class StageServer:
         return True
 
     async def _maybe_move(self) -> None:
-        """Moves when two looks in a row name the same move: rates measured on a busy host
-        swing for a moment (seen in CI: a server moved back 1 -> 0 right after the one
-        move 0 -> 1 the setup called for), and a move costs a state download and its stage
-        a server."""
+        """Moves when two looks in a row name the same move (rebalance.Looks)."""
         assert self.job is not None
-        peer, named = self.peer, self._last_move is not None
+        peer, named = self.peer, self._looks.named
         if named:
             # A confirming look reads the directory afresh: another server of the stage that
             # moved since the last refresh is then counted (joining) and this one stays.
@@ -440,10 +437,8 @@ class StageServer:
         me = peer.identity.peer_id
         records[me] = self._record()
         move = choose_move(records, me, self.swarm.stages, self.swarm.rebalance_gain, named)
-        seen = None if move is None else (move.source, move.target)
-        confirmed, self._last_move = seen is not None and seen == self._last_move, seen
-        if move is not None and confirmed:
-            self._last_move = None
+        if self._looks.confirm(move):
+            assert move is not None
             await self._move(move)
 
     async def _claim(self, target: int) -> bool:

@@ -219,7 +219,7 @@ class StageHost:
             )
         if not 0 < len(meta.info) <= MAX_CALL_ID:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "a stage call names its call id")
-        if self._waiting >= MAX_WAITING or (self._waiting + 1) * job.per_call_s > job.max_wait_s:
+        if not admits(self._waiting, job.per_call_s, job.max_wait_s):
             raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "stage server busy")
 
     def _inputs(self, job: StageJob, tensors: list[torch.Tensor], what: str, part: str) -> None:
@@ -391,6 +391,13 @@ class StageHost:
 MAX_PART_CALLS = 4
 #: Values per row of an edge copy on the wire (a bundle's dimension is bounded by MAX_DIM).
 EDGE_ROW = 4096
+
+
+def admits(waiting: int, per_call_s: float, max_wait_s: float) -> bool:
+    """Whether a call is taken when `waiting` calls wait for or hold the device: at most
+    MAX_WAITING, and the new one's expected wait within `max_wait_s` (beyond it the caller is
+    better served elsewhere than after its own timeout)."""
+    return waiting < MAX_WAITING and (waiting + 1) * per_call_s <= max_wait_s
 
 
 def rows(flat: torch.Tensor) -> torch.Tensor:

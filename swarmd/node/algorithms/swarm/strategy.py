@@ -18,6 +18,7 @@ through the pipeline. Its steps are micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -25,6 +26,7 @@ import time
 import trio
 
 from swarmd.node.algorithms.loop import choose_shard
+from swarmd.node.algorithms.swarm import directory
 from swarmd.node.algorithms.swarm.server_role import StageServer
 from swarmd.node.algorithms.swarm.stage_service import StageHost
 from swarmd.node.algorithms.swarm.trainer import MicroBatchFailed, SwarmTrainer
@@ -102,8 +104,7 @@ class SwarmStrategy(Strategy):
             self._source = await trio.to_thread.run_sync(load_source, config.data)
             self.trainer = SwarmTrainer(
                 self.peer.client,
-                self.peer.dht,
-                config.name,
+                functools.partial(directory.read, self.peer.dht, config.name, self.swarm.stages),
                 self.swarm,
                 self.peer.out.event,
                 keep_completed=self._audit is not None,

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import secrets
-import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 import trio
@@ -32,7 +33,6 @@ from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.route import Hop, route, swap_for
 from swarmd.node.algorithms.swarm.router import Choice, Router
 from swarmd.node.algorithms.swarm.stage_service import BACKWARD, FETCH, FORWARD, LAST
-from swarmd.node.dht import DHTNode
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.errors import ProtocolError
@@ -51,7 +51,12 @@ MAX_ATTEMPTS = 8
 #: The least a trainer accepts an answer to be (more: 8x the request's bytes).
 ANSWER_LIMIT = 64 << 20
 
+T = TypeVar("T")
 Batch = tuple[torch.Tensor, torch.Tensor]
+#: Reads the run's stage directory (directory.read, bound to the peer's DHT and run).
+ReadDirectory = Callable[[], Awaitable[dict[PeerId, StageRecord]]]
+#: One try of a hop at a chosen server: (the server, the try's number) -> its answer.
+Attempt = Callable[[Choice, int], Awaitable[T]]
 #: (event kind, text, fields): the peer's progress output.
 Say = Callable[..., None]
 
@@ -78,32 +83,36 @@ class MicroBatchFailed(Exception):
 class SwarmTrainer:
     def __init__(
         self,
-        client: rpc.RpcClient,
-        dht: DHTNode,
-        run: str,
+        client: rpc.TensorCaller,
+        read_directory: ReadDirectory,
         config: SwarmConfig,
         say: Say,
         *,
         keep_completed: bool = False,
+        rng: random.Random | None = None,
     ) -> None:
-        self.client, self.dht, self.run, self.config = client, dht, run, config
+        """`read_directory` and `rng` are seams for the simulator (sim/swarm.py), which runs
+        this trainer's routing against modelled stage servers; time is trio's clock, so
+        virtual there."""
+        self.client, self.config = client, config
+        self._read_directory = read_directory
         self.say = say
-        self.router = Router()
+        self.router = Router(rng, clock=trio.current_time)
         self.stats = TrainerStats()
         self._keep_completed = keep_completed
         self._records: list[dict[PeerId, StageRecord]] = []
         self._read_at = -math.inf
         self._read_lock = trio.Lock()
-        self._nonce = secrets.token_hex(4)
+        self._nonce = secrets.token_hex(4) if rng is None else rng.randbytes(4).hex()
         self._waiting_for: set[int] = set()
 
     async def servers(self, stage: int, *, fresh: bool = False) -> dict[PeerId, StageRecord]:
         """The stage's serving servers, from a directory read at most DIRECTORY_TTL_S old."""
         async with self._read_lock:
-            if fresh or time.monotonic() - self._read_at > DIRECTORY_TTL_S:
-                records = await directory.read(self.dht, self.run, self.config.stages)
+            if fresh or trio.current_time() - self._read_at > DIRECTORY_TTL_S:
+                records = await self._read_directory()
                 self._records = directory.by_stage(records, self.config.stages)
-                self._read_at = time.monotonic()
+                self._read_at = trio.current_time()
         return {p: r for p, r in self._records[stage].items() if r.state == "serving"}
 
     async def micro_batch(self, seq: int, batch: Batch) -> float:
@@ -149,14 +158,33 @@ class SwarmTrainer:
         like: torch.Tensor,
     ) -> list[torch.Tensor]:
         """One hop, retried on the stage's other servers until one answers."""
-        stage = hop.stage
         payload = wire.encode(tensors, self.config.activations)
         nbytes = sum(v.nbytes for v in payload)
-        attempt = 0
+
+        async def attempt(choice: Choice, n: int) -> list[torch.Tensor]:
+            # A swapped micro-batch calls an end stage twice each way: the part is in the id.
+            call_id = f"{call}{hop.name}.{n}".encode()
+            meta = TensorMeta("uint8", (nbytes,), name=hop.name, info=call_id)
+            await self.client.put_tensor(
+                choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
+            )
+            limit = max(ANSWER_LIMIT, 8 * nbytes)
+            out = await self._fetch(choice, call_id, limit) if answer else []
+            _check_answer(out, answer, like, hop.stage)
+            return out
+
+        return await self.routed(hop.stage, attempt)
+
+    async def routed(self, stage: int, attempt: Attempt[T]) -> T:
+        """Tries `attempt` on the stage's servers, as the router picks them, until one
+        answers: a server that refuses for load is rested and asked again later, one that
+        fails or times out is banned and another is tried (MAX_ATTEMPTS at most); a stage
+        with no server is waited for."""
+        tries = 0
         while True:
-            if attempt >= MAX_ATTEMPTS:
-                raise MicroBatchFailed(f"stage {stage}: {attempt} servers in a row failed it")
-            servers = await self.servers(stage, fresh=attempt > 0)
+            if tries >= MAX_ATTEMPTS:
+                raise MicroBatchFailed(f"stage {stage}: {tries} servers in a row failed it")
+            servers = await self.servers(stage, fresh=tries > 0)
             choice = self.router.pick(servers)
             if choice is None:
                 await self._wait_for(stage)
@@ -170,19 +198,11 @@ class SwarmTrainer:
             if stage in self._waiting_for:
                 self._waiting_for.discard(stage)
                 self.say("stage_back", f"stage {stage} is served again", stage=stage)
-            # A swapped micro-batch calls an end stage twice each way: the part is in the id.
-            call_id = f"{call}{hop.name}.{attempt}".encode()
-            meta = TensorMeta("uint8", (nbytes,), name=hop.name, info=call_id)
             self.router.started(choice.peer)
-            t0 = time.monotonic()
+            t0 = trio.current_time()
             try:
                 with trio.fail_after(self.config.call_timeout_s):
-                    await self.client.put_tensor(
-                        choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
-                    )
-                    limit = max(ANSWER_LIMIT, 8 * nbytes)
-                    out = await self._fetch(choice, call_id, limit) if answer else []
-                    _check_answer(out, answer, like, stage)
+                    out = await attempt(choice, tries)
             except rpc.RpcError as exc:
                 if exc.code is rpc.StatusCode.RESOURCE_EXHAUSTED:
                     # Refused before any compute (its queue is full, or this trainer called
@@ -195,14 +215,14 @@ class SwarmTrainer:
                     # every server of the stage would. Nothing of it was applied there.
                     self.router.released(choice.peer)
                     raise MicroBatchFailed(f"stage {stage} refused it: {exc.details}") from None
-                attempt += 1
+                tries += 1
                 self._failed(stage, choice.peer, exc)
                 continue
             except (wire.WireError, trio.TooSlowError, ProtocolError) as exc:
-                attempt += 1
+                tries += 1
                 self._failed(stage, choice.peer, exc)
                 continue
-            self.router.succeeded(choice.peer, time.monotonic() - t0)
+            self.router.succeeded(choice.peer, trio.current_time() - t0)
             return out
 
     async def _fetch(self, choice: Choice, call_id: bytes, limit: int) -> list[torch.Tensor]:
