@@ -41,7 +41,8 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.rounds import RoundsScenario, run_rounds
 from swarmd.node.sim.scenario import rounds_figures, rounds_summary, swarm_figures, swarm_summary
-from swarmd.node.sim.swarm import SwarmScenario, run_swarm, without_rebalancing
+from swarmd.node.sim.swarm import run_swarm
+from swarmd.node.sim.swarm_spec import SwarmScenario, without_rebalancing
 
 
 def rss_gib() -> float:

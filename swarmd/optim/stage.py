@@ -169,11 +169,17 @@ class StageTrainer:
         return out
 
     def backward(
-        self, x: torch.Tensor, grad_out: torch.Tensor, bound: float = math.inf, part: str = ""
+        self,
+        x: torch.Tensor,
+        grad_out: torch.Tensor,
+        bound: float = math.inf,
+        part: str = "",
+        apply: bool = True,
     ) -> torch.Tensor | None:
         """Recomputes, backpropagates; the input's gradient (None for token ids). Nothing is
         accumulated unless every gradient is finite (and the input's within `bound`): one bad
-        micro-batch must not poison the round's sum."""
+        micro-batch must not poison the round's sum. `apply` False: nothing is accumulated
+        at all (a trainer checking another server's answer)."""
         module, tokens = self.part(part), self.takes_tokens(part)
         x = x if tokens else x.detach().requires_grad_(True)
         with self._lock:
@@ -182,13 +188,19 @@ class StageTrainer:
                 raise ValueError(
                     f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}"
                 )
-            return self._accumulate(out, grad_out, x, bound, tokens, part != "blocks")
+            return self._accumulate(out, grad_out, x, bound, tokens, part != "blocks", apply)
 
     def last(
-        self, x: torch.Tensor, targets: torch.Tensor, bound: float = math.inf, part: str = ""
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor,
+        bound: float = math.inf,
+        part: str = "",
+        apply: bool = True,
     ) -> tuple[float, torch.Tensor | None]:
         """The last stage (or its edge: the head): loss and the input's gradient, parameters'
-        gradients accumulated (only if all is finite, as in `backward`)."""
+        gradients accumulated (only if all is finite, as in `backward`; `apply` False: not at
+        all)."""
         if part not in ("", "edge"):
             raise ValueError(f"the loss is the whole last stage's or its edge's, not {part!r}")
         module, tokens = self.part(part), self.takes_tokens(part)
@@ -198,8 +210,9 @@ class StageTrainer:
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise ValueError("loss is not finite")
-            grad = self._accumulate(loss, None, x, bound, tokens, True)
-            self._loss_sum += value
+            grad = self._accumulate(loss, None, x, bound, tokens, True, apply)
+            if apply:
+                self._loss_sum += value
         return value, grad
 
     def _accumulate(
@@ -210,6 +223,7 @@ class StageTrainer:
         bound: float,
         tokens: bool,
         counts: bool,
+        apply: bool = True,
     ) -> torch.Tensor | None:
         """`counts`: the call finishes a micro-batch's work on this stage (a swapped one calls
         an end stage twice: its `blocks` part does not count, so weights and the mean loss
@@ -222,6 +236,8 @@ class StageTrainer:
         g_x = None if tokens else grads[-1]
         if g_x is not None:
             _check("input gradient", g_x, bound)
+        if not apply:
+            return g_x
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
                 p.grad.add_(g)  # type: ignore[union-attr]

@@ -9,6 +9,7 @@ the peer `swarmd chaos --byzantine` runs), or its reductions lie.
     SWARMD_LIE=forger   python -m tests.harness.lying_peer join ...   # ... and forges its proof
     SWARMD_LIE=equivocator ...                                # ... a different proof per member
     SWARMD_LIE=demo1000 ...            # DeMo: its signed payloads carry its coefficients x -1000
+    SWARMD_LIE=stage20 ...             # SWARM stage server: every answer it gives x -20
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
 swarmd code.
@@ -49,7 +50,23 @@ def install_demo_scaled(factor: float) -> None:
     DeMo.prepare = lying_prepare  # type: ignore[method-assign]
 
 
-LIES = (*byzantine.LIES, "reducer", "forger", "equivocator", "demo1000")
+def install_stage_answers_scaled(factor: float) -> None:
+    """A stage server that computes honestly, at honest speed, and answers every call (its
+    forwards' hidden states, a Last's loss and gradient, its backwards' gradients, Check
+    calls too) x ``factor``: finite, well-formed, of the right shapes."""
+    import types
+
+    from swarmd.node.algorithms.swarm import stage_service, wire
+
+    def lying_encode(tensors: list[torch.Tensor], codec: str) -> list[memoryview]:
+        return wire.encode([t * factor if t.is_floating_point() else t for t in tensors], codec)
+
+    stage_service.wire = types.SimpleNamespace(  # type: ignore[assignment,attr-defined]
+        **{**vars(wire), "encode": lying_encode}
+    )
+
+
+LIES = (*byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20")
 if LIE not in LIES:
     raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
@@ -59,6 +76,8 @@ elif LIE == "equivocator":
     forger.install_equivocator()
 elif LIE == "demo1000":
     install_demo_scaled(-1000.0)
+elif LIE == "stage20":
+    install_stage_answers_scaled(-20.0)
 elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:

@@ -7,7 +7,8 @@ import dataclasses
 import math
 
 from swarmd.node.algorithms.swarm.config import SwarmConfig
-from swarmd.node.sim.swarm import SwarmScenario, run_swarm, without_rebalancing
+from swarmd.node.sim.swarm import run_swarm
+from swarmd.node.sim.swarm_spec import SwarmScenario, without_rebalancing
 
 
 def small(**changes: object) -> SwarmScenario:

@@ -96,3 +96,22 @@ def test_a_micro_batch_with_non_finite_gradients_is_refused_and_not_accumulated(
     with pytest.raises(ValueError, match="exceeds"):
         stages[1].last(h, torch.randint(0, 256, (2, 8)), bound=1e-12)
     assert stages[1].pending == 0
+
+
+def test_a_check_call_answers_what_the_call_does_and_applies_nothing() -> None:
+    stages = _pipeline(GPT(CFG, seed=2), 2)
+    x, y = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+    h = stages[0].forward(x)
+    checked_loss, checked_grad = stages[1].last(h, y, apply=False)
+    assert stages[1].pending == 0 and all(not p.grad.any() for p in stages[1].params)  # type: ignore[union-attr]
+    loss, grad = stages[1].last(h, y)
+    assert stages[1].pending == 1
+    assert checked_loss == loss and torch.equal(checked_grad, grad)  # type: ignore[arg-type]
+    h1 = h.detach().requires_grad_(False)
+    blocks = _pipeline(GPT(CFG, seed=2), 3)[1]
+    mid = blocks.forward(h1)
+    g = torch.randn_like(mid)
+    checked = blocks.backward(h1, g, apply=False)
+    assert blocks.pending == 0 and all(not p.grad.any() for p in blocks.params)  # type: ignore[union-attr]
+    assert torch.equal(checked, blocks.backward(h1, g))  # type: ignore[arg-type]
+    assert blocks.pending == 1

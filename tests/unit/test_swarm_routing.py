@@ -6,10 +6,12 @@ import random
 from collections.abc import Generator
 
 import pytest
+import torch
 
+from swarmd.node.algorithms.swarm import audit
 from swarmd.node.algorithms.swarm.directory import StageRecord, by_stage
 from swarmd.node.algorithms.swarm.rebalance import choose_move, contest, stage_rates
-from swarmd.node.algorithms.swarm.router import MAX_BAN_S, Router
+from swarmd.node.algorithms.swarm.router import MAX_BAN_S, TIMED_HALF_LIFE_S, Router
 from swarmd.protocol.identity import Identity, PeerId
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]
@@ -47,7 +49,8 @@ def test_a_published_queue_sends_calls_elsewhere() -> None:
 
 
 def test_a_timed_call_is_a_floor_on_the_estimate_not_multiplied_by_the_queue() -> None:
-    router = Router(random.Random(5))
+    now = [0.0]
+    router = Router(random.Random(5), clock=lambda: now[0])
     a = PEERS[0]
     router.started(a)
     router.succeeded(a, 1.0)  # it met a queue: 1 s for a call its compute does in 0.1 s
@@ -56,6 +59,21 @@ def test_a_timed_call_is_a_floor_on_the_estimate_not_multiplied_by_the_queue() -
     router.started(a)
     router.succeeded(a, 0.1)  # the queue drained: the estimate follows (EMA)
     assert router.expected_s(a, rec(0, 10.0)) == pytest.approx(0.73)
+
+
+def test_a_server_timed_slow_once_is_tried_again_as_the_timing_fades() -> None:
+    now = [0.0]
+    router = Router(random.Random(7), clock=lambda: now[0])
+    slow_once, other = PEERS[:2]
+    servers = {slow_once: rec(0, 10.0), other: rec(0, 10.0)}
+    router.started(slow_once)
+    router.succeeded(slow_once, 2.0)  # one call met a round's averaging: 2 s
+    router.started(other)
+    router.succeeded(other, 0.1)
+    assert {router.pick(servers).peer for _ in range(20)} == {other}  # type: ignore[union-attr]
+    now[0] = TIMED_HALF_LIFE_S * 5  # 2 s faded to 2/32: under the other's 0.1 (also faded)
+    assert router.expected_s(slow_once, servers[slow_once]) == pytest.approx(0.1)
+    assert slow_once in {router.pick(servers).peer for _ in range(20)}  # type: ignore[union-attr]
 
 
 def test_failures_ban_with_backoff_but_never_empty_a_stage() -> None:
@@ -245,3 +263,32 @@ def test_two_servers_claiming_one_move_never_both_go() -> None:
     # In lockstep (both publish, then both read) each sees the other; exactly one goes.
     assert sum(_outcomes([0, 1] * 7, pair)) == 1
     assert sum(_outcomes([1, 0] * 7, pair)) == 1
+
+
+def test_answers_agree_within_the_tolerance_and_the_odd_one_is_named() -> None:
+    h = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0))
+    drift = h + 0.05 * torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+    assert audit.agree_all([h], [drift])  # a step or two apart
+    for lie in (-20 * h, -h, 2.2 * h, torch.zeros_like(h), torch.randn_like(h)):
+        assert not audit.agree_all([h], [lie]), lie
+    assert audit.distance_all([h], [h[:1]]) == float("inf")  # another shape
+    loss, grad = torch.tensor(3.2), h
+    assert audit.agree_all([loss, grad], [torch.tensor(3.21), drift])
+    assert not audit.agree_all([loss, grad], [torch.tensor(-64.0), -20 * grad])
+    assert audit.odd_one_out([h], [-20 * h], [drift]) == 1
+    assert audit.odd_one_out([-20 * h], [h], [drift]) == 0
+    assert audit.odd_one_out([h], [-20 * h], [-h]) is None  # the third backs neither
+    assert audit.odd_one_out([h], [drift], [h]) is None  # ... or both
+
+
+def test_a_distrusted_server_is_never_picked_even_as_the_last_resort() -> None:
+    router = Router(random.Random(6))
+    liar, honest = PEERS[:2]
+    servers = {liar: rec(0, 100.0), honest: rec(0, 1.0)}
+    router.distrust(liar, 1800.0, now=0.0)
+    assert {router.pick(servers, now=1.0).peer for _ in range(20)} == {honest}  # type: ignore[union-attr]
+    router.started(honest)
+    router.failed(honest, now=1.0)  # every trusted server banned: the banned one, not the liar
+    assert router.pick(servers, now=1.5).peer == honest  # type: ignore[union-attr]
+    assert router.pick({liar: servers[liar]}, now=2.0) is None  # a stage of liars: no server
+    assert router.pick({liar: servers[liar]}, now=1801.0).peer == liar  # type: ignore[union-attr]

@@ -76,6 +76,30 @@ target_group_size = 16
 min_averaged_share = 0.5
 max_spread = 0.01     # the honest states' spread after the last round (0: one line)
 max_loss_ratio = 1.05 # their loss against one group of everybody
+
+or a SWARM pipeline (the real trainer routing and server rebalancing, modelled servers):
+
+kind = "swarm"
+servers = 400         # stage servers, each one device taking calls in order
+trainers = 100
+duration_s = 1800     # virtual seconds; the first warmup_s are not measured
+warmup_s = 300
+speed_sigma = 0.5     # log-normal spread of server speeds
+stage_s = 1.0         # a stage's forward + backward of a micro-batch at speed 1
+activation_bytes = 1048576
+stage_bytes = 209715200 # a stage's state, downloaded to take or move to it
+lifetime_s = 3600     # mean time to preemption (exponential); a replacement joins
+downtime_s = 60       # this many seconds later
+
+[swarm]               # the run's SwarmConfig
+stages = 8
+inflight = 16
+rebalance_s = 30      # 0: servers never move
+rebalance_gain = 1.25
+
+[invariants]
+min_efficiency = 0.5  # micro-batches against the ideal (the live compute spread evenly)
+max_failed = 0        # micro-batches given up
 """
 
 
@@ -85,7 +109,8 @@ def add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the swarm on one machine in virtual time: a scenario, a seed, a replayable run",
         description="Runs a scenario on the simulator: real swarmd components (today the DHT, "
         "matchmaking and DiLoCo's all-reduce: real nodes, records, signed requests, lookups, "
-        "group formation, parts, commitments and proofs) "
+        "group formation, parts, commitments and proofs; SWARM's trainer routing and server "
+        "rebalancing against modelled stage servers) "
         "on an in-memory network with "
         "per-link latency, loss, dead hosts and partitions, in virtual time (trio's MockClock), "
         "so that thousands of nodes run on one core. One seed replays a run exactly: the last "

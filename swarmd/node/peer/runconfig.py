@@ -189,6 +189,7 @@ class RunConfig:
     swarm_inflight: int = 4
     swarm_call_timeout_s: float = 30.0
     swarm_swap: float = 0.0
+    swarm_audit: float = 0.125
     #: Who may take part (node/access.py): `open` (anyone), `secret` (peers that hold the
     #: run's secret: `swarmd join --secret-file`), or `allowlist` (keys the creator allowed
     #: with `swarmd run allow`). In every mode the creator can ban a key (`swarmd run deny`).
@@ -360,6 +361,7 @@ class RunConfig:
             inflight=self.swarm_inflight,
             call_timeout_s=self.swarm_call_timeout_s,
             swap=self.swarm_swap,
+            audit=self.swarm_audit,
         )
 
     # -- serialisation ---------------------------------------------------------------------

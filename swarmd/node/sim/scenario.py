@@ -31,7 +31,8 @@ from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.rounds import RoundsReport, RoundsScenario, run_rounds
-from swarmd.node.sim.swarm import SwarmReport, SwarmScenario, run_swarm
+from swarmd.node.sim.swarm import run_swarm
+from swarmd.node.sim.swarm_spec import SwarmReport, SwarmScenario
 
 KINDS = ("dht", "matchmaking", "diloco", "swarm")
 
@@ -93,12 +94,14 @@ class SwarmInvariants:
 
     min_efficiency: float = 0.0
     max_failed: int = 1 << 62
+    #: The most measured micro-batches a liar may have answered a call of.
+    max_poisoned: int = 1 << 62
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_efficiency <= 1:
             raise ValueError("invariants.min_efficiency is a share between 0 and 1")
-        if self.max_failed < 0:
-            raise ValueError("invariants.max_failed must be >= 0")
+        if self.max_failed < 0 or self.max_poisoned < 0:
+            raise ValueError("invariants.max_failed and max_poisoned must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,8 @@ def _swarm_outcome(
         broken.append(f"efficiency {r.efficiency:.4f} < {rules.min_efficiency}")
     if r.failed > rules.max_failed:
         broken.append(f"{r.failed} micro-batches given up > {rules.max_failed}")
+    if r.poisoned > rules.max_poisoned:
+        broken.append(f"{r.poisoned} micro-batches answered by a liar > {rules.max_poisoned}")
     row = dataclasses.asdict(r) | {"efficiency": r.efficiency}
     return Outcome(spec.seed, swarm_summary(r), swarm_figures(r), r.log_hash, broken, row)
 
@@ -211,7 +216,8 @@ def swarm_summary(r: SwarmReport) -> str:
         f"of an ideal {r.ideal:.0f} ({r.efficiency:.1%}), {r.moves} moves, {r.preempted} "
         f"preempted, {r.failed} given up, {r.retries} retried hops, median latency "
         f"{r.latency_s:.1f}s, stage totals at the end {r.stage_balance} of their mean, "
-        f"busy {r.busy}, {r.wall_s:.1f}s wall"
+        f"busy {r.busy}, {r.audits} audits, {r.liars} liars caught {r.caught} times, "
+        f"{r.poisoned} micro-batches answered by a liar, {r.wall_s:.1f}s wall"
     )
 
 
@@ -221,6 +227,7 @@ def swarm_figures(r: SwarmReport, prefix: str = "swarm") -> dict[str, str]:
         f"{prefix}_efficiency": f"{r.efficiency:.4f}",
         f"{prefix}_moves": str(r.moves),
         f"{prefix}_failed": str(r.failed),
+        f"{prefix}_poisoned": str(r.poisoned),
         f"{prefix}_latency_s": f"{r.latency_s:.2f}",
         f"{prefix}_wall_s": f"{r.wall_s:.1f}",
     }

@@ -24,28 +24,34 @@ integral over the same time.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
 import trio
 
 from swarmd.node.algorithms.swarm import directory
-from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.rebalance import Looks, choose_move, contest, least_served
 from swarmd.node.algorithms.swarm.route import Hop
 from swarmd.node.algorithms.swarm.router import Choice
 from swarmd.node.algorithms.swarm.server_role import CONTEST_WAIT_S
-from swarmd.node.algorithms.swarm.stage_service import BACKWARD, FORWARD, LAST, admits
+from swarmd.node.algorithms.swarm.stage_service import (
+    BACKWARD,
+    CHECK_BACKWARD,
+    CHECK_LAST,
+    FORWARD,
+    LAST,
+    admits,
+)
 from swarmd.node.algorithms.swarm.trainer import MicroBatchFailed, SwarmTrainer
 from swarmd.node.sim.dht import seeded_identity
-from swarmd.node.sim.network import Host, NetworkConfig, SimNetwork
+from swarmd.node.sim.network import Host, SimNetwork
+from swarmd.node.sim.swarm_spec import SwarmReport, SwarmScenario
 from swarmd.node.sim.virtual import run_virtual
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import PeerId
@@ -55,79 +61,19 @@ from swarmd.protocol.identity import PeerId
 CONNECT_S = 3.0
 #: A server's longest wait for its device before it refuses a call (StageJob.max_wait_s).
 MAX_WAIT_S = 10.0
-_KINDS = {FORWARD: "forward", BACKWARD: "backward", LAST: "last"}
+_KINDS = {
+    FORWARD: "forward",
+    BACKWARD: "backward",
+    LAST: "last",
+    CHECK_BACKWARD: "backward",
+    CHECK_LAST: "last",
+}
 _SHARE = {"forward": 1 / 3, "backward": 2 / 3, "last": 1.0}
 _LOSS = torch.zeros(())
-_HIDDEN = torch.zeros(1, 1, 1)
+#: What an honest server answers (every hop's hidden state or gradient), and a liar: x(-20).
+_HIDDEN = torch.ones(1, 1, 1)
+_LIE = -20 * _HIDDEN
 _TOKENS = torch.zeros(1, 1, dtype=torch.int64)
-
-
-@dataclass(frozen=True)
-class SwarmScenario:
-    servers: int = 400
-    trainers: int = 100
-    #: Virtual seconds the run lasts; the first `warmup_s` are not measured.
-    duration_s: float = 1800.0
-    warmup_s: float = 300.0
-    #: Server speeds are log-normal around 1 with this sigma (0.5: the fastest of 400 about
-    #: 8x the slowest, as a T4 against a consumer card); trainers have no compute of their own.
-    speed_sigma: float = 0.5
-    #: Seconds a speed-1 server takes for one stage's forward and backward of a micro-batch.
-    stage_s: float = 1.0
-    #: Bytes of one hidden state or its gradient on the wire (compressed activations).
-    activation_bytes: int = 1 << 20
-    #: Bytes a server downloads to take a stage (its parameters and optimiser state).
-    stage_bytes: int = 200 << 20
-    #: Servers are preempted after an exponential lifetime with this mean (inf: never), and
-    #: replaced `downtime_s` later by a new server of a new speed.
-    lifetime_s: float = 3600.0
-    downtime_s: float = 60.0
-    swarm: SwarmConfig = field(default_factory=lambda: SwarmConfig(stages=8, inflight=8))
-    network: NetworkConfig = field(default_factory=NetworkConfig)
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.servers < self.swarm.stages:
-            raise ValueError("a SWARM scenario needs at least one server per stage")
-        if self.trainers < 1:
-            raise ValueError("a SWARM scenario needs at least one trainer")
-        if not 0 <= self.warmup_s < self.duration_s:
-            raise ValueError("warmup_s must be in [0, duration_s)")
-        for name in ("stage_s", "lifetime_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-        if not (self.speed_sigma >= 0 and self.downtime_s >= 0):
-            raise ValueError("speed_sigma and downtime_s must be >= 0")
-        if self.activation_bytes < 1 or self.stage_bytes < 0:
-            raise ValueError("activation_bytes must be >= 1 and stage_bytes >= 0")
-
-
-@dataclass(frozen=True)
-class SwarmReport:
-    stages: int
-    servers: int
-    trainers: int
-    #: Micro-batches completed in the measured window, and the ideal's over the same window.
-    done: int
-    ideal: float
-    #: Micro-batches a trainer gave up (every server of a hop failed it).
-    failed: int
-    retries: int
-    moves: int
-    preempted: int
-    #: Median seconds from a micro-batch's start to its last backward.
-    latency_s: float
-    #: The servers' busy time over their speed-weighted live time after the warm-up, per stage
-    #: they ended on (1: always computing).
-    busy: list[float]
-    #: Each stage's total rate at the end, over the mean of them (1: balanced).
-    stage_balance: list[float]
-    log_hash: str
-    wall_s: float
-
-    @property
-    def efficiency(self) -> float:
-        return self.done / self.ideal if self.ideal > 0 else math.nan
 
 
 @dataclass
@@ -143,6 +89,9 @@ class _Server:
     busy_s: float = 0.0
     up_at: float = 0.0
     down_at: float = math.inf
+    #: Answers every call x(-20) (issue 47: a stage server that computes honestly, at honest
+    #: speed, and lies in what it answers).
+    liar: bool = False
     looks: Looks = field(default_factory=Looks)
     device: trio.Lock = field(default_factory=trio.Lock)
 
@@ -174,6 +123,8 @@ class _Pipeline:
         self.latencies: list[float] = []
         self.moves = self.preempted = 0
         self.trainers: list[SwarmTrainer] = []
+        #: Measured micro-batches a liar answered a call of.
+        self.poisoned = 0
         #: The ideal's integral: sum of live speeds, since when, and the area so far.
         self._speed, self._since, self._area = 0.0, 0.0, 0.0
 
@@ -217,7 +168,7 @@ class _Pipeline:
 
     # -- a server --------------------------------------------------------------------------
 
-    async def server(self, nursery: trio.Nursery, first: bool = False) -> None:
+    async def server(self, nursery: trio.Nursery, first: bool = False, liar: bool = False) -> None:
         """One server's life: take the least served stage, serve and rebalance until
         preempted; its replacement starts `downtime_s` later. The run's first servers start
         their stages from the seed; later ones download the stage's state."""
@@ -225,8 +176,10 @@ class _Pipeline:
         host = self.net.add_host(seeded_identity(trace))
         speed = trace.lognormvariate(0.0, s.speed_sigma)
         lifetime = trace.expovariate(1 / s.lifetime_s) if math.isfinite(s.lifetime_s) else math.inf
+        lifetime = math.inf if liar else lifetime
         stage = least_served(await self.read(), self.stages)
         server = _Server(host.identity.peer_id, host, speed, stage, up_at=trio.current_time())
+        server.liar = liar
         self.servers[server.peer] = server
         self._live(speed)
         with trio.move_on_after(lifetime):
@@ -349,9 +302,12 @@ class _Pipeline:
                     await trainer.micro_batch(seq, batch)
                 except MicroBatchFailed:
                     trainer.stats.failed += 1
+                    trainer.was_poisoned(seq)
                     continue
+                poisoned = trainer.was_poisoned(seq)
                 if t0 >= self.scenario.warmup_s:
                     self.done += 1
+                    self.poisoned += poisoned
                     self.latencies.append(trio.current_time() - t0)
 
         self.trainers.append(trainer)
@@ -367,6 +323,8 @@ class _SimTrainer(SwarmTrainer):
         cfg = pipeline.scenario.swarm
         super().__init__(pipeline.net.client(host), pipeline.read, cfg, _quiet, rng=rng)
         self.pipeline, self.host = pipeline, host
+        #: Micro-batches (their call prefix) a liar answered a call of.
+        self.poisoned: set[str] = set()
 
     async def call(
         self,
@@ -377,16 +335,29 @@ class _SimTrainer(SwarmTrainer):
         *,
         answer: int,
         like: torch.Tensor,
-    ) -> list[torch.Tensor]:
+        exclude: Collection[PeerId] = (),
+    ) -> tuple[list[torch.Tensor], PeerId]:
         kind = _KINDS[path]
 
         async def attempt(choice: Choice, _: int) -> list[torch.Tensor]:
             await self.pipeline.call(self.host, choice, hop.stage, kind, answer)
+            hidden = _HIDDEN
+            if self.pipeline.servers[choice.peer].liar:
+                self.poisoned.add(call.partition("/")[0])
+                hidden = _LIE
             if kind == "last":
-                return [_LOSS, _HIDDEN][:answer]
-            return [_HIDDEN] if answer else []
+                return [_LOSS, hidden][:answer]
+            return [hidden] if answer else []
 
-        return await self.routed(hop.stage, attempt)
+        return await self.routed(hop.stage, attempt, exclude)
+
+    def was_poisoned(self, seq: int) -> bool:
+        """Whether a liar answered any call of micro-batch `seq` (forgotten once asked)."""
+        mb = f"{self._nonce}-{seq}"
+        if mb in self.poisoned:
+            self.poisoned.discard(mb)
+            return True
+        return False
 
 
 def _quiet(*_: object, **__: object) -> None:
@@ -398,8 +369,11 @@ async def _scenario(scenario: SwarmScenario, progress: Callable[[str], None]) ->
     p = _Pipeline(scenario)
     progress(f"{scenario.servers} servers, {scenario.trainers} trainers, seed {scenario.seed}")
     async with trio.open_nursery() as nursery:
-        for _ in range(scenario.servers):
-            nursery.start_soon(p.server, nursery, True)
+        liars = set(
+            random.Random(scenario.seed + 2).sample(range(scenario.servers), scenario.liars)
+        )
+        for i in range(scenario.servers):
+            nursery.start_soon(p.server, nursery, True, i in liars)
             await trio.sleep(0)
         # Servers publish before trainers look: the first read sees them all.
         await trio.sleep(directory.REFRESH_S)
@@ -429,6 +403,10 @@ async def _scenario(scenario: SwarmScenario, progress: Callable[[str], None]) ->
         retries=sum(t.stats.retries for t in p.trainers),
         moves=p.moves,
         preempted=p.preempted,
+        liars=scenario.liars,
+        audits=sum(t.stats.audits for t in p.trainers),
+        caught=sum(t.stats.caught for t in p.trainers),
+        poisoned=p.poisoned,
         latency_s=statistics.median(p.latencies) if p.latencies else math.nan,
         busy=p.busy(),
         stage_balance=[round(r / mean, 3) for r in rates],
@@ -442,8 +420,3 @@ def run_swarm(
 ) -> SwarmReport:
     """Runs the scenario in virtual time (trio's MockClock, autojump)."""
     return run_virtual(_scenario, scenario, progress or (lambda _: None), seed=scenario.seed)
-
-
-def without_rebalancing(scenario: SwarmScenario) -> SwarmScenario:
-    """The same scenario (seed, speeds, preemptions) with servers that never move."""
-    return dataclasses.replace(scenario, swarm=dataclasses.replace(scenario.swarm, rebalance_s=0))

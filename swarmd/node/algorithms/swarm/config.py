@@ -41,6 +41,10 @@ class SwarmConfig:
     #: lost end stage restarts from the seed); the paper swaps half (0.5). Costs a swapped
     #: micro-batch one more hop per swapped pair, each way.
     swap: float = 0.0
+    #: The share of forward hops a trainer repeats on a second server of the stage and
+    #: compares (audit.py: a server caught answering unlike two others is left out); costs
+    #: that share of the stages' forward compute (a forward is about a third of a hop's).
+    audit: float = 0.125
 
     def __post_init__(self) -> None:
         s = self.stages
@@ -64,6 +68,7 @@ class SwarmConfig:
         n = self.inflight
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
             raise ValueError(f"swarm_inflight must be an integer in [1, 256], got {n!r}")
-        w = self.swap
-        if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1:
-            raise ValueError(f"swarm_swap must be a share in [0, 1], got {w!r}")
+        for name in ("swap", "audit"):
+            w = getattr(self, name)
+            if isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w <= 1:
+                raise ValueError(f"swarm_{name} must be a share in [0, 1], got {w!r}")

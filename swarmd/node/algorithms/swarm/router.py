@@ -38,14 +38,23 @@ BUSY_BAN_S = 0.2
 #: Seconds per call assumed for a server that has not published a rate yet.
 UNMEASURED_S = 1.0
 EMA_ALPHA = 0.3
+#: A timed call's weight in the estimate halves every this many seconds without a new one: a
+#: server timed slow once (a queue, a round's averaging holding its device) was otherwise
+#: never called again by this trainer while the others looked faster, and sat idle (seen: one
+#: of three stage servers got no micro-batch in 20 of 33 one-second rounds).
+TIMED_HALF_LIFE_S = 5.0
 
 
 @dataclass
 class _Server:
     seconds: float | None = None
+    #: When `seconds` was last updated: what it says fades with its age (TIMED_HALF_LIFE_S).
+    timed_at: float = 0.0
     inflight: int = 0
     failures: int = 0
     banned_until: float = 0.0
+    #: Caught answering unlike the stage's other servers (audit.py): not even a fallback.
+    distrusted_until: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -67,16 +76,24 @@ class Router:
     def _of(self, peer: PeerId) -> _Server:
         return self._servers.setdefault(peer, _Server())
 
-    def expected_s(self, peer: PeerId, record: StageRecord) -> float:
+    def expected_s(self, peer: PeerId, record: StageRecord, now: float | None = None) -> float:
         s = self._of(peer)
         own = 1.0 / record.rate if record.rate > 0 else UNMEASURED_S
-        return max((s.inflight + record.queue + 1) * own, s.seconds or 0.0)
+        timed = 0.0
+        if s.seconds is not None:
+            age = (self._clock() if now is None else now) - s.timed_at
+            timed = s.seconds * 0.5 ** max(age / TIMED_HALF_LIFE_S, 0.0)
+        return max((s.inflight + record.queue + 1) * own, timed)
 
     def pick(self, servers: dict[PeerId, StageRecord], now: float | None = None) -> Choice | None:
-        """The server for the next call among `servers` (one stage's), or None if empty."""
+        """The server for the next call among `servers` (one stage's), or None if none is
+        trusted."""
         if not servers:
             return None
         now = self._clock() if now is None else now
+        servers = {p: r for p, r in servers.items() if self._of(p).distrusted_until <= now}
+        if not servers:
+            return None
         open_ = {p: r for p, r in servers.items() if self._of(p).banned_until <= now}
         if not open_:
             peer = min(servers, key=lambda p: self._of(p).banned_until)
@@ -84,7 +101,7 @@ class Router:
         best: PeerId | None = None
         best_t = math.inf
         for peer, record in open_.items():
-            t = self.expected_s(peer, record) * self._rng.uniform(0.8, 1.2)
+            t = self.expected_s(peer, record, now) * self._rng.uniform(0.8, 1.2)
             if t < best_t:
                 best, best_t = peer, t
         assert best is not None
@@ -103,6 +120,7 @@ class Router:
         s.inflight -= 1
         s.failures = 0
         s.seconds = seconds if s.seconds is None else s.seconds + EMA_ALPHA * (seconds - s.seconds)
+        s.timed_at = self._clock()
 
     def released(self, peer: PeerId) -> None:
         """A call ended without telling anything of the server (it refused the input)."""
@@ -115,6 +133,17 @@ class Router:
         s = self._of(peer)
         s.inflight -= 1
         s.banned_until = max(s.banned_until, now + BUSY_BAN_S)
+
+    def distrust(self, peer: PeerId, seconds: float, now: float | None = None) -> None:
+        """Leaves `peer` out for `seconds`, even when its stage has no other server (a stage
+        served only by a liar is a stage with no server)."""
+        now = self._clock() if now is None else now
+        s = self._of(peer)
+        s.distrusted_until = max(s.distrusted_until, now + seconds)
+
+    def trusted(self, peer: PeerId, now: float | None = None) -> bool:
+        now = self._clock() if now is None else now
+        return self._of(peer).distrusted_until <= now
 
     def failed(self, peer: PeerId, now: float | None = None) -> float:
         """Bans the server after a failed call; returns the ban's length."""

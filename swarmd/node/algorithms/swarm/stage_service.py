@@ -44,6 +44,10 @@ LAST = rpc.method_path(STAGE_SERVICE, "Last")
 FETCH = rpc.method_path(STAGE_SERVICE, "Fetch")
 #: An end stage's edge layers (embedding, head), live or a neighbour's copy (CheckFree+).
 PART = rpc.method_path(STAGE_SERVICE, "Part")
+#: Backward and Last computed and answered, nothing accumulated: a trainer checking what
+#: another server of the stage answered (audit.py).
+CHECK_BACKWARD = rpc.method_path(STAGE_SERVICE, "CheckBackward")
+CHECK_LAST = rpc.method_path(STAGE_SERVICE, "CheckLast")
 
 MAX_WAITING = 64
 OUTBOX_TTL_S = 60.0
@@ -182,6 +186,8 @@ class StageHost:
                 rpc.tensor_in("Forward", self._forward, admit=self._admit),
                 rpc.tensor_in("Backward", self._backward, admit=self._admit),
                 rpc.tensor_in("Last", self._last, admit=self._admit),
+                rpc.tensor_in("CheckBackward", self._check_backward, admit=self._admit),
+                rpc.tensor_in("CheckLast", self._check_last, admit=self._admit),
                 rpc.tensor_out("Fetch", pb.TensorRequest, self._fetch),
                 rpc.tensor_out("Part", pb.TensorRequest, self._part),
             ],
@@ -299,6 +305,24 @@ class StageHost:
         return pb.TensorAck(received_bytes=len(data))
 
     async def _backward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
+        return await self._backward_call(meta, data, ctx, apply=True)
+
+    async def _check_backward(
+        self, meta: TensorMeta, data: bytearray, ctx: CallContext
+    ) -> pb.TensorAck:
+        return await self._backward_call(meta, data, ctx, apply=False)
+
+    async def _last(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
+        return await self._last_call(meta, data, ctx, apply=True)
+
+    async def _check_last(
+        self, meta: TensorMeta, data: bytearray, ctx: CallContext
+    ) -> pb.TensorAck:
+        return await self._last_call(meta, data, ctx, apply=False)
+
+    async def _backward_call(
+        self, meta: TensorMeta, data: bytearray, ctx: CallContext, apply: bool
+    ) -> pb.TensorAck:
         job, part = self._job_for(meta)
         if job.trainer.last_stage and part != "blocks":
             raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Backward")
@@ -310,12 +334,14 @@ class StageHost:
             meta,
             ctx,
             _kind("backward", part),
-            lambda: job.trainer.backward(x, grad, wire.MAX_ABS, part),
-            True,
+            lambda: job.trainer.backward(x, grad, wire.MAX_ABS, part, apply),
+            apply,
         )
         return pb.TensorAck(received_bytes=len(data))
 
-    async def _last(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
+    async def _last_call(
+        self, meta: TensorMeta, data: bytearray, ctx: CallContext, apply: bool
+    ) -> pb.TensorAck:
         job, part = self._job_for(meta)
         if not job.trainer.last_stage or part == "blocks":
             raise RpcError(StatusCode.INVALID_ARGUMENT, f"{meta.name[:8]} does not end the model")
@@ -325,11 +351,11 @@ class StageHost:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: targets must match the input")
 
         def step() -> list[torch.Tensor]:
-            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS, part)
+            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS, part, apply)
             out = [torch.tensor(loss, dtype=torch.float32)]
             return out if grad is None else [*out, grad]
 
-        await self._run(job, meta, ctx, _kind("last", part), step, True)
+        await self._run(job, meta, ctx, _kind("last", part), step, apply)
         return pb.TensorAck(received_bytes=len(data))
 
     # -- the outbox --------------------------------------------------------------------------

@@ -20,19 +20,26 @@ import logging
 import math
 import random
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 import trio
 
-from swarmd.node.algorithms.swarm import directory, wire
+from swarmd.node.algorithms.swarm import audit, directory, wire
 from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.route import Hop, route, swap_for
 from swarmd.node.algorithms.swarm.router import Choice, Router
-from swarmd.node.algorithms.swarm.stage_service import BACKWARD, FETCH, FORWARD, LAST
+from swarmd.node.algorithms.swarm.stage_service import (
+    BACKWARD,
+    CHECK_BACKWARD,
+    CHECK_LAST,
+    FETCH,
+    FORWARD,
+    LAST,
+)
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.errors import ProtocolError
@@ -48,6 +55,9 @@ WAIT_POLL_S = 1.0
 BUSY_S = 0.05
 #: Servers one hop may fail on before its micro-batch is given up.
 MAX_ATTEMPTS = 8
+#: What a second server is asked when a hop is audited: the same call for Forward (it
+#: applies nothing), the Check call for those that apply the micro-batch's gradients.
+CHECKS = {FORWARD: FORWARD, BACKWARD: CHECK_BACKWARD, LAST: CHECK_LAST}
 #: The least a trainer accepts an answer to be (more: 8x the request's bytes).
 ANSWER_LIMIT = 64 << 20
 
@@ -69,9 +79,16 @@ class TrainerStats:
     failed: int = 0
     tokens: int = 0
     loss: float = math.nan
+    #: Forward hops repeated on a second server (audit.py), and servers caught lying.
+    audits: int = 0
+    caught: int = 0
     #: Completed micro-batch sequence numbers (each exactly once), kept only when asked
     #: (`keep_completed`: an audit; a long run would keep them all).
     completed: list[int] = field(default_factory=list)
+
+
+class NoOtherServer(Exception):
+    """No trusted server of the stage is left once the excluded ones are taken out."""
 
 
 class MicroBatchFailed(Exception):
@@ -104,6 +121,7 @@ class SwarmTrainer:
         self._read_at = -math.inf
         self._read_lock = trio.Lock()
         self._nonce = secrets.token_hex(4) if rng is None else rng.randbytes(4).hex()
+        self._rng = rng or random.Random()
         self._waiting_for: set[int] = set()
 
     async def servers(self, stage: int, *, fresh: bool = False) -> dict[PeerId, StageRecord]:
@@ -125,9 +143,9 @@ class SwarmTrainer:
         *through, last = hops
         inputs = [x]
         for hop in through:
-            (h,) = await self.call(hop, FORWARD, [inputs[-1]], f"{mb}/f", answer=1, like=x)
+            (h,) = await self.checked(hop, FORWARD, [inputs[-1]], f"{mb}/f", answer=1, like=x)
             inputs.append(h)
-        out = await self.call(
+        out = await self.checked(
             last, LAST, [inputs[-1], y], f"{mb}/l", answer=2 if through else 1, like=x
         )
         loss = float(out[0])
@@ -136,7 +154,7 @@ class SwarmTrainer:
         grad = out[1] if through else None
         for i in range(len(through) - 1, -1, -1):
             assert grad is not None
-            got = await self.call(
+            got = await self.checked(
                 through[i], BACKWARD, [inputs[i], grad], f"{mb}/b", answer=int(i > 0), like=x
             )
             grad = got[0] if got else None
@@ -147,7 +165,7 @@ class SwarmTrainer:
         self.stats.loss = loss
         return loss
 
-    async def call(
+    async def checked(
         self,
         hop: Hop,
         path: str,
@@ -157,7 +175,80 @@ class SwarmTrainer:
         answer: int,
         like: torch.Tensor,
     ) -> list[torch.Tensor]:
-        """One hop, retried on the stage's other servers until one answers."""
+        """A hop; a share of them (`audit`) asked again of a second server of the stage
+        (Forward as is; Backward and Last as their Check calls, which apply nothing) and the
+        answers compared, a third server deciding when the two disagree (audit.py). A liar
+        that took the hop is distrusted and the hop made again elsewhere: its gradients went
+        only to the liar."""
+        out, first = await self.call(hop, path, tensors, call, answer=answer, like=like)
+        if not answer or self.config.audit <= 0 or self._rng.random() >= self.config.audit:
+            return out
+        check = CHECKS[path]
+
+        async def opinion(suffix: str, exclude: set[PeerId]) -> tuple[list[torch.Tensor], PeerId]:
+            return await self.call(
+                hop, check, tensors, call + suffix, answer=answer, like=like, exclude=exclude
+            )
+
+        try:
+            second, by = await opinion("a", {first})
+        except NoOtherServer:
+            return out  # the stage has one (trusted) server: nothing to compare with
+        self.stats.audits += 1
+        if audit.agree_all(out, second):
+            return out
+        try:
+            third, _ = await opinion("b", {first, by})
+        except NoOtherServer:
+            return self._undecided(hop, out, second, "and no third server can tell which lied")
+        odd = audit.odd_one_out(out, second, third)
+        if odd is None:
+            return self._undecided(hop, out, second, "and a third agrees with neither or both")
+        liar = (first, by)[odd]
+        self.router.distrust(liar, audit.DISTRUST_S)
+        self.stats.caught += 1
+        gap = audit.distance_all((out, second)[odd], third)
+        self.say(
+            "stage_liar",
+            f"stage {hop.stage} server {str(liar)[:12]} answered a {path.rsplit('/', 1)[-1]} "
+            f"{gap:.3g} apart from two other servers of the stage; this trainer leaves it out "
+            f"for {audit.DISTRUST_S:.0f} s",
+            stage=hop.stage,
+            server=str(liar),
+            distance=round(gap, 6),
+        )
+        if odd == 1 or path == FORWARD:
+            return out if odd == 1 else third
+        redo, _ = await self.call(hop, path, tensors, call + "c", answer=answer, like=like)
+        return redo
+
+    def _undecided(
+        self, hop: Hop, out: list[torch.Tensor], second: list[torch.Tensor], why: str
+    ) -> list[torch.Tensor]:
+        """Two answers apart and nobody to decide: said, and the hop goes on with the first
+        (dropping it would not stop a liar, and honest servers a round apart can differ)."""
+        gap = audit.distance_all(out, second)
+        self.say(
+            "stage_disagree",
+            f"stage {hop.stage}: two servers answered {gap:.3g} apart {why}",
+            stage=hop.stage,
+            distance=round(gap, 6),
+        )
+        return out
+
+    async def call(
+        self,
+        hop: Hop,
+        path: str,
+        tensors: list[torch.Tensor],
+        call: str,
+        *,
+        answer: int,
+        like: torch.Tensor,
+        exclude: Collection[PeerId] = (),
+    ) -> tuple[list[torch.Tensor], PeerId]:
+        """One hop, retried on the stage's other servers (not `exclude`) until one answers;
+        the answer and who gave it."""
         payload = wire.encode(tensors, self.config.activations)
         nbytes = sum(v.nbytes for v in payload)
 
@@ -173,20 +264,27 @@ class SwarmTrainer:
             _check_answer(out, answer, like, hop.stage)
             return out
 
-        return await self.routed(hop.stage, attempt)
+        return await self.routed(hop.stage, attempt, exclude)
 
-    async def routed(self, stage: int, attempt: Attempt[T]) -> T:
+    async def routed(
+        self, stage: int, attempt: Attempt[T], exclude: Collection[PeerId] = ()
+    ) -> tuple[T, PeerId]:
         """Tries `attempt` on the stage's servers, as the router picks them, until one
         answers: a server that refuses for load is rested and asked again later, one that
         fails or times out is banned and another is tried (MAX_ATTEMPTS at most); a stage
-        with no server is waited for."""
+        with no server is waited for, unless servers are excluded (an audit's second or third
+        opinion): then NoOtherServer."""
         tries = 0
         while True:
             if tries >= MAX_ATTEMPTS:
                 raise MicroBatchFailed(f"stage {stage}: {tries} servers in a row failed it")
             servers = await self.servers(stage, fresh=tries > 0)
+            for peer in exclude:
+                servers.pop(peer, None)
             choice = self.router.pick(servers)
             if choice is None:
+                if exclude:
+                    raise NoOtherServer(stage)
                 await self._wait_for(stage)
                 continue
             rest = self.router.rest_s(choice.peer)
@@ -223,7 +321,7 @@ class SwarmTrainer:
                 self._failed(stage, choice.peer, exc)
                 continue
             self.router.succeeded(choice.peer, trio.current_time() - t0)
-            return out
+            return out, choice.peer
 
     async def _fetch(self, choice: Choice, call_id: bytes, limit: int) -> list[torch.Tensor]:
         """The answer of a call the server took. A refusal for rate is waited out at the same
