@@ -58,9 +58,12 @@ def test_a_bad_scenario_is_a_usage_error_naming_the_key(tmp_path: Path) -> None:
     bad.write_text("nodes = 10\nbogus = 1\n")
     done = sim(str(bad))
     assert done.returncode == 2 and "unknown key(s) bogus" in done.stderr
-    bad.write_text('kind = "swarm"\n')
+    bad.write_text('kind = "petals"\n')
     done = sim(str(bad))
     assert done.returncode == 2 and "not simulated yet" in done.stderr
+    bad.write_text('kind = "swarm"\n[swarm]\nstages = 0\n')
+    done = sim(str(bad))
+    assert done.returncode == 2 and "[swarm]" in done.stderr and "swarm_stages" in done.stderr
     bad.write_text("[network]\nloss = 2\n")
     done = sim(str(bad))
     assert done.returncode == 2 and "[network]" in done.stderr

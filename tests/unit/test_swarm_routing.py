@@ -11,7 +11,7 @@ import torch
 from swarmd.node.algorithms.swarm import audit
 from swarmd.node.algorithms.swarm.directory import StageRecord, by_stage
 from swarmd.node.algorithms.swarm.rebalance import choose_move, contest, stage_rates
-from swarmd.node.algorithms.swarm.router import MAX_BAN_S, TIMED_HALF_LIFE_S, Router
+from swarmd.node.algorithms.swarm.router import MAX_BAN_S, Router
 from swarmd.protocol.identity import Identity, PeerId
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]
@@ -45,7 +45,8 @@ def test_a_published_queue_sends_calls_elsewhere() -> None:
     router = Router(random.Random(1))
     a, b = PEERS[:2]
     servers = {a: rec(0, 10.0, queue=20), b: rec(0, 10.0, queue=0)}
-    assert all(router.pick(servers).peer == b for _ in range(50))  # type: ignore[union-attr]
+    picks = [router.pick(servers).peer for _ in range(200)]  # type: ignore[union-attr]
+    assert picks.count(b) >= 190  # all but the few exploring calls (router.EXPLORE)
 
 
 def test_a_timed_call_is_a_floor_on_the_estimate_not_multiplied_by_the_queue() -> None:
@@ -61,19 +62,24 @@ def test_a_timed_call_is_a_floor_on_the_estimate_not_multiplied_by_the_queue() -
     assert router.expected_s(a, rec(0, 10.0)) == pytest.approx(0.73)
 
 
-def test_a_server_timed_slow_once_is_tried_again_as_the_timing_fades() -> None:
-    now = [0.0]
-    router = Router(random.Random(7), clock=lambda: now[0])
+def test_a_server_timed_slow_once_is_still_called_now_and_then_and_recovers() -> None:
+    router = Router(random.Random(7))
     slow_once, other = PEERS[:2]
     servers = {slow_once: rec(0, 10.0), other: rec(0, 10.0)}
     router.started(slow_once)
     router.succeeded(slow_once, 2.0)  # one call met a round's averaging: 2 s
     router.started(other)
     router.succeeded(other, 0.1)
-    assert {router.pick(servers).peer for _ in range(20)} == {other}  # type: ignore[union-attr]
-    now[0] = TIMED_HALF_LIFE_S * 5  # 2 s faded to 2/32: under the other's 0.1 (also faded)
-    assert router.expected_s(slow_once, servers[slow_once]) == pytest.approx(0.1)
-    assert slow_once in {router.pick(servers).peer for _ in range(20)}  # type: ignore[union-attr]
+    picks = [router.pick(servers).peer for _ in range(400)]  # type: ignore[union-attr]
+    # Its estimate alone never picks it again; a few exploring calls still do ...
+    assert 0 < picks.count(slow_once) <= 40, picks.count(slow_once)
+    # ... and each one that comes back fast brings its timing back down (EMA).
+    for _ in range(15):
+        router.started(slow_once)
+        router.succeeded(slow_once, 0.1)
+    assert router.expected_s(slow_once, servers[slow_once]) < 0.11
+    picks = [router.pick(servers).peer for _ in range(400)]  # type: ignore[union-attr]
+    assert picks.count(slow_once) > 100, picks.count(slow_once)
 
 
 def test_failures_ban_with_backoff_but_never_empty_a_stage() -> None:

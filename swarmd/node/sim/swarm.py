@@ -48,7 +48,7 @@ from swarmd.node.algorithms.swarm.stage_service import (
     LAST,
     admits,
 )
-from swarmd.node.algorithms.swarm.trainer import MicroBatchFailed, SwarmTrainer
+from swarmd.node.algorithms.swarm.trainer import Answer, MicroBatchFailed, SwarmTrainer
 from swarmd.node.sim.dht import seeded_identity
 from swarmd.node.sim.network import Host, SimNetwork
 from swarmd.node.sim.swarm_spec import SwarmReport, SwarmScenario
@@ -336,7 +336,7 @@ class _SimTrainer(SwarmTrainer):
         answer: int,
         like: torch.Tensor,
         exclude: Collection[PeerId] = (),
-    ) -> tuple[list[torch.Tensor], PeerId]:
+    ) -> Answer:
         kind = _KINDS[path]
 
         async def attempt(choice: Choice, _: int) -> list[torch.Tensor]:
@@ -349,7 +349,8 @@ class _SimTrainer(SwarmTrainer):
                 return [_LOSS, hidden][:answer]
             return [hidden] if answer else []
 
-        return await self.routed(hop.stage, attempt, exclude)
+        out, peer = await self.routed(hop.stage, attempt, exclude)
+        return Answer(out, peer, 0)  # stage rounds are not modelled: every answer comparable
 
     def was_poisoned(self, seq: int) -> bool:
         """Whether a liar answered any call of micro-batch `seq` (forgotten once asked)."""

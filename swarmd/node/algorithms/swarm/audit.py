@@ -3,10 +3,12 @@ server of the stage and compares (SWARM's and Petals' threat discussions: redund
 computation; BTARD's validators do it for gradients).
 
 Servers of one stage hold the same parameters within a stage round (they average their
-gradients and step together at each boundary), so two honest answers to one call differ by
-the activations' wire rounding (fp16: ~1e-3 relative), by a step taken between the two calls
-(a round boundary), or by rounds one of them missed. A lying answer (x(-20), a sign flip,
-noise, another input's) differs by about its whole size. When two answers
+gradients and step together at each boundary), so two honest answers to one call computed in
+the same round differ by the activations' wire rounding (fp16: ~1e-3 relative). Each answer's
+ack names the round that computed it, and only answers of one round are compared: answers a
+step apart differed by 0.6-0.75 (a Last's input gradient, the tiny model at the test's
+learning rate), and an honest server was named a liar before this rule. A lying answer
+(x(-20), a sign flip, noise, another input's) differs by about its whole size. When two answers
 disagree a third server of the stage decides: the one unlike the other two is distrusted by
 this trainer for `DISTRUST_S` (never called, never a fallback) and the event says who, with
 the distance. Two servers and no third, or three that all disagree: said (`stage_disagree`),
@@ -16,7 +18,9 @@ Backward and Last apply the micro-batch's gradients at the server, and a micro-b
 applied exactly once wherever it goes (trainer.py): their second and third opinions are the
 Check calls, computed the same way and applied nowhere. A stage-0 Backward answers nothing
 (its input is token ids) and is not checked. What a server does with its own gradients (the
-stage's averaging) is not what this checks.
+stage's averaging) is not what this checks. A liar that also misreports its round is never
+compared (the stage directory's rounds could expose it; not done), and one whose answers
+stay within `TOLERANCE` of honest ones passes.
 """
 
 from __future__ import annotations

@@ -38,18 +38,18 @@ BUSY_BAN_S = 0.2
 #: Seconds per call assumed for a server that has not published a rate yet.
 UNMEASURED_S = 1.0
 EMA_ALPHA = 0.3
-#: A timed call's weight in the estimate halves every this many seconds without a new one: a
-#: server timed slow once (a queue, a round's averaging holding its device) was otherwise
-#: never called again by this trainer while the others looked faster, and sat idle (seen: one
-#: of three stage servers got no micro-batch in 20 of 33 one-second rounds).
-TIMED_HALF_LIFE_S = 5.0
+#: The share of calls sent to a server drawn at random instead of the best estimate: a server
+#: timed slow once (a queue, a round's averaging holding its device) was otherwise never called
+#: again by this trainer while the others looked faster, and sat idle (seen: one of three
+#: stage servers got no micro-batch in 20 of 33 one-second rounds), since only a call updates
+#: its timing. Forgetting timings with age instead (half-lives of 5-60 s) cost the simulated
+#: pipeline 8-14% of its throughput: far servers' round trips were forgotten too.
+EXPLORE = 0.05
 
 
 @dataclass
 class _Server:
     seconds: float | None = None
-    #: When `seconds` was last updated: what it says fades with its age (TIMED_HALF_LIFE_S).
-    timed_at: float = 0.0
     inflight: int = 0
     failures: int = 0
     banned_until: float = 0.0
@@ -76,14 +76,10 @@ class Router:
     def _of(self, peer: PeerId) -> _Server:
         return self._servers.setdefault(peer, _Server())
 
-    def expected_s(self, peer: PeerId, record: StageRecord, now: float | None = None) -> float:
+    def expected_s(self, peer: PeerId, record: StageRecord) -> float:
         s = self._of(peer)
         own = 1.0 / record.rate if record.rate > 0 else UNMEASURED_S
-        timed = 0.0
-        if s.seconds is not None:
-            age = (self._clock() if now is None else now) - s.timed_at
-            timed = s.seconds * 0.5 ** max(age / TIMED_HALF_LIFE_S, 0.0)
-        return max((s.inflight + record.queue + 1) * own, timed)
+        return max((s.inflight + record.queue + 1) * own, s.seconds or 0.0)
 
     def pick(self, servers: dict[PeerId, StageRecord], now: float | None = None) -> Choice | None:
         """The server for the next call among `servers` (one stage's), or None if none is
@@ -98,10 +94,13 @@ class Router:
         if not open_:
             peer = min(servers, key=lambda p: self._of(p).banned_until)
             return Choice(peer, servers[peer].address)
+        if len(open_) > 1 and self._rng.random() < EXPLORE:
+            peer = self._rng.choice(sorted(open_, key=lambda p: p.raw))
+            return Choice(peer, open_[peer].address)
         best: PeerId | None = None
         best_t = math.inf
         for peer, record in open_.items():
-            t = self.expected_s(peer, record, now) * self._rng.uniform(0.8, 1.2)
+            t = self.expected_s(peer, record) * self._rng.uniform(0.8, 1.2)
             if t < best_t:
                 best, best_t = peer, t
         assert best is not None
@@ -120,7 +119,6 @@ class Router:
         s.inflight -= 1
         s.failures = 0
         s.seconds = seconds if s.seconds is None else s.seconds + EMA_ALPHA * (seconds - s.seconds)
-        s.timed_at = self._clock()
 
     def released(self, peer: PeerId) -> None:
         """A call ended without telling anything of the server (it refused the input)."""

@@ -265,10 +265,13 @@ class StageHost:
         kind: str,
         fn: Callable[[], torch.Tensor | list[torch.Tensor] | None],
         applies: bool,
-    ) -> None:
+    ) -> pb.TensorAck:
         """Computes a call on `job` (the stage it was admitted for, even if the peer switched
         stage meanwhile); a failure of the micro-batch itself (non-finite, out of range, a
-        shape the stage's layers refuse) is INVALID_ARGUMENT and nothing of it is applied."""
+        shape the stage's layers refuse) is INVALID_ARGUMENT and nothing of it is applied.
+        The ack names the stage round whose parameters computed the answer (a round's step
+        holds the device too, so it cannot come between the compute and this read)."""
+        computed_in = 0
 
         def guarded() -> torch.Tensor | list[torch.Tensor] | None:
             try:
@@ -277,6 +280,8 @@ class StageHost:
                 raise RpcError(StatusCode.INVALID_ARGUMENT, f"{kind}: {exc}"[:300]) from None
 
         def answer(out: torch.Tensor | list[torch.Tensor] | None) -> None:
+            nonlocal computed_in
+            computed_in = job.trainer.round
             if out is not None:
                 tensors = out if isinstance(out, list) else [out]
                 self._post(ctx, meta.info, wire.encode(tensors, job.activations))
@@ -288,13 +293,14 @@ class StageHost:
             await self.compute(kind, guarded, job, then=answer)
         finally:
             self._waiting -= 1
+        return pb.TensorAck(received_bytes=meta.shape[0], round=computed_in)
 
     async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         job, part = self._job_for(meta)
         if job.trainer.last_stage and part != "blocks":
             raise RpcError(StatusCode.INVALID_ARGUMENT, "the last stage takes Last, not Forward")
         (x,) = self._decode(job, data, 1, "Forward", part)
-        await self._run(
+        return await self._run(
             job,
             meta,
             ctx,
@@ -302,7 +308,6 @@ class StageHost:
             lambda: job.trainer.forward(x, wire.MAX_ABS, part),
             False,
         )
-        return pb.TensorAck(received_bytes=len(data))
 
     async def _backward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         return await self._backward_call(meta, data, ctx, apply=True)
@@ -329,7 +334,7 @@ class StageHost:
         x, grad = self._decode(job, data, 2, "Backward", part)
         if grad.dtype != torch.float32 or grad.dim() != 3 or grad.shape[:2] != x.shape[:2]:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Backward: gradient does not fit input")
-        await self._run(
+        return await self._run(
             job,
             meta,
             ctx,
@@ -337,7 +342,6 @@ class StageHost:
             lambda: job.trainer.backward(x, grad, wire.MAX_ABS, part, apply),
             apply,
         )
-        return pb.TensorAck(received_bytes=len(data))
 
     async def _last_call(
         self, meta: TensorMeta, data: bytearray, ctx: CallContext, apply: bool
@@ -355,8 +359,7 @@ class StageHost:
             out = [torch.tensor(loss, dtype=torch.float32)]
             return out if grad is None else [*out, grad]
 
-        await self._run(job, meta, ctx, _kind("last", part), step, apply)
-        return pb.TensorAck(received_bytes=len(data))
+        return await self._run(job, meta, ctx, _kind("last", part), step, apply)
 
     # -- the outbox --------------------------------------------------------------------------
 

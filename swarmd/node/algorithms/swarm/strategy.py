@@ -191,11 +191,15 @@ class SwarmStrategy(Strategy):
         self.peer.out.event(
             "trainer_done",
             f"trained {trainer.stats.done} micro-batches ({trainer.stats.retries} hops "
-            f"retried, {trainer.stats.failed} micro-batches given up), last loss "
+            f"retried, {trainer.stats.failed} micro-batches given up, {trainer.stats.audits} "
+            f"answers checked, {trainer.stats.caught} liars caught), last loss "
             f"{trainer.stats.loss:.4f}",
             micro_batches=trainer.stats.done,
             retries=trainer.stats.retries,
             failed=trainer.stats.failed,
+            audits=trainer.stats.audits,
+            unmatched=trainer.stats.unmatched,
+            caught=trainer.stats.caught,
             loss=trainer.stats.loss,
         )
         if self._audit is not None:

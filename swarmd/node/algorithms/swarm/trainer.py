@@ -79,12 +79,24 @@ class TrainerStats:
     failed: int = 0
     tokens: int = 0
     loss: float = math.nan
-    #: Forward hops repeated on a second server (audit.py), and servers caught lying.
+    #: Hops compared with a second server's answer (audit.py), second answers computed in
+    #: another stage round (not compared), and servers caught lying.
     audits: int = 0
+    unmatched: int = 0
     caught: int = 0
     #: Completed micro-batch sequence numbers (each exactly once), kept only when asked
     #: (`keep_completed`: an audit; a long run would keep them all).
     completed: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A stage server's answer to one call."""
+
+    tensors: list[torch.Tensor]
+    peer: PeerId
+    #: The stage round whose parameters computed it (the server's ack says).
+    round: int
 
 
 class NoOtherServer(Exception):
@@ -180,27 +192,35 @@ class SwarmTrainer:
         answers compared, a third server deciding when the two disagree (audit.py). A liar
         that took the hop is distrusted and the hop made again elsewhere: its gradients went
         only to the liar."""
-        out, first = await self.call(hop, path, tensors, call, answer=answer, like=like)
+        got = await self.call(hop, path, tensors, call, answer=answer, like=like)
+        out, first = got.tensors, got.peer
         if not answer or self.config.audit <= 0 or self._rng.random() >= self.config.audit:
             return out
         check = CHECKS[path]
 
-        async def opinion(suffix: str, exclude: set[PeerId]) -> tuple[list[torch.Tensor], PeerId]:
+        async def opinion(suffix: str, exclude: set[PeerId]) -> Answer:
             return await self.call(
                 hop, check, tensors, call + suffix, answer=answer, like=like, exclude=exclude
             )
 
         try:
-            second, by = await opinion("a", {first})
+            other = await opinion("a", {first})
         except NoOtherServer:
             return out  # the stage has one (trusted) server: nothing to compare with
+        if other.round != got.round:
+            self.stats.unmatched += 1  # computed with other parameters: not comparable
+            return out
         self.stats.audits += 1
+        second, by = other.tensors, other.peer
         if audit.agree_all(out, second):
             return out
         try:
-            third, _ = await opinion("b", {first, by})
+            decider = await opinion("b", {first, by})
         except NoOtherServer:
             return self._undecided(hop, out, second, "and no third server can tell which lied")
+        if decider.round != got.round:
+            return self._undecided(hop, out, second, "and the third server is in another round")
+        third = decider.tensors
         odd = audit.odd_one_out(out, second, third)
         if odd is None:
             return self._undecided(hop, out, second, "and a third agrees with neither or both")
@@ -219,8 +239,8 @@ class SwarmTrainer:
         )
         if odd == 1 or path == FORWARD:
             return out if odd == 1 else third
-        redo, _ = await self.call(hop, path, tensors, call + "c", answer=answer, like=like)
-        return redo
+        redo = await self.call(hop, path, tensors, call + "c", answer=answer, like=like)
+        return redo.tensors
 
     def _undecided(
         self, hop: Hop, out: list[torch.Tensor], second: list[torch.Tensor], why: str
@@ -246,25 +266,26 @@ class SwarmTrainer:
         answer: int,
         like: torch.Tensor,
         exclude: Collection[PeerId] = (),
-    ) -> tuple[list[torch.Tensor], PeerId]:
+    ) -> Answer:
         """One hop, retried on the stage's other servers (not `exclude`) until one answers;
-        the answer and who gave it."""
+        the answer, who gave it, and in which stage round."""
         payload = wire.encode(tensors, self.config.activations)
         nbytes = sum(v.nbytes for v in payload)
 
-        async def attempt(choice: Choice, n: int) -> list[torch.Tensor]:
+        async def attempt(choice: Choice, n: int) -> tuple[list[torch.Tensor], int]:
             # A swapped micro-batch calls an end stage twice each way: the part is in the id.
             call_id = f"{call}{hop.name}.{n}".encode()
             meta = TensorMeta("uint8", (nbytes,), name=hop.name, info=call_id)
-            await self.client.put_tensor(
+            ack = await self.client.put_tensor(
                 choice.address, path, meta, payload, pb.TensorAck, expect=choice.peer
             )
             limit = max(ANSWER_LIMIT, 8 * nbytes)
             out = await self._fetch(choice, call_id, limit) if answer else []
             _check_answer(out, answer, like, hop.stage)
-            return out
+            return out, ack.round
 
-        return await self.routed(hop.stage, attempt, exclude)
+        (out, computed_in), peer = await self.routed(hop.stage, attempt, exclude)
+        return Answer(out, peer, computed_in)
 
     async def routed(
         self, stage: int, attempt: Attempt[T], exclude: Collection[PeerId] = ()
