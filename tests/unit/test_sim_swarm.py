@@ -57,3 +57,19 @@ def test_preempted_servers_cost_retries_not_micro_batches() -> None:
     assert report.retries > 0
     assert report.failed == 0
     assert report.done > 0 and 0 < report.efficiency < 1
+
+
+def test_audits_catch_lying_servers_and_keep_their_answers_out() -> None:
+    # Two of 24 servers answer every call x(-20), wherever they serve (the last stage's
+    # liar answers Last calls, checked as CheckLast).
+    liars = small(liars=2, lifetime_s=math.inf)
+    unchecked = run_swarm(
+        dataclasses.replace(liars, swarm=SwarmConfig(stages=3, inflight=8, audit=0))
+    )
+    checked = run_swarm(liars)
+    assert unchecked.caught == 0 and unchecked.poisoned > 0.05 * unchecked.done
+    # Each of the 6 trainers catches each liar at least once ...
+    assert checked.caught >= 12, checked.caught
+    # ... after which it sends them nothing: a few poisoned micro-batches before each catch.
+    assert checked.poisoned < unchecked.poisoned / 5, (checked.poisoned, unchecked.poisoned)
+    assert checked.failed == 0

@@ -90,16 +90,19 @@ activation_bytes = 1048576
 stage_bytes = 209715200 # a stage's state, downloaded to take or move to it
 lifetime_s = 3600     # mean time to preemption (exponential); a replacement joins
 downtime_s = 60       # this many seconds later
+liars = 0             # first servers that answer every call x(-20)
 
 [swarm]               # the run's SwarmConfig
 stages = 8
 inflight = 16
 rebalance_s = 30      # 0: servers never move
 rebalance_gain = 1.25
+audit = 0.125         # share of hops a trainer asks again of another server
 
 [invariants]
 min_efficiency = 0.5  # micro-batches against the ideal (the live compute spread evenly)
 max_failed = 0        # micro-batches given up
+max_poisoned = 1000   # micro-batches a liar answered a call of
 """
 
 
