@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cswarmd.proto\x12\tswarmd.v1\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Y\n\x0cPingResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x16\n\x0eserver_time_ms\x18\x04 \x01(\x03\"X\n\x0cTensorHeader\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0c\n\x04info\x18\x05 \x01(\x0c\"B\n\tTensorAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05round\x18\x03 \x01(\x04\"\x1d\n\rTensorRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"T\n\x0eTensorFrameDoc\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.swarmd.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\x11\n\x0f\x42ulkInfoRequest\"U\n\x08\x42ulkInfo\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\x12\x11\n\tkx_public\x18\x03 \x01(\x0c\x12\x14\n\x0ckx_signature\x18\x04 \x01(\x0c\"@\n\x0f\x44ialBackRequest\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\tbulk_port\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\"_\n\x10\x44ialBackResponse\x12\x10\n\x08observed\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ulk_reachable\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t2\xc3\x01\n\x04Peer\x12\x37\n\x04Ping\x12\x16.swarmd.v1.PingRequest\x1a\x17.swarmd.v1.PingResponse\x12>\n\tPutTensor\x12\x19.swarmd.v1.TensorFrameDoc\x1a\x14.swarmd.v1.TensorAck(\x01\x12\x42\n\tGetTensor\x12\x18.swarmd.v1.TensorRequest\x1a\x19.swarmd.v1.TensorFrameDoc0\x01\x32K\n\tTransport\x12>\n\x0bGetBulkInfo\x12\x1a.swarmd.v1.BulkInfoRequest\x1a\x13.swarmd.v1.BulkInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cswarmd.proto\x12\tswarmd.v1\"\x1e\n\x0bPingRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\"Y\n\x0cPingResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0f\n\x07peer_id\x18\x03 \x01(\t\x12\x16\n\x0eserver_time_ms\x18\x04 \x01(\x03\"X\n\x0cTensorHeader\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0c\n\x04info\x18\x05 \x01(\x0c\"Q\n\tTensorAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x0c\x12\r\n\x05round\x18\x03 \x01(\x04\x12\r\n\x05state\x18\x04 \x01(\x0c\"\x1d\n\rTensorRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"T\n\x0eTensorFrameDoc\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.swarmd.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\x11\n\x0f\x42ulkInfoRequest\"U\n\x08\x42ulkInfo\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x12\n\npublic_key\x18\x02 \x01(\x0c\x12\x11\n\tkx_public\x18\x03 \x01(\x0c\x12\x14\n\x0ckx_signature\x18\x04 \x01(\x0c\"@\n\x0f\x44ialBackRequest\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\x11\n\tbulk_port\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\"_\n\x10\x44ialBackResponse\x12\x10\n\x08observed\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ulk_reachable\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t2\xc3\x01\n\x04Peer\x12\x37\n\x04Ping\x12\x16.swarmd.v1.PingRequest\x1a\x17.swarmd.v1.PingResponse\x12>\n\tPutTensor\x12\x19.swarmd.v1.TensorFrameDoc\x1a\x14.swarmd.v1.TensorAck(\x01\x12\x42\n\tGetTensor\x12\x18.swarmd.v1.TensorRequest\x1a\x19.swarmd.v1.TensorFrameDoc0\x01\x32K\n\tTransport\x12>\n\x0bGetBulkInfo\x12\x1a.swarmd.v1.BulkInfoRequest\x1a\x13.swarmd.v1.BulkInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,21 +38,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORHEADER']._serialized_start=150
   _globals['_TENSORHEADER']._serialized_end=238
   _globals['_TENSORACK']._serialized_start=240
-  _globals['_TENSORACK']._serialized_end=306
-  _globals['_TENSORREQUEST']._serialized_start=308
-  _globals['_TENSORREQUEST']._serialized_end=337
-  _globals['_TENSORFRAMEDOC']._serialized_start=339
-  _globals['_TENSORFRAMEDOC']._serialized_end=423
-  _globals['_BULKINFOREQUEST']._serialized_start=425
-  _globals['_BULKINFOREQUEST']._serialized_end=442
-  _globals['_BULKINFO']._serialized_start=444
-  _globals['_BULKINFO']._serialized_end=529
-  _globals['_DIALBACKREQUEST']._serialized_start=531
-  _globals['_DIALBACKREQUEST']._serialized_end=595
-  _globals['_DIALBACKRESPONSE']._serialized_start=597
-  _globals['_DIALBACKRESPONSE']._serialized_end=692
-  _globals['_PEER']._serialized_start=695
-  _globals['_PEER']._serialized_end=890
-  _globals['_TRANSPORT']._serialized_start=892
-  _globals['_TRANSPORT']._serialized_end=967
+  _globals['_TENSORACK']._serialized_end=321
+  _globals['_TENSORREQUEST']._serialized_start=323
+  _globals['_TENSORREQUEST']._serialized_end=352
+  _globals['_TENSORFRAMEDOC']._serialized_start=354
+  _globals['_TENSORFRAMEDOC']._serialized_end=438
+  _globals['_BULKINFOREQUEST']._serialized_start=440
+  _globals['_BULKINFOREQUEST']._serialized_end=457
+  _globals['_BULKINFO']._serialized_start=459
+  _globals['_BULKINFO']._serialized_end=544
+  _globals['_DIALBACKREQUEST']._serialized_start=546
+  _globals['_DIALBACKREQUEST']._serialized_end=610
+  _globals['_DIALBACKRESPONSE']._serialized_start=612
+  _globals['_DIALBACKRESPONSE']._serialized_end=707
+  _globals['_PEER']._serialized_start=710
+  _globals['_PEER']._serialized_end=905
+  _globals['_TRANSPORT']._serialized_start=907
+  _globals['_TRANSPORT']._serialized_end=982
 # @@protoc_insertion_point(module_scope)

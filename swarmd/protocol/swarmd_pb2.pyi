@@ -39,14 +39,16 @@ class TensorHeader(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ..., name: _Optional[str] = ..., info: _Optional[bytes] = ...) -> None: ...
 
 class TensorAck(_message.Message):
-    __slots__ = ("received_bytes", "digest", "round")
+    __slots__ = ("received_bytes", "digest", "round", "state")
     RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     received_bytes: int
     digest: bytes
     round: int
-    def __init__(self, received_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., round: _Optional[int] = ...) -> None: ...
+    state: bytes
+    def __init__(self, received_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., round: _Optional[int] = ..., state: _Optional[bytes] = ...) -> None: ...
 
 class TensorRequest(_message.Message):
     __slots__ = ("name",)

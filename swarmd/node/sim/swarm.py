@@ -350,7 +350,8 @@ class _SimTrainer(SwarmTrainer):
             return [hidden] if answer else []
 
         out, peer = await self.routed(hop.stage, attempt, exclude)
-        return Answer(out, peer, 0)  # stage rounds are not modelled: every answer comparable
+        # Stage rounds are not modelled: every answer is comparable.
+        return Answer(out, peer, 0, b"modelled")
 
     def was_poisoned(self, seq: int) -> bool:
         """Whether a liar answered any call of micro-batch `seq` (forgotten once asked)."""

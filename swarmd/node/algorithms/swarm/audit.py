@@ -5,9 +5,11 @@ computation; BTARD's validators do it for gradients).
 Servers of one stage hold the same parameters within a stage round (they average their
 gradients and step together at each boundary), so two honest answers to one call computed in
 the same round differ by the activations' wire rounding (fp16: ~1e-3 relative). Each answer's
-ack names the round that computed it, and only answers of one round are compared: answers a
-step apart differed by 0.6-0.75 (a Last's input gradient, the tiny model at the test's
-learning rate), and an honest server was named a liar before this rule. A lying answer
+ack names the round and the published stage state that computed it (no state while a step
+or a download has changed the parameters and the new state is not published yet), and only
+answers of one state are compared: answers a step apart differed by 0.6-0.75 (a Last's input
+gradient, the tiny model at the test's learning rate), and by round alone an honest server of
+a stage split under load (same round, another state) was named a liar. A lying answer
 (x(-20), a sign flip, noise, another input's) differs by about its whole size. When two answers
 disagree a third server of the stage decides: the one unlike the other two is distrusted by
 this trainer for `DISTRUST_S` (never called, never a fallback) and the event says who, with
@@ -18,7 +20,7 @@ Backward and Last apply the micro-batch's gradients at the server, and a micro-b
 applied exactly once wherever it goes (trainer.py): their second and third opinions are the
 Check calls, computed the same way and applied nowhere. A stage-0 Backward answers nothing
 (its input is token ids) and is not checked. What a server does with its own gradients (the
-stage's averaging) is not what this checks. A liar that also misreports its round is never
+stage's averaging) is not what this checks. A liar that also misreports its state is never
 compared (the stage directory's rounds could expose it; not done), and one whose answers
 stay within `TOLERANCE` of honest ones passes.
 """

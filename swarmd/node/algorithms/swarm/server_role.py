@@ -157,6 +157,7 @@ class StageServer:
         )
         await self._warm_up(job)
         await state.publish(0)
+        job.version = state.last_hash or b""
         self.peer.out.event(
             "stage",
             f"serving stage {stage} of {self.swarm.stages}: {trainer.numel / 1e6:.2f}M "
@@ -351,10 +352,12 @@ class StageServer:
             # round moves on. Every member sees the same average: the same decision.
             await host.compute("skip", job.trainer.skip, job)
             await state.publish(job.trainer.round, background=self._nursery)
+            job.version = state.last_hash or b""
             self._unsure = not (whole and group_size == target)
             return
-        await host.compute("apply", lambda: job.trainer.apply(avg), job)
+        await host.compute("apply", lambda: _apply(job, avg), job)
         snap = await state.publish(job.trainer.round, background=self._nursery)
+        job.version = snap.state_hash
         # A round with all of the stage's servers leaves them identical by construction;
         # otherwise this server may hold a state of its own now.
         # A dropped member or a part that failed leaves members with their own values there.
@@ -411,10 +414,12 @@ class StageServer:
             shared = any(a.state_hash == mine for a in adverts)
             self._unsure = not shared and len(set(peers) - {self._me}) > 0
             return False
+        self.job.version = b""  # the download replaces the parameters
         if not await state.sync_to([a for a in adverts if a.state_hash == best]):
             return False
         self._unsure = False
         snap = await state.publish(self.job.trainer.round, background=self._nursery)
+        self.job.version = snap.state_hash
         self.peer.out.event(
             "stage_sync",
             f"stage {self.job.index}: took the state of the stage's servers, round "
@@ -485,3 +490,10 @@ class StageServer:
         self.job, self.state, self._unsure = job, state, True
         self.host.attach(job)
         await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())
+
+
+def _apply(job: StageJob, avg: torch.Tensor) -> None:
+    """A round's step, under the device lock: the answers computed from here until the new
+    state is published name no state, so none is compared with another server's."""
+    job.version = b""
+    job.trainer.apply(avg)

@@ -91,6 +91,10 @@ class StageJob:
     #: (RESOURCE_EXHAUSTED), so that a trainer never times out on a call this server will
     #: still compute (and apply) after it went elsewhere.
     max_wait_s: float = 10.0
+    #: The stage state the parameters are now (its published hash), or empty while a step or
+    #: a download has changed them and the new state is not published yet: every answer's
+    #: ack names it, and trainers compare two servers' answers only when it is the same.
+    version: bytes = b""
 
     @property
     def index(self) -> int:
@@ -271,7 +275,7 @@ class StageHost:
         shape the stage's layers refuse) is INVALID_ARGUMENT and nothing of it is applied.
         The ack names the stage round whose parameters computed the answer (a round's step
         holds the device too, so it cannot come between the compute and this read)."""
-        computed_in = 0
+        computed_in, version = 0, b""
 
         def guarded() -> torch.Tensor | list[torch.Tensor] | None:
             try:
@@ -280,8 +284,8 @@ class StageHost:
                 raise RpcError(StatusCode.INVALID_ARGUMENT, f"{kind}: {exc}"[:300]) from None
 
         def answer(out: torch.Tensor | list[torch.Tensor] | None) -> None:
-            nonlocal computed_in
-            computed_in = job.trainer.round
+            nonlocal computed_in, version
+            computed_in, version = job.trainer.round, job.version
             if out is not None:
                 tensors = out if isinstance(out, list) else [out]
                 self._post(ctx, meta.info, wire.encode(tensors, job.activations))
@@ -293,7 +297,7 @@ class StageHost:
             await self.compute(kind, guarded, job, then=answer)
         finally:
             self._waiting -= 1
-        return pb.TensorAck(received_bytes=meta.shape[0], round=computed_in)
+        return pb.TensorAck(received_bytes=meta.shape[0], round=computed_in, state=version)
 
     async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         job, part = self._job_for(meta)

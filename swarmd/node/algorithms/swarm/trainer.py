@@ -95,8 +95,14 @@ class Answer:
 
     tensors: list[torch.Tensor]
     peer: PeerId
-    #: The stage round whose parameters computed it (the server's ack says).
+    #: The stage round and state whose parameters computed it (the server's ack says; an
+    #: empty state: parameters changed and not yet published).
     round: int
+    state: bytes = b""
+
+    def comparable(self, other: Answer) -> bool:
+        """Both computed from one published stage state: honest answers then agree."""
+        return bool(self.state) and (self.round, self.state) == (other.round, other.state)
 
 
 class NoOtherServer(Exception):
@@ -207,7 +213,7 @@ class SwarmTrainer:
             other = await opinion("a", {first})
         except NoOtherServer:
             return out  # the stage has one (trusted) server: nothing to compare with
-        if other.round != got.round:
+        if not other.comparable(got):
             self.stats.unmatched += 1  # computed with other parameters: not comparable
             return out
         self.stats.audits += 1
@@ -218,8 +224,8 @@ class SwarmTrainer:
             decider = await opinion("b", {first, by})
         except NoOtherServer:
             return self._undecided(hop, out, second, "and no third server can tell which lied")
-        if decider.round != got.round:
-            return self._undecided(hop, out, second, "and the third server is in another round")
+        if not decider.comparable(got):
+            return self._undecided(hop, out, second, "and the third server is in another state")
         third = decider.tensors
         odd = audit.odd_one_out(out, second, third)
         if odd is None:
@@ -272,7 +278,7 @@ class SwarmTrainer:
         payload = wire.encode(tensors, self.config.activations)
         nbytes = sum(v.nbytes for v in payload)
 
-        async def attempt(choice: Choice, n: int) -> tuple[list[torch.Tensor], int]:
+        async def attempt(choice: Choice, n: int) -> tuple[list[torch.Tensor], int, bytes]:
             # A swapped micro-batch calls an end stage twice each way: the part is in the id.
             call_id = f"{call}{hop.name}.{n}".encode()
             meta = TensorMeta("uint8", (nbytes,), name=hop.name, info=call_id)
@@ -282,10 +288,10 @@ class SwarmTrainer:
             limit = max(ANSWER_LIMIT, 8 * nbytes)
             out = await self._fetch(choice, call_id, limit) if answer else []
             _check_answer(out, answer, like, hop.stage)
-            return out, ack.round
+            return out, ack.round, bytes(ack.state)
 
-        (out, computed_in), peer = await self.routed(hop.stage, attempt, exclude)
-        return Answer(out, peer, computed_in)
+        (out, computed_in, state), peer = await self.routed(hop.stage, attempt, exclude)
+        return Answer(out, peer, computed_in, state)
 
     async def routed(
         self, stage: int, attempt: Attempt[T], exclude: Collection[PeerId] = ()
