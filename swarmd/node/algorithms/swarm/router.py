@@ -84,8 +84,6 @@ class Router:
     def pick(self, servers: dict[PeerId, StageRecord], now: float | None = None) -> Choice | None:
         """The server for the next call among `servers` (one stage's), or None if none is
         trusted."""
-        if not servers:
-            return None
         now = self._clock() if now is None else now
         servers = {p: r for p, r in servers.items() if self._of(p).distrusted_until <= now}
         if not servers:
@@ -138,10 +136,6 @@ class Router:
         now = self._clock() if now is None else now
         s = self._of(peer)
         s.distrusted_until = max(s.distrusted_until, now + seconds)
-
-    def trusted(self, peer: PeerId, now: float | None = None) -> bool:
-        now = self._clock() if now is None else now
-        return self._of(peer).distrusted_until <= now
 
     def failed(self, peer: PeerId, now: float | None = None) -> float:
         """Bans the server after a failed call; returns the ban's length."""

@@ -273,8 +273,9 @@ class StageHost:
         """Computes a call on `job` (the stage it was admitted for, even if the peer switched
         stage meanwhile); a failure of the micro-batch itself (non-finite, out of range, a
         shape the stage's layers refuse) is INVALID_ARGUMENT and nothing of it is applied.
-        The ack names the stage round whose parameters computed the answer (a round's step
-        holds the device too, so it cannot come between the compute and this read)."""
+        The ack names the stage round and state whose parameters computed the answer (a
+        round's step holds the device too, so it cannot come between the compute and this
+        read)."""
         computed_in, version = 0, b""
 
         def guarded() -> torch.Tensor | list[torch.Tensor] | None:

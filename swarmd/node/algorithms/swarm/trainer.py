@@ -79,8 +79,8 @@ class TrainerStats:
     failed: int = 0
     tokens: int = 0
     loss: float = math.nan
-    #: Hops compared with a second server's answer (audit.py), second answers computed in
-    #: another stage round (not compared), and servers caught lying.
+    #: Hops compared with a second server's answer (audit.py), second answers computed from
+    #: another stage state (not compared), and servers caught lying.
     audits: int = 0
     unmatched: int = 0
     caught: int = 0
@@ -243,8 +243,10 @@ class SwarmTrainer:
             server=str(liar),
             distance=round(gap, 6),
         )
-        if odd == 1 or path == FORWARD:
-            return out if odd == 1 else third
+        if odd == 1:
+            return out
+        if path == FORWARD:
+            return third  # nothing was applied: the honest answer stands in
         redo = await self.call(hop, path, tensors, call + "c", answer=answer, like=like)
         return redo.tensors
 
@@ -274,7 +276,7 @@ class SwarmTrainer:
         exclude: Collection[PeerId] = (),
     ) -> Answer:
         """One hop, retried on the stage's other servers (not `exclude`) until one answers;
-        the answer, who gave it, and in which stage round."""
+        the answer, who gave it, and from which stage round and state."""
         payload = wire.encode(tensors, self.config.activations)
         nbytes = sum(v.nbytes for v in payload)
 
