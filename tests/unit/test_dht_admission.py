@@ -118,3 +118,35 @@ def test_a_full_bucket_keeps_a_live_old_contact() -> None:
                     assert newcomer.peer_id not in node.table
 
     trio.run(main)
+
+
+def test_a_caller_of_a_full_fresh_bucket_is_not_dialled_back() -> None:
+    """Proven, it could only wait in the replacement cache: the dial-back is not spent."""
+
+    async def main() -> None:
+        config = DHTConfig(k=1, get_quorum=1, routing=RoutingConfig(k=1, recheck_after_s=60.0))
+        async with open_dht(Identity.generate(), config=config) as (node, _):
+            dialled: list[object] = []
+            ping = node.caller.ping
+
+            async def counted(address: str, *args: object, **kwargs: object) -> object:
+                dialled.append(address)
+                return await ping(address, *args, **kwargs)  # type: ignore[arg-type]
+
+            node.caller.ping = counted  # type: ignore[method-assign,assignment]
+            with dead_port() as port:
+                old, newcomer, elsewhere = (Identity.generate().peer_id for _ in range(3))
+                index = bucket_index(node.table.own_id, node_id(old))
+                while bucket_index(node.table.own_id, node_id(newcomer)) != index:
+                    newcomer = Identity.generate().peer_id
+                while bucket_index(node.table.own_id, node_id(elsewhere)) == index:
+                    elsewhere = Identity.generate().peer_id
+                assert node.table.seen(old, f"127.0.0.1:{port}")
+                node.admission.offer(newcomer, f"127.0.0.2:{port}")
+                await until(lambda: node.admission.pending == 0)
+                assert dialled == []
+                node.admission.offer(elsewhere, f"127.0.0.3:{port}")  # its bucket has room
+                await until(lambda: node.admission.pending == 0)
+                assert dialled == [f"127.0.0.3:{port}"]
+
+    trio.run(main)

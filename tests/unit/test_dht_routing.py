@@ -153,3 +153,20 @@ def test_failures_during_one_back_off_count_once() -> None:
     clock.now += 2.01
     assert not table.in_backoff(p)
     assert table.seen(p, "127.0.0.1:5000")
+
+
+def test_a_full_fresh_bucket_admits_no_newcomer_until_its_oldest_is_stale() -> None:
+    own = Identity.generate().peer_id
+    clock = FakeClock()
+    table = RoutingTable(own, RoutingConfig(k=2, recheck_after_s=60.0), clock=clock)
+    first, second, newcomer = (peer_in_bucket(own, 200) for _ in range(3))
+    assert table.would_admit(newcomer)  # room
+    table.seen(first, "127.0.0.1:2000")
+    table.seen(second, "127.0.0.1:2001")
+    assert table.would_admit(first)  # already there
+    assert not table.would_admit(newcomer)  # full, everybody heard from lately
+    assert table.would_admit(peer_in_bucket(own, 100))  # another bucket has room
+    clock.now += 61.0
+    assert table.would_admit(newcomer)  # the oldest may be challenged
+    assert table.oldest_rival(newcomer) is not None
+    assert table.oldest_rival(newcomer).peer_id == first  # type: ignore[union-attr]

@@ -11,8 +11,10 @@ import pytest
 import trio
 import trio.testing
 
-from swarmd.node.sim.dht import DhtScenario, run_dht, seeded_identity
+from swarmd.node.dht.config import DHTConfig
+from swarmd.node.sim.dht import DhtScenario, DhtSwarm, run_dht, seeded_identity
 from swarmd.node.sim.network import NetworkConfig, SimNetwork
+from swarmd.node.sim.virtual import run_virtual
 from swarmd.protocol import dht_pb2 as pb
 from swarmd.protocol import rpc
 
@@ -116,3 +118,40 @@ def test_one_seed_replays_the_same_run_and_another_seed_does_not() -> None:
     first, again, other = (run_dht(DhtScenario(nodes=30, gets=20, seed=s)) for s in (5, 5, 6))
     assert first.log_hash == again.log_hash and first.calls == again.calls
     assert other.log_hash != first.log_hash
+
+
+def test_a_key_looked_up_lately_is_stored_and_read_from_its_neighbourhood() -> None:
+    """A matchmaking round stores under its key, reads it a few times, and its leader stores
+    again: after the first lookup, a store goes straight to the key's k closest nodes and a
+    read starts there (Replicator.near), instead of walking there again from this node's own
+    contacts. A node that never looked the key up still walks."""
+
+    async def main() -> tuple[int, int, int, int]:
+        swarm = DhtSwarm(300, NetworkConfig(), DHTConfig(), seed=5)
+        net = swarm.net
+        async with trio.open_nursery() as nursery:
+            await swarm.join(nursery, 20.0)
+            a, b = swarm.nodes[3], swarm.nodes[40]
+            now = a.now()
+            calls = net.calls
+            await a.store("round/7", b"a", now + 60, subkey="a", republish=False)
+            first = net.calls - calls
+            calls = net.calls
+            await a.store("round/7", b"a2", now + 60, subkey="a", republish=False)
+            again = net.calls - calls
+            calls = net.calls
+            assert set(await a.get_map("round/7")) == {"a"}
+            near_read = net.calls - calls
+            calls = net.calls
+            assert set(await b.get_map("round/7")) == {"a"}
+            far_read = net.calls - calls
+            nursery.cancel_scope.cancel()
+        return first, again, near_read, far_read
+
+    first, again, near_read, far_read = run_virtual(main, seed=5)
+    k = DHTConfig().k
+    assert first > k  # a lookup, then a Store on each of the k closest
+    assert again <= k  # the Stores alone
+    # The quorum closest are asked first; a slow answer (RTTs up to 300 ms) adds an ask each.
+    assert near_read <= 2 * DHTConfig().get_quorum
+    assert far_read > near_read  # measured: 12 against 5

@@ -118,3 +118,46 @@ def test_a_gathering_for_known_peers_ends_when_a_member_stands_for_the_missing_o
     assert formed == {(0, 1)} and max(took.values()) < 2.0, took
     formed, took = run(False)  # nobody stands for rank 2: the window is waited out
     assert formed == {(0, 1)} and max(took.values()) > 5.0, took
+
+
+def test_among_many_announced_peers_each_probes_only_its_own_group() -> None:
+    """30 peers that all read each other under one key, target 4: each pings the members of
+    the group the partition gives it (3 or 4 peers), not all 29 (a million pings a round at
+    1,000 peers), and the groups still form whole: the members of a group probe alike."""
+
+    async def main() -> tuple[dict[int, Group | None], dict[int, int]]:
+        swarm = DhtSwarm(30, NetworkConfig(), DHTConfig(), seed=11)
+        pairs = zip(swarm.nodes, swarm.hosts, strict=True)
+        members = [Member(n.peer_id, h.address) for n, h in pairs]
+        everyone = frozenset(m.peer_id for m in members)
+        mm = with_target(MatchScenario(peers=30), 4).matchmaking
+        groups: dict[int, Group | None] = {}
+        probes = dict.fromkeys(range(30), 0)
+        for i, node in enumerate(swarm.nodes):
+            ping = node.caller.ping
+
+            async def counted(
+                *args: object, __i: int = i, __ping: object = ping, **kw: object
+            ) -> object:
+                probes[__i] += "timeout" in kw  # probes (and bootstraps); admission's have none
+                return await __ping(*args, **kw)  # type: ignore[operator]
+
+            node.caller.ping = counted  # type: ignore[method-assign,assignment]
+
+        async def one(i: int) -> None:
+            gathered = Gathered(expected=everyone)  # each reads all 30 before it cuts groups
+            groups[i] = await form_group(swarm.nodes[i], "sim/many", members[i], mm, gathered)
+
+        async with trio.open_nursery() as nursery:
+            await swarm.join(nursery, 5.0)
+            probes.update(dict.fromkeys(range(30), 0))  # the joins' bootstrap pings
+            async with trio.open_nursery() as rnd:
+                for i in range(30):
+                    rnd.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+        return groups, probes
+
+    groups, probes = run_virtual(main, seed=11)
+    assert all(g is not None and 3 <= len(g.members) <= 4 for g in groups.values())
+    assert len({g.round_id for g in groups.values() if g is not None}) == 8  # ⌈30 / 4⌉
+    assert max(probes.values()) <= 3

@@ -89,6 +89,12 @@ class Admission:
         try:
             if self.caller.is_verified(peer_id, address):
                 self.table.seen(peer_id, address)
+            elif not self.table.would_admit(peer_id):
+                # Its bucket is full of contacts heard from lately: proven, it could only wait
+                # in the replacement cache. The dial-back was skipped there: in a simulated
+                # 200-peer run, dial-backs were 30 pings a peer-round, most of them to callers
+                # of full buckets (the nodes near a round's key are called by every peer).
+                return
             else:
                 try:
                     # Enters the table on success (Caller._accept).

@@ -77,9 +77,13 @@ async def lookup(
     limits: RecordLimits,
     clock: Callable[[], float],
     known: Sequence[bytes] = (),
+    near: Sequence[tuple[PeerId, str]] = (),
 ) -> LookupResult:
-    """``known``: fingerprints of records the caller holds; nodes leave those out."""
+    """``known``: fingerprints of records the caller holds; nodes leave those out. ``near``:
+    nodes a recent lookup found closest to the target (Replicator.near), asked first."""
     job = _Lookup(caller, target, key, params, verifier, limits, clock, known)
+    for peer_id, address in near:
+        job.consider(peer_id, address)
     return await job.run()
 
 

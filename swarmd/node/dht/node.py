@@ -69,6 +69,7 @@ class DHTNode:
         clock: Callable[[], float] = time.time,
         timer: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         self.config = config or DHTConfig()
         #: Intervals (contacts' staleness, refresh): the simulator passes trio's clock.
@@ -79,7 +80,8 @@ class DHTNode:
         self.identity = identity
         self.peer_id = identity.peer_id
         self._clock = clock
-        self.verifier = Verifier()
+        #: Shared by the simulator's nodes: one process, and a signature checks the same anywhere.
+        self.verifier = verifier or Verifier()
         self.table = RoutingTable(identity.peer_id, self.config.routing_config(), clock=timer)
         self.storage = Storage(self.config.storage, clock=clock, verifier=self.verifier)
         self.caller = Caller(identity, client, self.table, self.config.timeouts)
@@ -224,16 +226,12 @@ class DHTNode:
     ) -> LookupResult:
         cfg = self.config
         params = LookupParams(cfg.k, alpha or cfg.alpha, cfg.lookup_timeout_s, quorum)
+        near = self._replicator.near(target) if key is not None else ()
+        limits, clock = cfg.storage.records, self._clock
         return await lookup(
-            self.caller,
-            target,
-            key,
-            params,
-            verifier=self.verifier,
-            limits=cfg.storage.records,
-            clock=self._clock,
-            known=known,
-        )
+            self.caller, target, key, params, verifier=self.verifier, limits=limits,
+            clock=clock, known=known, near=near,
+        )  # fmt: skip
 
     async def _find_nodes(self, target: int) -> LookupResult:
         return await self._lookup(target, None, None)
