@@ -10,6 +10,7 @@ the peer `swarmd chaos --byzantine` runs), or its reductions lie.
     SWARMD_LIE=equivocator ...                                # ... a different proof per member
     SWARMD_LIE=demo1000 ...            # DeMo: its signed payloads carry its coefficients x -1000
     SWARMD_LIE=stage20 ...             # SWARM stage server: every answer it gives x -20
+    SWARMD_LIE=trainer1000 ...         # SWARM trainer: every gradient it sends back x -1000
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
 swarmd code.
@@ -66,7 +67,26 @@ def install_stage_answers_scaled(factor: float) -> None:
     )
 
 
-LIES = (*byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20")
+def install_trainer_gradients_scaled(factor: float) -> None:
+    """A SWARM trainer whose Backward calls carry the gradient x ``factor``: finite, in the
+    wire's range, the shapes right (issue 47 item 2)."""
+    from swarmd.node.algorithms.swarm import trainer
+    from swarmd.node.algorithms.swarm.stage_service import BACKWARD
+
+    honest = trainer.SwarmTrainer.checked
+
+    async def lying_checked(
+        self: trainer.SwarmTrainer, hop: Any, path: str, tensors: list[torch.Tensor],
+        call: str, **kwargs: Any,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        if path == BACKWARD:
+            tensors = [tensors[0], tensors[1] * factor]
+        return await honest(self, hop, path, tensors, call, **kwargs)
+
+    trainer.SwarmTrainer.checked = lying_checked  # type: ignore[method-assign]
+
+
+LIES = (*byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20", "trainer1000")
 if LIE not in LIES:
     raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
@@ -78,6 +98,8 @@ elif LIE == "demo1000":
     install_demo_scaled(-1000.0)
 elif LIE == "stage20":
     install_stage_answers_scaled(-20.0)
+elif LIE == "trainer1000":
+    install_trainer_gradients_scaled(-1000.0)
 elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:

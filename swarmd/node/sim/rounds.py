@@ -202,8 +202,9 @@ class RoundsReport:
 
 
 class _Run:
-    def __init__(self, scenario: RoundsScenario) -> None:
+    def __init__(self, scenario: RoundsScenario, say: Callable[[str], None]) -> None:
         self.s = scenario
+        self.say, self.wall0, self.said = say, time.monotonic(), -1
         self.swarm = DhtSwarm(scenario.peers, scenario.network, scenario.dht, scenario.seed)
         self.rng = random.Random(scenario.seed + 3)
         self.averagers: list[Averager] = []
@@ -303,6 +304,7 @@ class _Run:
                         size, dropped = len(group.members), len(result.dropped)
                         averaged = result.tensor
                     outer.step(averaged)
+                    self._progress(r)
                     t2 = trio.current_time()
                     loss = self.work.loss(outer.values)
                     self.records.append(
@@ -313,6 +315,13 @@ class _Run:
         finally:
             self.alive_s[i] = trio.current_time() - began
             self.alive.discard(i)
+
+    def _progress(self, r: int) -> None:
+        """One line as the first peer ends each round (a 1,000-peer run takes many minutes)."""
+        if r > self.said:
+            self.said = r
+            wall = time.monotonic() - self.wall0
+            self.say(f"[{wall:7.1f}s wall] round {r} ends first at {trio.current_time():.0f}s")
 
     def grid(self, r: int) -> Grid:
         """Round r's grid (grouping = "grid"), planned from the live heartbeats when its
@@ -342,6 +351,7 @@ class _Run:
         if got.result is None:
             return await self._sit_out(i, r, t0, train_s)
         outer.step(got.result)
+        self._progress(r)
         t2 = trio.current_time()
         if r not in self.snapshots and i not in self.lying:
             self.snapshots[r] = (outer.values.clone(), outer.momentum().clone())
@@ -436,7 +446,7 @@ class _Run:
 
 async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -> RoundsReport:
     wall0 = time.monotonic()
-    run = _Run(scenario)
+    run = _Run(scenario, progress)
     t0 = trio.current_time()
     async with trio.open_nursery() as nursery:
         progress(f"joining {scenario.peers} peers over {scenario.join_window_s:g} virtual s")

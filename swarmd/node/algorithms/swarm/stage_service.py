@@ -22,6 +22,7 @@ trainer goes elsewhere instead of queueing behind a slow server. Answers not fet
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import torch
 import trio
 
 from swarmd.node.algorithms.swarm import route, wire
+from swarmd.optim.grad_bound import GradientRefused
 from swarmd.optim.stage import StageTrainer
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -55,8 +57,14 @@ OUTBOX_BYTES = 256 << 20
 #: Smoothing of the measured seconds per call (new sample's share).
 EMA_ALPHA = 0.2
 MAX_CALL_ID = 64
+#: A caller whose micro-batches' gradients were refused this many times (grad_bound.py:
+#: 100x the stage's recent median; honest ones come within 12x) is refused all calls for BAN_S.
+STRIKES = 3
+BAN_S = 1800.0
 
 T = TypeVar("T")
+
+log = logging.getLogger("swarmd.swarm")
 
 
 @dataclass(frozen=True)
@@ -143,6 +151,8 @@ class StageHost:
         self.copies: dict[str, tuple[int, torch.Tensor]] = {}
         self._part_limiter = trio.CapacityLimiter(1)
         self._part_calls = 0
+        #: Caller -> gradients refused, and until when it is refused (0: not).
+        self._strikes: dict[str, tuple[int, float]] = {}
 
     # -- what the strategy does ------------------------------------------------------------
 
@@ -229,6 +239,8 @@ class StageHost:
             )
         if not 0 < len(meta.info) <= MAX_CALL_ID:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "a stage call names its call id")
+        if self._strikes.get(str(ctx.peer_id), (0, 0.0))[1] > trio.current_time():
+            raise RpcError(StatusCode.PERMISSION_DENIED, "refused: outsized gradients")
         if not admits(self._waiting, job.per_call_s, job.max_wait_s):
             raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "stage server busy")
 
@@ -281,6 +293,8 @@ class StageHost:
         def guarded() -> torch.Tensor | list[torch.Tensor] | None:
             try:
                 return fn()
+            except GradientRefused:
+                raise
             except (ValueError, RuntimeError) as exc:
                 raise RpcError(StatusCode.INVALID_ARGUMENT, f"{kind}: {exc}"[:300]) from None
 
@@ -296,9 +310,25 @@ class StageHost:
         self._waiting += 1
         try:
             await self.compute(kind, guarded, job, then=answer)
+        except GradientRefused as exc:
+            self._strike(str(ctx.peer_id), job.index, exc)
+            raise RpcError(StatusCode.INVALID_ARGUMENT, f"{kind}: {exc}"[:300]) from None
         finally:
             self._waiting -= 1
         return pb.TensorAck(received_bytes=meta.shape[0], round=computed_in, state=version)
+
+    def _strike(self, caller: str, stage: int, why: GradientRefused) -> None:
+        """Counts a refused gradient against its caller; STRIKES ban it (logged)."""
+        if len(self._strikes) >= 4096:  # many identities: keep the bans, forget counts
+            now = trio.current_time()
+            self._strikes = {c: s for c, s in self._strikes.items() if s[1] > now}
+        count = self._strikes.get(caller, (0, 0.0))[0] + 1
+        until = trio.current_time() + BAN_S if count >= STRIKES else 0.0
+        self._strikes[caller] = (count, until)
+        log.warning("stage %d: refused a micro-batch of %s: %s", stage, caller[:10], why)
+        if until:
+            log.warning("stage %d: banning %s for %.0f s: %d outsized gradients",
+                        stage, caller[:10], BAN_S, count)  # fmt: skip
 
     async def _forward(self, meta: TensorMeta, data: bytearray, ctx: CallContext) -> pb.TensorAck:
         job, part = self._job_for(meta)
