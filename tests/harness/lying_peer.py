@@ -11,6 +11,7 @@ the peer `swarmd chaos --byzantine` runs), or its reductions lie.
     SWARMD_LIE=demo1000 ...            # DeMo: its signed payloads carry its coefficients x -1000
     SWARMD_LIE=stage20 ...             # SWARM stage server: every answer it gives x -20
     SWARMD_LIE=trainer1000 ...         # SWARM trainer: every gradient it sends back x -1000
+    SWARMD_LIE=copyflip ...            # SWARM stage server: the edge copies it serves x -1
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
 swarmd code.
@@ -86,7 +87,20 @@ def install_trainer_gradients_scaled(factor: float) -> None:
     trainer.SwarmTrainer.checked = lying_checked  # type: ignore[method-assign]
 
 
-LIES = (*byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20", "trainer1000")
+def install_copies_scaled(factor: float) -> None:
+    """A SWARM stage server that keeps CheckFree+'s copy of an end stage's edge layers and
+    serves it x ``factor`` (`Part` answers; finite, the right size) to a peer rebuilding
+    that stage (issue 47 item 5)."""
+    from swarmd.node.algorithms.swarm import stage_service
+
+    honest = stage_service.rows
+    stage_service.rows = lambda flat: honest(flat * factor)
+
+
+LIES = (
+    *byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20", "trainer1000",
+    "copyflip",
+)  # fmt: skip
 if LIE not in LIES:
     raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
 honest_aggregate = round_module.__dict__["aggregate"]
@@ -100,6 +114,8 @@ elif LIE == "stage20":
     install_stage_answers_scaled(-20.0)
 elif LIE == "trainer1000":
     install_trainer_gradients_scaled(-1000.0)
+elif LIE == "copyflip":
+    install_copies_scaled(-1.0)
 elif LIE == "reducer":
     round_module.__dict__["aggregate"] = lying_aggregate
 else:

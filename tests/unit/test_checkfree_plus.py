@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from swarmd.node.algorithms.swarm import wire
+from swarmd.node.algorithms.swarm import copies, wire
 from swarmd.node.algorithms.swarm.copies import decode, kept_by
 from swarmd.node.algorithms.swarm.recovery import build_all
 from swarmd.node.algorithms.swarm.route import Hop, parse, route, swap_for
@@ -27,6 +27,7 @@ from swarmd.optim.checkfree import (
     recover_end,
 )
 from swarmd.optim.stage import StageOptConfig, StageTrainer
+from swarmd.protocol.identity import PeerId
 from swarmd.workloads import GPT, GPTConfig, lm_loss
 
 CFG = GPTConfig(n_layer=6, n_head=2, n_embd=16, block_size=8, tie_weights=False)
@@ -161,3 +162,29 @@ def test_edge_copies_round_trip_and_bad_ones_are_refused() -> None:
     assert kept_by(1, 4) == ["0/edge"] and kept_by(2, 4) == ["3/edge"]
     assert kept_by(1, 3) == ["0/edge", "2/edge"] and kept_by(0, 2) == ["1/edge"]
     assert kept_by(0, 4) == [] and kept_by(0, 1) == []
+
+
+def _pid(k: int) -> PeerId:
+    return PeerId(bytes([k]) * 32)
+
+
+def test_a_rebuild_installs_the_median_of_copies_and_names_the_odd_one() -> None:
+    """Issue 47 item 5: one stage-1 server serving a poisoned embedding (here sign-flipped)
+    among three is outvoted and named; honest copies a round apart agree."""
+    torch.manual_seed(0)
+    honest = torch.randn(1000)
+    later = honest + 1e-3 * torch.randn(1000)  # fetched a round later
+    got = {_pid(1): (7, honest), _pid(2): (8, later), _pid(3): (9, -honest)}
+    agreed = copies.agree(got)
+    assert agreed.refused == [_pid(3)]
+    assert agreed.round == 8  # the newest of those that agree
+    assert float(torch.linalg.vector_norm(agreed.values - honest)) < 1e-2 * 32
+    assert copies.agree({_pid(1): (7, honest)}).values.equal(honest)  # one copy: its word
+
+
+def test_two_copies_that_disagree_are_not_installed() -> None:
+    honest = torch.ones(100)
+    with pytest.raises(ValueError, match="no majority"):
+        copies.agree({_pid(1): (3, honest), _pid(2): (3, -honest)})
+    with pytest.raises(ValueError):
+        copies.agree({})

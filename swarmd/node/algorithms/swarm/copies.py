@@ -7,12 +7,22 @@ built-in GPT's embedding is 5% of the model) with the neighbouring stage's serve
 them fetches a copy from a server of the end stage after each of its own rounds (the `Part`
 call, stage_service.py), and a peer rebuilding a lost end stage fetches the copy from them.
 Nothing is stored in the DHT and nothing else moves while nothing fails.
+
+A copy is only its server's word. The first answer used to be installed as it came: one
+stage-1 server serving a poisoned embedding (finite values) left the pipeline 1.36x worse at
+the end of the run (issue 47 item 5). A rebuild now asks up to ASKED servers at once and
+installs their coordinate-wise median, only if more than half of the copies lie within AGREE
+of it (relative to its norm); the others are named (`refused`). Honest copies differ only by
+the rounds their servers fetched them at. Copies that agree with no majority (one honest
+server and one liar) leave the stage to restart from the seed, which costs a few percent;
+a single server's copy is still taken on its word.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 
 import torch
 import trio
@@ -30,6 +40,10 @@ log = logging.getLogger("swarmd.swarm")
 
 #: Longest one server may take to answer a copy.
 FETCH_TIMEOUT_S = 20.0
+#: Servers asked at once for the copy a rebuild installs, and how far (relative to the norm
+#: of the copies' median) a copy may lie from that median and still count as agreeing.
+ASKED = 5
+AGREE = 0.5
 
 
 def kept_by(index: int, stages: int) -> list[str]:
@@ -79,6 +93,58 @@ async def fetch(
         except (rpc.RpcError, ProtocolError, wire.WireError, trio.TooSlowError) as exc:
             log.info("copy of %s from %s: %s", name, pid.short(), exc)
     return None
+
+
+async def fetch_all(
+    peer: PeerContext, name: str, servers: dict[PeerId, StageRecord], numel: int
+) -> dict[PeerId, tuple[int, torch.Tensor]]:
+    """`name`'s copy from up to ASKED of `servers` at once: each that answered, by server."""
+    chosen = random.sample(sorted(servers), min(ASKED, len(servers)))
+    got: dict[PeerId, tuple[int, torch.Tensor]] = {}
+
+    async def one(pid: PeerId) -> None:
+        copy = await fetch(peer, name, {pid: servers[pid]}, numel)
+        if copy is not None:
+            got[pid] = copy
+
+    async with trio.open_nursery() as nursery:
+        for pid in chosen:
+            nursery.start_soon(one, pid)
+    return got
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What a rebuild installs: the copies' median, the newest round of those that agree with
+    it, and each copy's distance from it (relative to its norm)."""
+
+    values: torch.Tensor
+    round: int
+    distances: dict[PeerId, float]
+
+    @property
+    def refused(self) -> list[PeerId]:
+        return sorted(p for p, d in self.distances.items() if d > AGREE)
+
+
+def agree(copies: dict[PeerId, tuple[int, torch.Tensor]]) -> Agreed:
+    """The copies' coordinate-wise median if more than half of them lie within AGREE of it;
+    ValueError (saying how far each was) otherwise, or if there are none."""
+    if not copies:
+        raise ValueError("no copy")
+    ids = sorted(copies)
+    ordered = torch.stack([copies[p][1] for p in ids]).sort(dim=0).values
+    n = len(ids)
+    median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    scale = max(float(torch.linalg.vector_norm(median)), 1e-12)
+    distances = {p: float(torch.linalg.vector_norm(copies[p][1] - median)) / scale for p in ids}
+    agreeing = [p for p in ids if distances[p] <= AGREE]
+    if 2 * len(agreeing) <= n:
+        far = ", ".join(f"{p.short()} {d:.2f}" for p, d in distances.items())
+        raise ValueError(
+            f"no majority of the {n} copies agrees (distances from their median: {far})"
+        )
+    return Agreed(median, max(copies[p][0] for p in agreeing), distances)
 
 
 async def refresh(

@@ -203,24 +203,32 @@ async def rebuild_end(
     stage: int,
     stages: list[StageTrainer],
     records: dict[PeerId, StageRecord],
-) -> tuple[StageTrainer, int, float]:
+) -> tuple[StageTrainer, copies.Agreed, float]:
     """CheckFree+: downloads the lost end stage's swap partner, takes its blocks and the copy
-    of the edge layers its servers keep; fresh optimiser at LR_SCALE. Returns the partner, the
-    copy's round and the partner's last gradient norm."""
+    of the edge layers its servers keep (their agreed median: copies.agree); fresh optimiser
+    at LR_SCALE. Returns the partner, the agreed copy and the partner's last gradient norm."""
     target, name = stages[stage], f"{stage}/edge"
     partner = stages[1 if stage == 0 else len(stages) - 2]
     await _download(peer, partner)
     servers = {
         p: r for p, r in records.items() if r.stage == partner.index and r.state == "serving"
     }
-    got = await copies.fetch(peer, name, servers, edge_sizes(stages)[name])
-    if got is None:
+    got = await copies.fetch_all(peer, name, servers, edge_sizes(stages)[name])
+    if not got:
         raise RecoveryFailed(f"no server of stage {partner.index} answered a copy of {name}")
-    copy_round, copy = got
+    try:
+        agreed = copies.agree(got)
+    except ValueError as exc:
+        raise RecoveryFailed(f"the copies of {name} disagree: {exc}") from None
+    for pid in agreed.refused:
+        log.warning(
+            "stage %d: refused %s's copy of %s: %.2f from the copies' median",
+            stage, pid.short(), name, agreed.distances[pid],
+        )  # fmt: skip
 
     def apply() -> None:
         try:
-            recover_end(target.part("edge"), target.part("blocks"), partner.module, copy)
+            recover_end(target.part("edge"), target.part("blocks"), partner.module, agreed.values)
         except LayoutMismatch as exc:
             raise RecoveryFailed(str(exc)) from None
 
@@ -229,7 +237,7 @@ async def rebuild_end(
     # The copy's round is its server's word: the partner's state (its servers' shared one)
     # says where the run is.
     target.round = partner.round
-    return partner, copy_round, max((r.grad_norm for r in servers.values()), default=0.0)
+    return partner, agreed, max((r.grad_norm for r in servers.values()), default=0.0)
 
 
 async def take_rebuilt(state: SharedState, holder: PeerId) -> bool:
@@ -270,10 +278,10 @@ async def take_lost_stage(
         )
     if end:
         try:
-            partner, copy_round, norm = await rebuild_end(peer, stage, trainers, records)
+            partner, agreed, norm = await rebuild_end(peer, stage, trainers, records)
         except RecoveryFailed as exc:
             return await _from_seed(peer, stage, state, f"CheckFree+ could not rebuild it: {exc}")
-        _rebuilt_end(peer, trainers[stage], partner, (copy_round, norm), time.monotonic() - t0)
+        _rebuilt_end(peer, trainers[stage], partner, (agreed, norm), time.monotonic() - t0)
         return "checkfree+"
     try:
         rebuilt = await rebuild(peer, stage, trainers, records)
@@ -316,17 +324,19 @@ def _rebuilt_end(
     peer: PeerContext,
     target: StageTrainer,
     partner: StageTrainer,
-    copied: tuple[int, float],
+    copied: tuple[copies.Agreed, float],
     took: float,
 ) -> None:
-    """`copied`: the copy's round and the partner's last gradient norm."""
+    """`copied`: the agreed copy and the partner's last gradient norm."""
     stage, edge = target.index, "embedding" if target.first else "head"
-    copy_round, norm = copied
+    agreed, norm = copied
+    refused = agreed.refused
     peer.metrics.stage_recoveries.labels(method="checkfree+").inc()
     peer.out.event(
         "stage_recovered",
         f"stage {stage} lost: rebuilt by CheckFree+ from stage {partner.index}'s blocks and "
-        f"its servers' copy of the {edge} (stage round {copy_round}), fresh AdamW at "
+        f"the median of {len(agreed.distances)} of its servers' copies of the {edge} (stage "
+        f"round {agreed.round}; {len(refused)} refused), fresh AdamW at "
         f"{target.lr_scale:g}x lr, in {took:.1f} s",
         stage=stage,
         method="checkfree+",
@@ -334,6 +344,8 @@ def _rebuilt_end(
         weights=[1.0],
         norms=[norm],
         neighbour_rounds=[partner.round],
-        copy_round=copy_round,
+        copy_round=agreed.round,
+        copies=len(agreed.distances),
+        refused=[str(p) for p in refused],
         seconds=round(took, 3),
     )

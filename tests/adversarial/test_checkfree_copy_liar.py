@@ -1,0 +1,65 @@
+"""A stage-1 server that serves a sign-flipped copy of stage 0's embedding is outvoted when
+stage 0 is rebuilt (issue 47, item 5).
+
+Before: the rebuild installed the first copy a server of stage 1 answered, with no quorum and
+no check; a poisoned one left the pipeline 1.36x worse at the end of the run. Now it asks up to
+five servers at once and installs their coordinate-wise median when more than half agree with
+it (node/algorithms/swarm/copies.py), naming the others in its `stage_recovered` event.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from swarmd.protocol.identity import Identity
+from tests.harness.join import stop_and_collect, wait_for
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import SWARM_RUN
+from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
+
+
+def _trained_round(proc: Proc, timeout: float = 60) -> dict[str, Any]:
+    while (e := proc.receive(timeout=timeout))["event"] != "stage_round" or not e["micro_batches"]:
+        pass
+    return e
+
+
+def test_a_poisoned_embedding_copy_is_outvoted_and_named(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    run = SWARM_RUN + "swarm_swap = 0.5\n"
+    boot, (s0, s1, s2, trainer) = start_three_stages(processes, tmp_path, run)
+    liar_cmd = stage_server_cmd(tmp_path, "s1c", boot, 1)
+    liar_cmd = [sys.executable, "-m", "tests.harness.lying_peer", *liar_cmd[3:]]
+    more = [
+        processes.start(stage_server_cmd(tmp_path, "s1b", boot, 1)),
+        processes.start(liar_cmd, env={"SWARMD_LIE": "copyflip"}),
+    ]
+    for s in more:
+        wait_for(s, "stage", timeout=STAGE_START_S)
+    liar = str(Identity.load(tmp_path / "s1c").peer_id)
+    first_loss = _trained_round(s2)["loss"]
+    _trained_round(s0)
+    for s in (s1, *more):  # each has copied the embedding after a round of its own
+        _trained_round(s)
+        _trained_round(s)
+    time.sleep(4)  # a record refresh
+    s0.process.send_signal(signal.SIGKILL)
+    assert wait_for(trainer, "stage_missing", timeout=60)["stage"] == 0
+    (r0,) = processes.start_many([stage_server_cmd(tmp_path, "r0", boot, 0)], timeout=STAGE_START_S)
+    before: list[dict[str, Any]] = []
+    while (e := r0.receive(timeout=STAGE_START_S))["event"] != "stage":
+        before.append(e)
+    assert e["origin"] == "checkfree+", before
+    (rec,) = [e for e in before if e["event"] == "stage_recovered"]
+    assert rec["method"] == "checkfree+" and rec["copies"] == 3, rec
+    assert rec["refused"] == [liar], (rec, liar)
+    assert wait_for(trainer, "stage_back", timeout=30)["stage"] == 0
+    losses = [_trained_round(s2)["loss"] for _ in range(3)]
+    stop_and_collect([trainer, s1, *more, s2, r0])
+    # The pipeline trains on through the rebuilt stage.
+    assert max(losses) < first_loss, (first_loss, losses)
