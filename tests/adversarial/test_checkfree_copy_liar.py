@@ -17,15 +17,14 @@ from typing import Any
 
 from swarmd.protocol.identity import Identity
 from tests.harness.join import stop_and_collect, wait_for
-from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.processes import ProcessGroup
 from tests.harness.runs import SWARM_RUN
-from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
-
-
-def _trained_round(proc: Proc, timeout: float = 60) -> dict[str, Any]:
-    while (e := proc.receive(timeout=timeout))["event"] != "stage_round" or not e["micro_batches"]:
-        pass
-    return e
+from tests.harness.swarm import (
+    STAGE_START_S,
+    stage_server_cmd,
+    start_three_stages,
+    trained_round,
+)
 
 
 def _run(processes: ProcessGroup, tmp: Path, lie: bool) -> tuple[str, dict[str, Any], list[float]]:
@@ -44,11 +43,11 @@ def _run(processes: ProcessGroup, tmp: Path, lie: bool) -> tuple[str, dict[str, 
     ]
     for s in more:
         wait_for(s, "stage", timeout=STAGE_START_S)
-    first_loss = _trained_round(s2)["loss"]
-    _trained_round(s0)
+    first_loss = trained_round(s2)["loss"]
+    trained_round(s0)
     for s in (s1, *more):  # each has copied the embedding after a round of its own
-        _trained_round(s)
-        _trained_round(s)
+        trained_round(s)
+        trained_round(s)
     time.sleep(4)  # a record refresh
     s0.process.send_signal(signal.SIGKILL)
     assert wait_for(trainer, "stage_missing", timeout=60)["stage"] == 0
@@ -59,7 +58,7 @@ def _run(processes: ProcessGroup, tmp: Path, lie: bool) -> tuple[str, dict[str, 
     assert e["origin"] == "checkfree+", before
     (rec,) = [e for e in before if e["event"] == "stage_recovered"]
     assert wait_for(trainer, "stage_back", timeout=30)["stage"] == 0
-    losses = [_trained_round(s2)["loss"] for _ in range(3)]
+    losses = [trained_round(s2)["loss"] for _ in range(3)]
     stop_and_collect([trainer, s1, *more, s2, r0])
     # The pipeline trains on through the rebuilt stage.
     assert max(losses) < first_loss, (first_loss, losses)

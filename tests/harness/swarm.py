@@ -4,6 +4,7 @@ and a pipeline of three stages, each with one server, ready to train."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tests.harness.join import join_cmd, start_bootstrap, wait_for
 from tests.harness.processes import Proc, ProcessGroup
@@ -43,3 +44,10 @@ def start_three_stages(processes: ProcessGroup, tmp_path: Path, run: str) -> tup
         wait_for(s, "stage", timeout=STAGE_START_S)
     (trainer,) = processes.start_many([trainer_cmd(tmp_path, "t", boot, 1_000_000)])
     return boot, [*servers, trainer]
+
+
+def trained_round(proc: Proc, timeout: float = 60) -> dict[str, Any]:
+    """The server's next `stage_round` event that applied micro-batches."""
+    while (e := proc.receive(timeout=timeout))["event"] != "stage_round" or not e["micro_batches"]:
+        pass
+    return e

@@ -13,13 +13,12 @@ from typing import Any
 from tests.harness.join import stop_and_collect, wait_for
 from tests.harness.processes import ProcessGroup
 from tests.harness.runs import SWARM_RUN
-from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
-
-
-def _trained_round(proc: Any, timeout: float = 60) -> dict[str, Any]:
-    while (e := proc.receive(timeout=timeout))["event"] != "stage_round" or not e["micro_batches"]:
-        pass
-    return e
+from tests.harness.swarm import (
+    STAGE_START_S,
+    stage_server_cmd,
+    start_three_stages,
+    trained_round,
+)
 
 
 def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
@@ -27,10 +26,10 @@ def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
 ) -> None:
     run = SWARM_RUN + "swarm_swap = 0.5\n"
     boot, (s0, s1, s2, trainer) = start_three_stages(processes, tmp_path, run)
-    first_loss = _trained_round(s2)["loss"]
+    first_loss = trained_round(s2)["loss"]
     for s in (s0, s1):
-        _trained_round(s)
-    _trained_round(s1)  # a round after stage 0 stepped: its copy of the embedding is fresh
+        trained_round(s)
+    trained_round(s1)  # a round after stage 0 stepped: its copy of the embedding is fresh
     time.sleep(4)  # a record refresh
     s0.process.send_signal(signal.SIGKILL)
     missing = wait_for(trainer, "stage_missing", timeout=60)
@@ -43,10 +42,10 @@ def test_a_lost_first_stage_is_rebuilt_by_checkfree_plus(
     (rec,) = [e for e in before if e["event"] == "stage_recovered"]
     assert rec["method"] == "checkfree+" and rec["neighbours"] == [1], rec
     assert rec["copy_round"] > 0 and rec["norms"][0] > 0, rec
-    after = _trained_round(r0)
+    after = trained_round(r0)
     assert 0 < after["recovery_s"] < 30, after
     assert wait_for(trainer, "stage_back", timeout=30)["stage"] == 0
-    losses = [_trained_round(s2)["loss"] for _ in range(3)]
+    losses = [trained_round(s2)["loss"] for _ in range(3)]
     runs = stop_and_collect([trainer, s1, s2, r0])
     done = next(e for e in runs[0] if e["event"] == "trainer_done")
     assert done["micro_batches"] > 0, done
