@@ -47,18 +47,21 @@ class KeyReader:
         self._node = node
         self._key = key_bytes(key)
         self._held: dict[bytes, Record] = {}
-        #: The held records' fingerprints when last merged, and that merge's map.
-        self._merged: tuple[set[bytes], dict[str, Value]] | None = None
+        #: The merged map of the held records; None once a read brought or expired some.
+        self._merged: dict[str, Value] | None = None
 
     async def records(self, *, light: bool = False, local: bool = False) -> list[Record]:
         """Every live record read so far or now (``light``: see DHTNode.get_records;
         ``local``: only what this node holds, no network)."""
         now_ms = int(self._node.now() * 1000)
-        self._held = {f: r for f, r in self._held.items() if r.expires_ms > now_ms}
+        live = {f: r for f, r in self._held.items() if r.expires_ms > now_ms}
+        if len(live) < len(self._held):
+            self._held, self._merged = live, None
         known = list(self._held)[-MAX_KNOWN:]
         found = await self._node.get_records(self._key, light=light, local=local, known=known)
         for record in found:
-            self._held[fingerprint(record)] = record
+            if (f := fingerprint(record)) not in self._held:
+                self._held[f], self._merged = record, None
         return list(self._held.values())
 
     async def get_map(self, *, light: bool = False, local: bool = False) -> dict[str, Value]:
@@ -66,10 +69,10 @@ class KeyReader:
         mostly bring none, and merging 1,000 announcements each time was a fifth of a
         simulated 1,000-peer round's CPU)."""
         held = await self.records(light=light, local=local)
-        if self._merged is None or self._merged[0] != set(self._held):
+        if self._merged is None:
             found = merge(held, self._node.now())
-            self._merged = set(self._held), found if isinstance(found, dict) else {}
-        return self._node.admitted(self._key, self._merged[1])
+            self._merged = found if isinstance(found, dict) else {}
+        return self._node.admitted(self._key, self._merged)
 
     async def peers(self, *, light: bool = False, local: bool = False) -> dict[PeerId, Value]:
         return announced_peers(await self.get_map(light=light, local=local))
