@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from swarmd.optim.checkfree import flat_parameters, split
-from swarmd.optim.grad_bound import NormBound
+from swarmd.optim.grad_bound import GradientRefused, NormBound
 
 #: State-dict keys: the round, then parameters and AdamW moments by parameter name.
 ROUND_KEY = "round"
@@ -111,6 +111,8 @@ class StageTrainer:
         self._parts: dict[str, nn.Module] = {}
         #: Per part called (its parameters differ): how far one micro-batch may move it.
         self._bounds: dict[str, NormBound] = {}
+        #: Why the last call's gradient was left out of the round's sum (None: it was not).
+        self.left_out: str | None = None
         #: Compute, rounds and loads may come from different worker threads (a state
         #: download loads outside the server's device limiter): one at a time.
         self._lock = threading.Lock()
@@ -229,7 +231,8 @@ class StageTrainer:
         apply: bool = True,
     ) -> torch.Tensor | None:
         """The parameter gradients go into the round's sum within the part's NormBound
-        (grad_bound.py: refused, raising GradientRefused, or scaled down). A swapped
+        (grad_bound.py: scaled down, or left out, saying why in `left_out`; the call is still
+        answered: the gradient may be a later stage's lie the caller relayed). A swapped
         micro-batch calls an end stage twice: its `blocks` call does not count, so weights
         and the mean loss are per micro-batch."""
         inputs = self.params if tokens else [*self.params, x]
@@ -240,6 +243,7 @@ class StageTrainer:
         g_x = None if tokens else grads[-1]
         if g_x is not None:
             _check("input gradient", g_x, bound)
+        self.left_out = None
         if not apply:
             return g_x
         own = [g for g in grads[: len(self.params)] if g is not None]
@@ -248,7 +252,11 @@ class StageTrainer:
             if own
             else 0.0
         )
-        factor = self._bounds.setdefault(part, NormBound()).factor(norm)
+        try:
+            factor = self._bounds.setdefault(part, NormBound()).factor(norm)
+        except GradientRefused as exc:
+            self.left_out = str(exc)
+            return g_x
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
                 p.grad.add_(g, alpha=factor)  # type: ignore[union-attr]

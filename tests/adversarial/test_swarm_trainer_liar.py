@@ -4,8 +4,9 @@ no longer picks the stage's direction (issue 47, item 2).
 Before: a stage added any finite gradient into its round's sum and clipped only the averaged
 one, so one such trainer raised the honest stages' validation loss 1.6-1.9x. Now each stage
 bounds a micro-batch's gradient by the norms of its recent ones (optim/grad_bound.py:
-scaled down beyond 3x their median, refused beyond 100x), and a caller refused three times
-is refused every call for half an hour, logged with its peer id.
+scaled down beyond 3x their median, left out of the sum beyond 100x, logged with the caller's
+peer id; not banned: a trainer relays the gradient a later stage's server answered, and a
+first version that banned banned an honest trainer relaying a lying server's x(-20)).
 """
 
 from __future__ import annotations
@@ -66,14 +67,14 @@ def _late_loss(events: list[dict[str, Any]]) -> float:
 
 
 @pytest.mark.timeout(400)
-def test_a_trainer_sending_gradients_x_minus_1000_is_refused_and_banned(
+def test_a_trainer_sending_gradients_x_minus_1000_is_left_out_and_logged(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
     _, fair_s0, clean = _run(processes, tmp_path / "clean", lie=False)
-    assert not [line for line in fair_s0.stderr_tail if "refused a micro-batch" in line]
+    assert not [line for line in fair_s0.stderr_tail if "left a micro-batch" in line]
     liar, s0, attacked = _run(processes, tmp_path / "attacked", lie=True)
     base, got = _late_loss(clean), _late_loss(attacked)
     print(f"late loss: clean {base:.4f}, attacked {got:.4f}")
-    banned = [line for line in s0.stderr_tail if "banning" in line]
-    assert banned and all(liar[:10] in line for line in banned), list(s0.stderr_tail)[-20:]
+    left_out = [line for line in s0.stderr_tail if "left a micro-batch" in line]
+    assert left_out and all(liar[:10] in line for line in left_out), list(s0.stderr_tail)[-20:]
     assert got <= 1.25 * base, (got, base)
