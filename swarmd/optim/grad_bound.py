@@ -12,8 +12,9 @@ that an honest change of scale is followed once it holds for half the window) an
 has WARMUP of them, scales a micro-batch beyond CLIP x their median down to CLIP x
 (per-example clipping, as DP-SGD does, at a bound that follows the run) and refuses one
 beyond REFUSE x: the stage leaves it out of its sum and logs its caller, without banning it
-(a trainer relays the gradient a later stage's server answered, so it may not be the liar). Honest micro-batches of the tiny built-in
-model reach 12x the median (measured: a bound of 10x refused one of 800 in a clean run).
+(a trainer relays the gradient a later stage's server answered, so it may not be the liar).
+Honest micro-batches of the tiny built-in model reach 12x the median (measured: a bound of
+10x refused one of 800 in a clean run).
 A liar holding less than half of a stage's micro-batches cannot move the median out of the
 honest range. What it can still do: send a sign-flipped gradient at an honest norm,
 worth up to CLIP honest micro-batches each (README, Security).
