@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from swarmd.optim.checkfree import flat_parameters, split
+from swarmd.optim.grad_bound import GradientRefused, NormBound
 
 #: State-dict keys: the round, then parameters and AdamW moments by parameter name.
 ROUND_KEY = "round"
@@ -108,6 +109,10 @@ class StageTrainer:
         for p in self.params:
             p.grad = torch.zeros_like(p)
         self._parts: dict[str, nn.Module] = {}
+        #: Per part called (its parameters differ): how far one micro-batch may move it.
+        self._bounds: dict[str, NormBound] = {}
+        #: Why the last call's gradient was left out of the round's sum (None: it was not).
+        self.left_out: str | None = None
         #: Compute, rounds and loads may come from different worker threads (a state
         #: download loads outside the server's device limiter): one at a time.
         self._lock = threading.Lock()
@@ -188,7 +193,7 @@ class StageTrainer:
                 raise ValueError(
                     f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}"
                 )
-            return self._accumulate(out, grad_out, x, bound, tokens, part != "blocks", apply)
+            return self._accumulate(out, grad_out, x, bound, tokens, part, apply)
 
     def last(
         self,
@@ -210,7 +215,7 @@ class StageTrainer:
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise ValueError("loss is not finite")
-            grad = self._accumulate(loss, None, x, bound, tokens, True, apply)
+            grad = self._accumulate(loss, None, x, bound, tokens, part, apply)
             if apply:
                 self._loss_sum += value
         return value, grad
@@ -222,12 +227,14 @@ class StageTrainer:
         x: torch.Tensor,
         bound: float,
         tokens: bool,
-        counts: bool,
+        part: str,
         apply: bool = True,
     ) -> torch.Tensor | None:
-        """`counts`: the call finishes a micro-batch's work on this stage (a swapped one calls
-        an end stage twice: its `blocks` part does not count, so weights and the mean loss
-        are per micro-batch)."""
+        """The parameter gradients go into the round's sum within the part's NormBound
+        (grad_bound.py: scaled down, or left out, saying why in `left_out`; the call is still
+        answered: the gradient may be a later stage's lie the caller relayed). A swapped
+        micro-batch calls an end stage twice: its `blocks` call does not count, so weights
+        and the mean loss are per micro-batch."""
         inputs = self.params if tokens else [*self.params, x]
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
         for name, g in zip(self.names, grads, strict=False):
@@ -236,12 +243,24 @@ class StageTrainer:
         g_x = None if tokens else grads[-1]
         if g_x is not None:
             _check("input gradient", g_x, bound)
+        self.left_out = None
         if not apply:
+            return g_x
+        own = [g for g in grads[: len(self.params)] if g is not None]
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in own])))
+            if own
+            else 0.0
+        )
+        try:
+            factor = self._bounds.setdefault(part, NormBound()).factor(norm)
+        except GradientRefused as exc:
+            self.left_out = str(exc)
             return g_x
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
-                p.grad.add_(g)  # type: ignore[union-attr]
-        self.pending += int(counts)
+                p.grad.add_(g, alpha=factor)  # type: ignore[union-attr]
+        self.pending += int(part != "blocks")
         return g_x
 
     # -- a round ---------------------------------------------------------------------------

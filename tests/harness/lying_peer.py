@@ -10,6 +10,7 @@ the peer `swarmd chaos --byzantine` runs), or its reductions lie.
     SWARMD_LIE=equivocator ...                                # ... a different proof per member
     SWARMD_LIE=demo1000 ...            # DeMo: its signed payloads carry its coefficients x -1000
     SWARMD_LIE=stage20 ...             # SWARM stage server: every answer it gives x -20
+    SWARMD_LIE=trainer1000 ...         # SWARM trainer: every gradient it sends back x -1000
     SWARMD_LIE=copyflip ...            # SWARM stage server: the edge copies it serves x -1
 
 Everything else (matchmaking, the all-reduce, its own reductions unless `reducer`) is honest
@@ -67,6 +68,25 @@ def install_stage_answers_scaled(factor: float) -> None:
     )
 
 
+def install_trainer_gradients_scaled(factor: float) -> None:
+    """A SWARM trainer whose Backward calls carry the gradient x ``factor``: finite, in the
+    wire's range, the shapes right (issue 47 item 2)."""
+    from swarmd.node.algorithms.swarm import trainer
+    from swarmd.node.algorithms.swarm.stage_service import BACKWARD
+
+    honest = trainer.SwarmTrainer.checked
+
+    async def lying_checked(
+        self: trainer.SwarmTrainer, hop: Any, path: str, tensors: list[torch.Tensor],
+        call: str, **kwargs: Any,
+    ) -> list[torch.Tensor]:  # fmt: skip
+        if path == BACKWARD:
+            tensors = [tensors[0], tensors[1] * factor]
+        return await honest(self, hop, path, tensors, call, **kwargs)
+
+    trainer.SwarmTrainer.checked = lying_checked  # type: ignore[method-assign]
+
+
 def install_copies_scaled(factor: float) -> None:
     """A SWARM stage server that keeps CheckFree+'s copy of an end stage's edge layers and
     serves it x ``factor`` (`Part` answers; finite, the right size) to a peer rebuilding
@@ -78,7 +98,8 @@ def install_copies_scaled(factor: float) -> None:
 
 
 LIES = (
-    *byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20", "copyflip",
+    *byzantine.LIES, "reducer", "forger", "equivocator", "demo1000", "stage20", "trainer1000",
+    "copyflip",
 )  # fmt: skip
 if LIE not in LIES:
     raise SystemExit(f"SWARMD_LIE must be one of {', '.join(LIES)}, not {LIE!r}")
@@ -91,6 +112,8 @@ elif LIE == "demo1000":
     install_demo_scaled(-1000.0)
 elif LIE == "stage20":
     install_stage_answers_scaled(-20.0)
+elif LIE == "trainer1000":
+    install_trainer_gradients_scaled(-1000.0)
 elif LIE == "copyflip":
     install_copies_scaled(-1.0)
 elif LIE == "reducer":

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from swarmd.optim.grad_bound import GradientRefused, NormBound
 from swarmd.optim.stage import StageOptConfig, StageTrainer
 from swarmd.workloads import GPT, GPTConfig, lm_loss
 
@@ -115,3 +116,45 @@ def test_a_check_call_answers_what_the_call_does_and_applies_nothing() -> None:
     assert blocks.pending == 0 and all(not p.grad.any() for p in blocks.params)  # type: ignore[union-attr]
     assert torch.equal(checked, blocks.backward(h1, g))  # type: ignore[arg-type]
     assert blocks.pending == 1
+
+
+def test_norm_bound_refuses_outsized_clips_large_and_follows_a_lasting_change() -> None:
+    bound = NormBound(window=16, warmup=4, refuse=10.0, clip=3.0)  # refuse: 100 by default
+    assert [bound.factor(n) for n in (1.0, 50.0, 1.0, 1.0)] == [1.0] * 4  # warming up
+    with pytest.raises(GradientRefused, match="x the median"):
+        bound.factor(1000.0)
+    assert bound.factor(6.0) == pytest.approx(3.0 / 6.0)  # clipped to 3x the median (1.0)
+    assert bound.factor(2.0) == 1.0
+    with pytest.raises(GradientRefused):
+        bound.factor(float("nan"))
+    # Gradients 20x the median (2.0 now) for good are refused until they hold half the window.
+    outcomes = []
+    for _ in range(16):
+        try:
+            outcomes.append(bound.factor(40.0))
+        except GradientRefused:
+            outcomes.append(0.0)
+    assert outcomes[0] == 0.0 and outcomes[-1] == 1.0
+
+
+def test_a_trainer_s_outsized_backward_is_left_out_of_the_sum() -> None:
+    """Issue 47 item 2: a trainer that sends its backward x(-1000) (finite, in range)
+    moved the stage as much as 1000 honest micro-batches; now nothing of it is summed, and
+    the stage says why (the call is still answered: the trainer may only have relayed it)."""
+    torch.manual_seed(0)
+    first, last = _pipeline(GPT(CFG, seed=1), 2)
+    for _ in range(8):  # honest micro-batches: the stage's recent norms
+        _micro_batch([first, last], torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+    x, y = torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8))
+    hidden = first.forward(x)
+    _, grad = last.last(hidden, y)
+    assert grad is not None
+    before = [p.grad.clone() for p in first.params]  # type: ignore[union-attr]
+    pending = first.pending
+    first.backward(x, grad * -1000.0)
+    assert first.left_out is not None and "x the median" in first.left_out
+    assert first.pending == pending
+    for p, g in zip(first.params, before, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    first.backward(x, grad)  # the honest one still counts
+    assert first.pending == pending + 1 and first.left_out is None

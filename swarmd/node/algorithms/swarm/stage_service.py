@@ -22,6 +22,7 @@ trainer goes elsewhere instead of queueing behind a slow server. Answers not fet
 from __future__ import annotations
 
 import collections
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ EMA_ALPHA = 0.2
 MAX_CALL_ID = 64
 
 T = TypeVar("T")
+
+log = logging.getLogger("swarmd.swarm")
 
 
 @dataclass(frozen=True)
@@ -280,9 +283,18 @@ class StageHost:
 
         def guarded() -> torch.Tensor | list[torch.Tensor] | None:
             try:
-                return fn()
+                out = fn()
             except (ValueError, RuntimeError) as exc:
                 raise RpcError(StatusCode.INVALID_ARGUMENT, f"{kind}: {exc}"[:300]) from None
+            if applies and job.trainer.left_out is not None:
+                # Logged, not banned: a trainer relays the gradient a later stage's server
+                # answered, so an outsized one is not proof against it (a first version
+                # banned, and banned an honest trainer relaying a lying server's x(-20)).
+                log.warning(
+                    "stage %d: left a micro-batch of %s out of the round's sum: %s",
+                    job.index, str(ctx.peer_id)[:10], job.trainer.left_out,
+                )  # fmt: skip
+            return out
 
         def answer(out: torch.Tensor | list[torch.Tensor] | None) -> None:
             nonlocal computed_in, version

@@ -1,0 +1,80 @@
+"""A SWARM trainer that sends every Backward's gradient x(-1000) (finite, in the wire's range)
+no longer picks the stage's direction (issue 47, item 2).
+
+Before: a stage added any finite gradient into its round's sum and clipped only the averaged
+one, so one such trainer raised the honest stages' validation loss 1.6-1.9x. Now each stage
+bounds a micro-batch's gradient by the norms of its recent ones (optim/grad_bound.py:
+scaled down beyond 3x their median, left out of the sum beyond 100x, logged with the caller's
+peer id; not banned: a trainer relays the gradient a later stage's server answered, and a
+first version that banned banned an honest trainer relaying a lying server's x(-20)).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmd.protocol.identity import Identity
+from tests.harness.join import events_until_exit, start_bootstrap, stop_and_collect, wait_for
+from tests.harness.processes import Proc, ProcessGroup
+from tests.harness.runs import SWARM_RUN
+from tests.harness.swarm import STAGE_START_S, stage_server_cmd, trainer_cmd
+
+STEPS = 800
+#: Two stages of one server each; rounds of a second (the loss is read per round).
+RUN = SWARM_RUN.replace("swarm_stages = 3", "swarm_stages = 2").replace(
+    "swarm_round_s = 3.0", "swarm_round_s = 1.0"
+)
+
+
+def _run(processes: ProcessGroup, tmp: Path, lie: bool) -> tuple[str, Proc, list[dict[str, Any]]]:
+    """Two trainers through the pipeline, the second lying if ``lie``: its peer id, the
+    stage-0 server (the one its gradients reach) and the last stage's events."""
+    tmp.mkdir()
+    (tmp / "run.toml").write_text(RUN)
+    boot = start_bootstrap(processes, tmp)
+    create = ("--create-run", str(tmp / "run.toml"))
+    servers = [
+        processes.start(stage_server_cmd(tmp, "s0", boot, 0, *create)),
+        processes.start(stage_server_cmd(tmp, "s1", boot, 1)),
+    ]
+    for s in servers:
+        wait_for(s, "stage", timeout=STAGE_START_S)
+    honest = processes.start(trainer_cmd(tmp, "t", boot, STEPS))
+    cmd = trainer_cmd(tmp, "u", boot, STEPS)
+    if lie:
+        cmd = [sys.executable, "-m", "tests.harness.lying_peer", *cmd[3:]]
+    other = processes.start(cmd, env={"SWARMD_LIE": "trainer1000"} if lie else None)
+    trained = events_until_exit(honest, timeout=240)
+    assert honest.process.returncode == 0, "".join(honest.stderr_tail)
+    done = next(e for e in trained if e["event"] == "trainer_done")
+    assert done["micro_batches"] == STEPS, done
+    other.process.kill()
+    (last,) = stop_and_collect(servers[1:])
+    servers[0].process.terminate()
+    servers[0].process.wait(timeout=60)
+    return str(Identity.load(tmp / "u").peer_id), servers[0], last
+
+
+def _late_loss(events: list[dict[str, Any]]) -> float:
+    """The last stage's mean loss over its last three rounds that saw micro-batches."""
+    losses = [e["loss"] for e in events if e["event"] == "stage_round" and e["loss"] is not None]
+    assert len(losses) >= 4, losses
+    return float(sum(losses[-3:]) / 3)
+
+
+@pytest.mark.timeout(400)
+def test_a_trainer_sending_gradients_x_minus_1000_is_left_out_and_logged(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    _, fair_s0, clean = _run(processes, tmp_path / "clean", lie=False)
+    assert not [line for line in fair_s0.stderr_tail if "left a micro-batch" in line]
+    liar, s0, attacked = _run(processes, tmp_path / "attacked", lie=True)
+    base, got = _late_loss(clean), _late_loss(attacked)
+    print(f"late loss: clean {base:.4f}, attacked {got:.4f}")
+    left_out = [line for line in s0.stderr_tail if "left a micro-batch" in line]
+    assert left_out and all(liar[:10] in line for line in left_out), list(s0.stderr_tail)[-20:]
+    assert got <= 1.25 * base, (got, base)
