@@ -180,6 +180,7 @@ class StageTrainer:
         bound: float = math.inf,
         part: str = "",
         apply: bool = True,
+        caller: str = "",
     ) -> torch.Tensor | None:
         """Recomputes, backpropagates; the input's gradient (None for token ids). Nothing is
         accumulated unless every gradient is finite (and the input's within `bound`): one bad
@@ -193,7 +194,7 @@ class StageTrainer:
                 raise ValueError(
                     f"gradient of shape {tuple(grad_out.shape)} for {tuple(out.shape)}"
                 )
-            return self._accumulate(out, grad_out, x, bound, tokens, part, apply)
+            return self._accumulate(out, grad_out, x, bound, tokens, part, apply, caller)
 
     def last(
         self,
@@ -202,6 +203,7 @@ class StageTrainer:
         bound: float = math.inf,
         part: str = "",
         apply: bool = True,
+        caller: str = "",
     ) -> tuple[float, torch.Tensor | None]:
         """The last stage (or its edge: the head): loss and the input's gradient, parameters'
         gradients accumulated (only if all is finite, as in `backward`; `apply` False: not at
@@ -215,7 +217,7 @@ class StageTrainer:
             value = float(loss.detach())
             if not math.isfinite(value):
                 raise ValueError("loss is not finite")
-            grad = self._accumulate(loss, None, x, bound, tokens, part, apply)
+            grad = self._accumulate(loss, None, x, bound, tokens, part, apply, caller)
             if apply:
                 self._loss_sum += value
         return value, grad
@@ -229,10 +231,12 @@ class StageTrainer:
         tokens: bool,
         part: str,
         apply: bool = True,
+        caller: str = "",
     ) -> torch.Tensor | None:
-        """The parameter gradients go into the round's sum within the part's NormBound
-        (grad_bound.py: scaled down, or left out, saying why in `left_out`; the call is still
-        answered: the gradient may be a later stage's lie the caller relayed). A swapped
+        """The parameter gradients go into the round's sum within the part's NormBound, held
+        to what callers other than ``caller`` sent (grad_bound.py: scaled down, or left out,
+        saying why in `left_out`; the call is still answered: the gradient may be a later
+        stage's lie the caller relayed). A swapped
         micro-batch calls an end stage twice: its `blocks` call does not count, so weights
         and the mean loss are per micro-batch."""
         inputs = self.params if tokens else [*self.params, x]
@@ -253,7 +257,7 @@ class StageTrainer:
             else 0.0
         )
         try:
-            factor = self._bounds.setdefault(part, NormBound()).factor(norm)
+            factor = self._bounds.setdefault(part, NormBound()).factor(norm, caller)
         except GradientRefused as exc:
             self.left_out = str(exc)
             return g_x

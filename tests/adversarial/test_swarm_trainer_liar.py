@@ -3,10 +3,11 @@ no longer picks the stage's direction (issue 47, item 2).
 
 Before: a stage added any finite gradient into its round's sum and clipped only the averaged
 one, so one such trainer raised the honest stages' validation loss 1.6-1.9x. Now each stage
-bounds a micro-batch's gradient by the norms of its recent ones (optim/grad_bound.py:
-scaled down beyond 3x their median, left out of the sum beyond 100x, logged with the caller's
-peer id; not banned: a trainer relays the gradient a later stage's server answered, and a
-first version that banned banned an honest trainer relaying a lying server's x(-20)).
+bounds a micro-batch's gradient by the norms it let in lately from other callers
+(optim/grad_bound.py: scaled down beyond 3x their low median, left out of the sum beyond
+100x, logged with the caller's peer id; not banned: a trainer relays the gradient a later
+stage's server answered, and a first version that banned banned an honest trainer relaying
+a lying server's x(-20)).
 """
 
 from __future__ import annotations

@@ -73,3 +73,17 @@ def test_audits_catch_lying_servers_and_keep_their_answers_out() -> None:
     # ... after which it sends them nothing: a few poisoned micro-batches before each catch.
     assert checked.poisoned < unchecked.poisoned / 5, (checked.poisoned, unchecked.poisoned)
     assert checked.failed == 0
+
+
+def test_an_outsized_answer_is_audited_whatever_the_audit_share() -> None:
+    # A liar's x(-20) answers are far larger than the stage's other servers' (grad_bound.py,
+    # each server held to the others' norms): a trainer audits every such answer, so the
+    # liars are caught even when almost no hop is audited by chance, and none of their
+    # gradients is relayed to the stage before (whose servers cannot tell who lied).
+    liars = small(liars=2, lifetime_s=math.inf)
+    rare = SwarmConfig(stages=3, inflight=8, audit=1e-9, rebalance_s=30.0)
+    unchecked = run_swarm(dataclasses.replace(liars, swarm=dataclasses.replace(rare, audit=0)))
+    checked = run_swarm(dataclasses.replace(liars, swarm=rare))
+    assert checked.caught >= 12, checked.caught
+    assert checked.poisoned < unchecked.poisoned / 50, (checked.poisoned, unchecked.poisoned)
+    assert checked.failed == 0

@@ -120,21 +120,51 @@ def test_a_check_call_answers_what_the_call_does_and_applies_nothing() -> None:
 
 def test_norm_bound_refuses_outsized_clips_large_and_follows_a_lasting_change() -> None:
     bound = NormBound(window=16, warmup=4, refuse=10.0, clip=3.0)  # refuse: 100 by default
-    assert [bound.factor(n) for n in (1.0, 50.0, 1.0, 1.0)] == [1.0] * 4  # warming up
+    # Warming up: nothing is refused, but what is let in is clipped from the second on.
+    assert bound.factor(1.0) == 1.0
+    assert bound.factor(50.0) == pytest.approx(3.0 / 50.0)
+    assert [bound.factor(n) for n in (1.0, 1.0)] == [1.0, 1.0]
     with pytest.raises(GradientRefused, match="x the median"):
         bound.factor(1000.0)
     assert bound.factor(6.0) == pytest.approx(3.0 / 6.0)  # clipped to 3x the median (1.0)
     assert bound.factor(2.0) == 1.0
     with pytest.raises(GradientRefused):
         bound.factor(float("nan"))
-    # Gradients 20x the median (2.0 now) for good are refused until they hold half the window.
+    # Gradients 20x the median for good are refused until a full window of them in a row.
     outcomes = []
-    for _ in range(16):
+    for _ in range(18):
         try:
             outcomes.append(bound.factor(40.0))
         except GradientRefused:
             outcomes.append(0.0)
-    assert outcomes[0] == 0.0 and outcomes[-1] == 1.0
+    assert outcomes[:16] == [0.0] * 16 and outcomes[-1] == 1.0
+
+
+def test_a_liar_with_half_the_micro_batches_is_held_to_the_honest_scale() -> None:
+    """Two first versions let a liar sending every other micro-batch x1000 move the bound:
+    one kept refused norms (the median rose until the lie passed as clipped), the other
+    held every caller to all callers' median (the liar's clipped entries made it the
+    honest window's maximum: 13 honest micro-batches' norm each). Each caller is now held
+    to the others' norms, so the liar gets in at CLIP x an honest median at most."""
+    gen = torch.Generator().manual_seed(0)
+    honest = torch.exp(torch.randn(2000, generator=gen)).tolist()  # spread ~12x, as measured
+    high = 3.0 * sorted(honest)[int(0.75 * len(honest))]
+    for lie in (1000.0, 20.0):
+        bound = NormBound()
+        let_in, refused = 0.0, 0
+        for i, h in enumerate(honest):
+            pair = [("honest", h), ("liar", h * lie)]
+            for caller, n in pair if i % 2 else pair[::-1]:
+                try:
+                    factor = bound.factor(n, caller)
+                except GradientRefused:
+                    assert caller == "liar", (lie, i, n)
+                    refused += 1
+                    continue
+                if caller == "liar" and i > 0:
+                    let_in = max(let_in, n * factor)
+        assert 0.0 < let_in <= high, (lie, let_in, high)
+        assert refused > (len(honest) * 0.9 if lie == 1000.0 else -1), refused
 
 
 def test_a_trainer_s_outsized_backward_is_left_out_of_the_sum() -> None:

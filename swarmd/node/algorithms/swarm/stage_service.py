@@ -356,7 +356,7 @@ class StageHost:
             meta,
             ctx,
             _kind("backward", part),
-            lambda: job.trainer.backward(x, grad, wire.MAX_ABS, part, apply),
+            lambda: job.trainer.backward(x, grad, wire.MAX_ABS, part, apply, str(ctx.peer_id)),
             apply,
         )
 
@@ -372,7 +372,7 @@ class StageHost:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Last: targets must match the input")
 
         def step() -> list[torch.Tensor]:
-            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS, part, apply)
+            loss, grad = job.trainer.last(x, targets, wire.MAX_ABS, part, apply, str(ctx.peer_id))
             out = [torch.tensor(loss, dtype=torch.float32)]
             return out if grad is None else [*out, grad]
 

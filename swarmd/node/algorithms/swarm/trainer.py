@@ -40,6 +40,7 @@ from swarmd.node.algorithms.swarm.stage_service import (
     FORWARD,
     LAST,
 )
+from swarmd.optim.grad_bound import GradientRefused, NormBound
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.errors import ProtocolError
@@ -140,6 +141,9 @@ class SwarmTrainer:
         self._read_lock = trio.Lock()
         self._nonce = secrets.token_hex(4) if rng is None else rng.randbytes(4).hex()
         self._rng = rng or random.Random()
+        #: Per stage and call: the norms of its servers' answers (grad_bound.py), each
+        #: server held to the others'; an outsized answer is audited.
+        self._answers: dict[tuple[int, str], NormBound] = {}
         self._waiting_for: set[int] = set()
 
     async def servers(self, stage: int, *, fresh: bool = False) -> dict[PeerId, StageRecord]:
@@ -193,14 +197,19 @@ class SwarmTrainer:
         answer: int,
         like: torch.Tensor,
     ) -> list[torch.Tensor]:
-        """A hop; a share of them (`audit`) asked again of a second server of the stage
-        (Forward as is; Backward and Last as their Check calls, which apply nothing) and the
-        answers compared, a third server deciding when the two disagree (audit.py). A liar
-        that took the hop is distrusted and the hop made again elsewhere: its gradients went
-        only to the liar."""
+        """A hop; a share of them (`audit`), and every answer far larger than the stage's
+        other servers' lately, asked again of a second server of the stage (Forward as is;
+        Backward and Last as their Check calls, which apply nothing) and the answers
+        compared, a third server deciding when the two disagree (audit.py). A liar that took
+        the hop is distrusted and the hop made again elsewhere: its gradients went only to
+        the liar, and an outsized gradient is not relayed to the stage before (whose servers
+        would only leave it out, not knowing who lied)."""
         got = await self.call(hop, path, tensors, call, answer=answer, like=like)
         out, first = got.tensors, got.peer
-        if not answer or self.config.audit <= 0 or self._rng.random() >= self.config.audit:
+        if not answer or self.config.audit <= 0:
+            return out
+        drawn = self._rng.random() < self.config.audit
+        if not self._outsized(hop.stage, path, out, first) and not drawn:
             return out
         check = CHECKS[path]
 
@@ -249,6 +258,16 @@ class SwarmTrainer:
             return third  # nothing was applied: the honest answer stands in
         redo = await self.call(hop, path, tensors, call + "c", answer=answer, like=like)
         return redo.tensors
+
+    def _outsized(self, stage: int, path: str, out: list[torch.Tensor], server: PeerId) -> bool:
+        """Whether an answer is beyond CLIP x the norm of other servers' answers lately."""
+        norm = math.sqrt(sum(float(t.double().square().sum()) for t in out))
+        try:
+            return (
+                self._answers.setdefault((stage, path), NormBound()).factor(norm, str(server)) < 1
+            )
+        except GradientRefused:
+            return True
 
     def _undecided(
         self, hop: Hop, out: list[torch.Tensor], second: list[torch.Tensor], why: str
