@@ -140,6 +140,14 @@ class RunConfig:
     lowrank_rank: int = 4
     target_group_size: int = 16
     min_group_size: int = 2
+    #: `flat`: a round's groups are cut from whoever announced (with more live peers than
+    #: `target_group_size` they fork into separate state lines). `grid` (DiLoCo, not yet
+    #: the default): with more live peers than `target_group_size`, a round averages on a
+    #: grid of ceil(log_T N) levels of groups planned from the live heartbeats, so every
+    #: contribution reaches every peer in the round when the peers' views of the roster
+    #: agree (averaging/grid.py; benchmarks/groups.py measures it, docs/architecture.md
+    #: says what is still wrong).
+    grouping: str = "flat"
     #: Seed of the initial weights (identical on every peer) and of the data order.
     seed: int = 0
     #: `diloco`, or `streaming-diloco`: the model in `fragments` parts that sync one at a time
@@ -249,6 +257,8 @@ class RunConfig:
                 raise RunConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
+        if self.grouping not in ("grid", "flat"):
+            raise RunConfigError(f"grouping must be grid or flat, got {self.grouping!r}")
         if not (0 < self.inner_lr < 1 and 0 < self.outer_lr <= 10 and 0 <= self.outer_momentum < 1):
             raise RunConfigError("learning rates or momentum out of range")
         try:
