@@ -1,10 +1,10 @@
 """`grouping = "grid"` in a daemon (issue 46): with more live peers than a group holds, a
-DiLoCo round averages on the grid (averaging/grid.py) through real `swarmd join` processes.
+DiLoCo round takes a roll call (one gathering of every live peer, whose leader commits the
+roster), then averages on the grid planned from that roster (averaging/grid.py), through
+real `swarmd join` processes: every round that all three averaged ends on one state.
 
-What is asserted is what holds today: the grid rounds run and average across rows, and a
-round whose peers planned the same grid ends on one state. Not yet: that the peers' views of
-the roster agree (a heartbeat read by some and not others plans another grid, and the round
-forks until a catch-up merges it; benchmarks/groups.py measures it)."""
+Planned from each peer's own read of the heartbeats, this test passed 1 run in 3: peers
+whose views differed planned different grids, and the rounds forked."""
 
 from __future__ import annotations
 
@@ -43,13 +43,13 @@ def test_three_peers_in_groups_of_two_average_on_the_grid(
     rounds: dict[int, list[dict[str, Any]]] = {}
     for e in steps:
         rounds.setdefault(e["round"], []).append(e)
-    # Rounds all three averaged in, one of them having met both others: with groups of 2,
-    # that is across rows, on the grid. Those peers planned one grid: one state each.
-    gridded = {
+    # Rounds all three averaged in: one roster, one grid, one state each.
+    full = {
         r: es for r, es in rounds.items()
         if len(es) == PEERS and all(e["status"] == "averaged" for e in es)
-        and max(e["group_size"] for e in es) == PEERS
     }  # fmt: skip
-    assert gridded, rounds
-    for r, es in gridded.items():
+    assert len(full) >= 5, rounds
+    for r, es in full.items():
         assert len({e["state_hash"] for e in es}) == 1, (r, es)
+    # With groups of 2, a peer that met both others averaged across rows: on the grid.
+    assert any(max(e["group_size"] for e in es) == PEERS for es in full.values()), full
