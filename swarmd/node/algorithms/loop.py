@@ -384,7 +384,10 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         mm = dataclasses.replace(self.mm, target_group_size=config.target_group_size)
         cfg = GridConfig(mm, UPPER_GATHER_S, codec=config.codec)  # type: ignore[arg-type]
         # Every roster peer committed to come: none is excused (a fresh attendance).
-        peer = GridPeer(self.peer.dht, self.peer.averager, self.me, Attendance(), cfg)
+        members = {m.peer_id: m for m in roll.members}
+        peer = GridPeer(
+            self.peer.dht, self.peer.averager, self.me, Attendance(), cfg, members=members
+        )
         got = await self.peer.unless_stopping(
             lambda: peer.average(grid, key, vector, weight, roster)
         )

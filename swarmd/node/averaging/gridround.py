@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +92,10 @@ class GridPeer:
     me: Member
     attendance: Attendance
     config: GridConfig
+    #: The roster's members as a roll call committed them (address, bandwidth): each
+    #: level's group is then built from them directly, with no gathering. None: groups are
+    #: formed by matchmaking.
+    members: Mapping[PeerId, Member] | None = None
 
     async def average(
         self,
@@ -132,6 +136,17 @@ class GridPeer:
         value = next(iter(held.values())).value
         return GridOutcome(value, row_size, dropped, form_s, frozenset(met))
 
+    def _direct(self, grid: Grid, key: str, level: int, g: tuple[int, ...]) -> Group:
+        """The group of ``g`` from the roll call's members, in slot order: every member
+        builds the same one (its round id from the round key and the group's label)."""
+        assert self.members is not None
+        order: list[PeerId] = []
+        for k in g:
+            if grid.server(k) not in order:
+                order.append(grid.server(k))
+        label = f"{key}/{grid.label(g[0], level)}".encode()
+        return Group(hashlib.sha256(label).digest(), tuple(self.members[p] for p in order))
+
     async def _group(
         self, grid: Grid, key: str, level: int, g: tuple[int, ...], mine: list[int],
         blocks: list[_Block], n: int, live: Collection[PeerId],
@@ -171,7 +186,16 @@ class GridPeer:
         # A row whose other peers are all excused (attendance: they missed the last rounds)
         # does not gather: min_group_size would hold it the whole window for nobody (seen:
         # 10 s every round of a 6-peer daemon run, a forked-off peer in the roster).
-        if len(expected) > 1 and wait_for > 1:
+        if self.members is not None and me not in expected:
+            # Only slots it took over from a peer lost below: the other members build the
+            # group with that peer, not this one. It takes the round's state instead.
+            out[g] = _Result(_Block(value, weight), set(g) - set(mine), 1, 0, 0.0, True)
+            return
+        if self.members is not None and len(expected) > 1:
+            group = self._direct(grid, key, level, g)
+            gathered = Gathered(expected=frozenset(expected))
+            gathered.announced.update(expected)
+        elif len(expected) > 1 and wait_for > 1:
             group = await form_group(
                 self.dht, f"{key}/{grid.label(g[0], level)}", self.me, cfg, gathered
             )
