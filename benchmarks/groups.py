@@ -1,12 +1,11 @@
 """One model from many groups (issue 46): real `swarmd join` processes on loopback, the tiny
 built-in model, 150 steps a peer (H = 5), N peers with groups of T against one group of N.
+`--grouping grid` (the run config's default) averages on the grid (averaging/grid.py,
+`average_grid` in algorithms/loop.py); `flat` cuts groups from whoever announced, as every
+run did before.
 
-    python benchmarks/groups.py [--peers 6] [--target 2] [--steps 150] [--kill-creator]
-                                [--sim-peers 0]
-
-The daemon's rounds are flat today (groups cut from whoever announced); the grid
-(averaging/grid.py) runs in the simulator, and its daemon wiring is on the branch
-`issue46-daemon-grid`, not yet on main (docs/architecture.md, "The grid").
+    python benchmarks/groups.py [--peers 6] [--target 2] [--steps 150] [--grouping grid]
+                                [--kill-creator] [--sim-peers 0]
 
 Each case starts a bootstrap node and N peers at once (the first creates the run) and reads
 their JSON events until they exit. Reported per case: wall time until the last peer exits;
@@ -42,12 +41,12 @@ Events = list[dict[str, Any]]
 
 
 def run_case(
-    peers: int, target: int, steps: int, kill_creator: bool, timeout: float
+    peers: int, target: int, steps: int, grouping: str, kill_creator: bool, timeout: float
 ) -> tuple[float, list[Events]]:
     """Wall seconds until every peer exited, and each peer's events."""
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        run = TINY_RUN + f"target_group_size = {target}\n"
+        run = TINY_RUN + f'target_group_size = {target}\ngrouping = "{grouping}"\n'
         (tmp / "run.toml").write_text(run)
         processes = ProcessGroup()
         try:
@@ -117,17 +116,20 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=6)
     parser.add_argument("--target", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--grouping", choices=("grid", "flat"), default="grid")
     parser.add_argument("--kill-creator", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--sim-peers", type=int, default=0)
     args = parser.parse_args()
     out: dict[str, str] = {}
-    cases = (("one group", args.peers, False),
-             (f"groups of {args.target}", args.target, args.kill_creator))  # fmt: skip
+    cases = (
+        ("one group", args.peers, "flat", False),
+        (f"groups of {args.target}", args.target, args.grouping, args.kill_creator),
+    )
     results = {}
-    for label, target, kill in cases:
-        print(f"{label}: {args.peers} peers, target {target}", flush=True)
-        wall, events = run_case(args.peers, target, args.steps, kill, args.timeout)
+    for label, target, grouping, kill in cases:
+        print(f"{label}: {args.peers} peers, target {target}, {grouping}", flush=True)
+        wall, events = run_case(args.peers, target, args.steps, grouping, kill, args.timeout)
         f = figures(events)
         results[label] = (wall, f)
         print(

@@ -82,6 +82,7 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("lr_warmup_steps = -1", "warmup_steps must be an integer >= 0"),
         ("lr_final_ratio = 2.0", r"final_ratio must be in \[0, 1\]"),
         ('algo = "demo"\ncodec = "lowrank"', "codec lowrank factors DiLoCo's .* not demo's"),
+        ('grouping = "mesh"', "grouping must be grid or flat, got 'mesh'"),
     ],
 )
 def test_bad_run_files(tmp_path: Path, text: str, message: str) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ import trio
 
 from swarmd.node.averaging.allreduce import Averager, Group, Member
 from swarmd.node.averaging.attendance import Attendance, Gathered
+from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.grid import Grid, takeover
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.dht import DHTNode
@@ -40,6 +41,8 @@ class GridConfig:
     #: (they finished the level below), only later than the first: a group that closed
     #: before a late member came left its block out of the round.
     upper_gather_s: float = 15.0
+    #: The blocks' codec (None: the averager's); the tallies are always fp32.
+    codec: CodecName | None = None
 
     def __post_init__(self) -> None:
         if not self.upper_gather_s > 0:
@@ -59,6 +62,8 @@ class GridOutcome:
     dropped: int
     #: Virtual or wall seconds spent forming groups (the slowest group of each level).
     form_s: float
+    #: The peers this peer averaged with at any level (those no all-reduce dropped).
+    met: frozenset[PeerId] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class _Result:
     dropped: int
     form_s: float
     left_out: bool = False
+    met: frozenset[PeerId] = frozenset()
 
 
 @dataclass
@@ -86,6 +92,10 @@ class GridPeer:
     me: Member
     attendance: Attendance
     config: GridConfig
+    #: The roster's members as a roll call committed them (address, bandwidth): each
+    #: level's group is then built from them directly, with no gathering. None: groups are
+    #: formed by matchmaking.
+    members: Mapping[PeerId, Member] | None = None
 
     async def average(
         self,
@@ -100,6 +110,7 @@ class GridPeer:
         share = weight * grid.share(self.me.peer_id)
         held = {k: _Block(value, share) for k in grid.slots_of(self.me.peer_id)}
         row_size, dropped, form_s = 1, 0, 0.0
+        met: set[PeerId] = set()
         for level in range(grid.levels):
             by_group: dict[tuple[int, ...], list[int]] = {}
             for k in held:
@@ -117,26 +128,39 @@ class GridPeer:
                     nxt[k] = res.block
                 if not level:
                     row_size, dropped = max(row_size, res.members), dropped + res.dropped
+                met |= res.met
             form_s += max(res.form_s for res in out.values())
             if any(res.left_out for res in out.values()):
-                return GridOutcome(None, row_size, dropped, form_s)
+                return GridOutcome(None, row_size, dropped, form_s, frozenset(met))
             held = nxt
-        return GridOutcome(next(iter(held.values())).value, row_size, dropped, form_s)
+        value = next(iter(held.values())).value
+        return GridOutcome(value, row_size, dropped, form_s, frozenset(met))
 
-    async def _group(
+    def _direct(self, grid: Grid, key: str, level: int, g: tuple[int, ...]) -> Group:
+        """The group of ``g`` from the roll call's members, in slot order: every member
+        builds the same one (its round id from the round key and the group's label)."""
+        assert self.members is not None
+        order: list[PeerId] = []
+        for k in g:
+            if grid.server(k) not in order:
+                order.append(grid.server(k))
+        label = f"{key}/{grid.label(g[0], level)}".encode()
+        return Group(hashlib.sha256(label).digest(), tuple(self.members[p] for p in order))
+
+    async def _meet(
         self, grid: Grid, key: str, level: int, g: tuple[int, ...], mine: list[int],
-        blocks: list[_Block], n: int, live: Collection[PeerId],
-        out: dict[tuple[int, ...], _Result],
-    ) -> None:  # fmt: skip
-        """One of this peer's groups at ``level``: it contributes the weighted mean of the
-        blocks it holds in ``g`` with their summed weight (the group's mean is the same as
-        if each block came alone). Level 0 waits for the row's peers less those attendance
+        live: Collection[PeerId],
+    ) -> tuple[Group | None, Gathered]:  # fmt: skip
+        """Whom this peer averages ``g`` with: the roll call's members (`members`), or
+        whoever matchmaking gathers. Level 0 waits for the row's peers less those attendance
         excuses; a level above waits for every peer its group's slots name, or the member
         standing for it (MemberInfo.stands_for)."""
         me = self.me.peer_id
-        weight = sum(b.weight for b in blocks)
-        value = torch.stack([b.value * (b.weight / weight) for b in blocks]).sum(0)
         expected = grid.expected(g)
+        if self.members is not None:
+            gathered = Gathered(expected=frozenset(expected))
+            gathered.announced.update(expected)
+            return (self._direct(grid, key, level, g) if len(expected) > 1 else None), gathered
         cfg = self.config.matchmaking
         wait_for = len(expected)
         if not level:
@@ -147,19 +171,45 @@ class GridPeer:
             # its slot over: waiting for a peer that never came cost the upper window.
             taken = frozenset(grid.server(k) for k in mine) - {me}
             gathered = Gathered(expected=frozenset(expected), stands_for=taken)
+        # A group waits for its expected peers, and the run's min_group_size never holds it
+        # above them (a row of 2 slots waited its whole window for a third member that no
+        # row holds, in a daemon run with min_group_size 3).
+        most = max(2, min(cfg.target_group_size, wait_for))
         cfg = dataclasses.replace(
             cfg,
-            target_group_size=max(cfg.min_group_size, min(cfg.target_group_size, wait_for)),
+            target_group_size=most,
+            min_group_size=min(cfg.min_group_size, most),
             gather_s=self.config.upper_gather_s if level else cfg.gather_s,
         )
+        # A row whose other peers are all excused (attendance: they missed the last rounds)
+        # does not gather: min_group_size would hold it the whole window for nobody (seen:
+        # 10 s every round of a 6-peer daemon run, a forked-off peer in the roster).
+        if len(expected) < 2 or wait_for < 2:
+            return None, gathered
+        label = f"{key}/{grid.label(g[0], level)}"
+        group = await form_group(self.dht, label, self.me, cfg, gathered)
+        if not level:
+            self.attendance.record(live, gathered, among=expected)
+        return group, gathered
+
+    async def _group(
+        self, grid: Grid, key: str, level: int, g: tuple[int, ...], mine: list[int],
+        blocks: list[_Block], n: int, live: Collection[PeerId],
+        out: dict[tuple[int, ...], _Result],
+    ) -> None:  # fmt: skip
+        """One of this peer's groups at ``level``: it contributes the weighted mean of the
+        blocks it holds in ``g`` with their summed weight (the group's mean is the same as
+        if each block came alone), in the group `_meet` finds."""
+        me = self.me.peer_id
+        weight = sum(b.weight for b in blocks)
+        value = torch.stack([b.value * (b.weight / weight) for b in blocks]).sum(0)
+        if self.members is not None and me not in grid.expected(g):
+            # Only slots it took over from a peer lost below: the other members build the
+            # group with that peer, not this one. It takes the round's state instead.
+            out[g] = _Result(_Block(value, weight), set(g) - set(mine), 1, 0, 0.0, True)
+            return
         t = trio.current_time()
-        group = None
-        if len(expected) > 1:
-            group = await form_group(
-                self.dht, f"{key}/{grid.label(g[0], level)}", self.me, cfg, gathered
-            )
-            if not level:
-                self.attendance.record(live, gathered, among=expected)
+        group, gathered = await self._meet(grid, key, level, g, mine, live)
         form_s = trio.current_time() - t
         if group is None or len(group.members) < 2:
             # Alone: a group without this peer formed (others of it announced), or nobody
@@ -171,8 +221,9 @@ class GridPeer:
         # about this many slots.
         scale = float(math.prod(grid.shape[:level]))
         result = await self.averager.allreduce(
-            group, value, weight / scale, key=f"grid{level}/{n}", feedback=not level
-        )
+            group, value, weight / scale, key=f"grid{level}/{n}", feedback=not level,
+            codec=self.config.codec,
+        )  # fmt: skip
         marks = torch.ones(1 + len(g))
         marks[0] = weight / scale
         for k in mine:
@@ -193,9 +244,11 @@ class GridPeer:
             bool(result.dropped) or bool(tally.dropped)
             or any(grid.server(k) in gathered.announced for k in set(g) - came)
         )  # fmt: skip
+        gone = set(result.dropped) | set(tally.dropped)
+        met = frozenset(m.peer_id for m in group.members if m.peer_id not in gone) - {me}
         out[g] = _Result(
             _Block(result.tensor, float(sums[0]) * scale), set(g) - came, len(group.members),
-            len(result.dropped), form_s, partial,
+            len(result.dropped), form_s, partial, met,
         )  # fmt: skip
 
 

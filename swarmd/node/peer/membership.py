@@ -52,7 +52,7 @@ class LivePeers:
     async def count(self) -> int:
         return len(await self.addresses())
 
-    async def addresses(self) -> dict[PeerId, str]:
+    async def addresses(self, fresh: bool = False) -> dict[PeerId, str]:
         """The run's live heartbeats: peer -> the address it names (`is_client` tells a
         client-mode peer's). Their count is the group size a round waits for.
 
@@ -60,11 +60,13 @@ class LivePeers:
         be waited for at once), but at most every LIVE_PEERS_MAX_AGE_S once it reaches it:
         more peers cannot raise the target then, and a departure shows within the heartbeat's
         30 s anyway. Each read is a few KB (every heartbeat record, from three nodes), paid
-        in every streaming fragment round's peak otherwise.
+        in every streaming fragment round's peak otherwise. ``fresh``: read now whatever
+        the count (a grid round plans its groups from the roster: peers holding views of
+        different ages plan different grids, and their round forks).
         """
         at, ids = self._last
-        fresh = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
-        if not (fresh and len(ids) >= self._config.target_group_size):
+        recent = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
+        if fresh or not (recent and len(ids) >= self._config.target_group_size):
             if self._reader is None:
                 # Re-reads transfer only heartbeats (refreshes, withdrawals) not read before.
                 self._reader = self._dht.reader(peers_key(self._config.name))
@@ -74,12 +76,14 @@ class LivePeers:
             self._last = (time.monotonic(), ids)
         return ids
 
-    async def group_target(self, gone: Collection[PeerId] = ()) -> tuple[int, int]:
+    async def group_target(
+        self, gone: Collection[PeerId] = (), fresh: bool = False
+    ) -> tuple[int, int]:
         """(live peers, the group size to wait for): as many as are alive and not absent
         (attendance.py), within the run's min and target group sizes. ``gone``: peers known
         dead although their heartbeat has not lapsed yet (dropped from a group for not
-        answering), not waited for."""
-        ids = (await self.addresses()).keys() - set(gone)
+        answering), not waited for. ``fresh``: see `addresses`."""
+        ids = (await self.addresses(fresh)).keys() - set(gone)
         self._counted = ids
         config = self._config
         return len(ids), self.attendance.target(

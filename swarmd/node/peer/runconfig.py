@@ -140,6 +140,13 @@ class RunConfig:
     lowrank_rank: int = 4
     target_group_size: int = 16
     min_group_size: int = 2
+    #: `grid` (DiLoCo): with more live peers than `target_group_size`, a round takes a roll
+    #: call of every live peer and averages on a grid of ceil(log_T N) levels of groups
+    #: planned from it, so every contribution reaches every peer in the round and the run
+    #: keeps one state line (algorithms/loop.py `average_grid`, averaging/grid.py). `flat`:
+    #: groups cut from whoever announced, which fork into separate state lines when peers
+    #: outnumber a group (6 peers in groups of 2: 4 states a round, 5.7x the wall time).
+    grouping: str = "grid"
     #: Seed of the initial weights (identical on every peer) and of the data order.
     seed: int = 0
     #: `diloco`, or `streaming-diloco`: the model in `fragments` parts that sync one at a time
@@ -249,6 +256,8 @@ class RunConfig:
                 raise RunConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
+        if self.grouping not in ("grid", "flat"):
+            raise RunConfigError(f"grouping must be grid or flat, got {self.grouping!r}")
         if not (0 < self.inner_lr < 1 and 0 < self.outer_lr <= 10 and 0 <= self.outer_momentum < 1):
             raise RunConfigError("learning rates or momentum out of range")
         try:

@@ -378,9 +378,11 @@ class SharedState:
         self.shared_round = self.opt.age
         return origin, step
 
-    async def catch_up(self) -> bool:
+    async def catch_up(self, newer: bool = False) -> bool:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
-        it takes the group's instead of drifting apart forever. True if it did.
+        it takes the group's instead of drifting apart forever. True if it did. ``newer``:
+        it sat out a grid round the others are finishing; it waits for their states of the
+        next round (at most LONE_WAIT_S).
 
         Averaging pseudo-gradients cannot bring diverged global parameters back together, so a
         peer whose state is not the group's takes the group's state before its outer step (its
@@ -388,7 +390,9 @@ class SharedState:
         if self.last_hash is None:
             return False
         adverts = await self.adverts(known_only=True)
-        if self.opt.age > self.shared_round:
+        if newer:
+            adverts = await self._await_adverts_of(self.opt.age + 1, adverts)
+        elif self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
         # A client-mode peer's state cannot be downloaded: deciding to take one would fail
         # every round (nor can a creator behind NAT anchor the run's line).

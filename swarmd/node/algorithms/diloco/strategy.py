@@ -53,10 +53,21 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         pg = await trio.to_thread.run_sync(self.opt.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
-        live, target = await self.peer.live.group_target()
-        avg = await self.average(
-            self.round_key(self.opt.round), pg, self.opt.weight(), target=target, ef_key="diloco"
-        )
+        # On the grid, whether this round is gridded is read afresh too: a peer that counted
+        # 2 of 3 peers from a view kept 10 s averaged flat in pairs while the third stood
+        # alone on its grid for a whole run.
+        gridded = self.peer.config.grouping == "grid"
+        live, target = await self.peer.live.group_target(fresh=gridded)
+        key = self.round_key(self.opt.round)
+        if self.on_grid(live):
+            avg = await self.average_grid(key, pg, self.opt.weight())
+        else:
+            avg = await self.average(key, pg, self.opt.weight(), target=target, ef_key="diloco")
+        if avg.sat_out and await self.state.catch_up(newer=True):
+            # Outside the round's grid: the round's state is taken once its peers publish it,
+            # as a catch-up (its inner steps are dropped).
+            await self.took_group_state(step, t0)
+            return True
         if avg.left:  # no lone step on the way out: the saved state stays the run's
             log.info(
                 "round %d: leaving before a group formed; its inner steps are dropped",
@@ -67,7 +78,8 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         waited = time.monotonic() - t0
         sync_by_method = self.peer.metrics.sent_since(sent0)
         self.peer.clock.wait_s += waited
-        report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, avg.result)
+        result = avg.mean if avg.mean is not None else avg.result
+        report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, result)
         self.state.averaged(report.status, avg.group_size, avg.dropped)
         snap = await self.state.publish(step, background=nursery)
         # The new global parameters are validated (and the state saved) beside the next inner
