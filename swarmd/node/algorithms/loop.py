@@ -356,11 +356,12 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         return grid and live > c.target_group_size
 
     async def average_grid(self, key: str, vector: torch.Tensor, weight: float) -> Averaging:
-        """The round under ``key`` on the grid (grid.py) of a roster every member agrees on:
-        a roll call first (one gathering of every live peer, no tensor, whose leader commits
-        the member list: matchmaking.py), then the grid planned from that list, each level's
-        group built from the list's members with no gathering, so every member plans the
-        same groups and ends with the same mean.
+        """The round under ``key`` on the grid (grid.py) of a roster every member agrees on,
+        once `group_target(fresh=True)` counted the live peers: a roll call first (one
+        gathering of every live peer, no tensor, whose leader commits the member list:
+        matchmaking.py), then the grid planned from that list, each level's group built
+        from the list's members with no gathering, so every member plans the same groups and
+        ends with the same mean.
 
         Planned from each peer's own read of the heartbeats, rosters differed whenever a
         heartbeat appeared or lapsed between two peers' reads, and the round forked (6 peers
@@ -370,8 +371,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         and results under one roster differed (7.2x one group's wall time). The roll call
         reads every announcement under one key, as one flat group of all does: O(N^2)
         records a round over the run."""
-        ids = list((await self.peer.live.addresses(fresh=True)).keys())
-        want = max(self.mm.min_group_size, self.peer.live.attendance.expected(ids))
+        # The live peers the round's group_target just read afresh (no second read).
+        want = max(self.mm.min_group_size, self.peer.live.expected())
         mm = dataclasses.replace(self.mm, target_group_size=want)
         gathered = self.peer.live.gathering()
         roll = await self.peer.unless_stopping(
@@ -401,7 +402,9 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         if got.result is None:
             return Averaging(formed=True, sat_out=True)
         # Its size: the peers it averaged with at any level, itself included.
-        return Averaging(True, False, len(got.met) + 1, got.dropped, mean=got.result)
+        return Averaging(
+            formed=True, group_size=len(got.met) + 1, dropped=got.dropped, mean=got.result
+        )
 
     async def took_group_state(self, step: int, t0: float, **fields: object) -> None:
         """After a catch-up: publishes the group's state as this peer's and says so."""

@@ -136,16 +136,12 @@ class GridPeer:
         value = next(iter(held.values())).value
         return GridOutcome(value, row_size, dropped, form_s, frozenset(met))
 
-    def _direct(self, grid: Grid, key: str, level: int, g: tuple[int, ...]) -> Group:
+    def _direct(self, grid: Grid, label: str, g: tuple[int, ...]) -> Group:
         """The group of ``g`` from the roll call's members, in slot order: every member
-        builds the same one (its round id from the round key and the group's label)."""
+        builds the same one (its round id from the group's key, ``label``)."""
         assert self.members is not None
-        order: list[PeerId] = []
-        for k in g:
-            if grid.server(k) not in order:
-                order.append(grid.server(k))
-        label = f"{key}/{grid.label(g[0], level)}".encode()
-        return Group(hashlib.sha256(label).digest(), tuple(self.members[p] for p in order))
+        order = dict.fromkeys(grid.server(k) for k in g)
+        return Group(hashlib.sha256(label.encode()).digest(), tuple(self.members[p] for p in order))
 
     async def _meet(
         self, grid: Grid, key: str, level: int, g: tuple[int, ...], mine: list[int],
@@ -157,10 +153,11 @@ class GridPeer:
         standing for it (MemberInfo.stands_for)."""
         me = self.me.peer_id
         expected = grid.expected(g)
+        label = f"{key}/{grid.label(g[0], level)}"
         if self.members is not None:
             gathered = Gathered(expected=frozenset(expected))
             gathered.announced.update(expected)
-            return (self._direct(grid, key, level, g) if len(expected) > 1 else None), gathered
+            return (self._direct(grid, label, g) if len(expected) > 1 else None), gathered
         cfg = self.config.matchmaking
         wait_for = len(expected)
         if not level:
@@ -186,7 +183,6 @@ class GridPeer:
         # 10 s every round of a 6-peer daemon run, a forked-off peer in the roster).
         if len(expected) < 2 or wait_for < 2:
             return None, gathered
-        label = f"{key}/{grid.label(g[0], level)}"
         group = await form_group(self.dht, label, self.me, cfg, gathered)
         if not level:
             self.attendance.record(live, gathered, among=expected)

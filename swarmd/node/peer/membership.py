@@ -90,6 +90,11 @@ class LivePeers:
             ids, config.min_group_size, config.target_group_size
         )
 
+    def expected(self) -> int:
+        """How many of the peers the last group_target counted are waited for (attendance.py),
+        uncapped: a grid round's roll call waits for all of them."""
+        return self.attendance.expected(self._counted)
+
     def gathering(self) -> Gathered:
         """What the coming round's gathering is told: the peers the last group_target
         counted but excused (each that comes anyway is waited for with the others)."""
