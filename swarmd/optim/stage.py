@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -113,6 +114,10 @@ class StageTrainer:
         self._bounds: dict[str, NormBound] = {}
         #: Why the last call's gradient was left out of the round's sum (None: it was not).
         self.left_out: str | None = None
+        #: Micro-batches left out since the last `take`, per caller; `taken_left_out` holds
+        #: the counts of the last `take` (what the round's event reports).
+        self._left_out_by: Counter[str] = Counter()
+        self.taken_left_out: dict[str, int] = {}
         #: Compute, rounds and loads may come from different worker threads (a state
         #: download loads outside the server's device limiter): one at a time.
         self._lock = threading.Lock()
@@ -260,6 +265,7 @@ class StageTrainer:
             factor = self._bounds.setdefault(part, NormBound()).factor(norm, caller)
         except GradientRefused as exc:
             self.left_out = str(exc)
+            self._left_out_by[caller] += 1
             return g_x
         for p, g in zip(self.params, grads, strict=False):
             if g is not None:
@@ -283,6 +289,8 @@ class StageTrainer:
         for p in self.params:
             p.grad.zero_()  # type: ignore[union-attr]
         self.taken_loss = self._loss_sum / count if count else math.nan
+        self.taken_left_out = dict(self._left_out_by)
+        self._left_out_by.clear()
         self.pending, self._loss_sum = 0, 0.0
         return flat, count
 

@@ -188,3 +188,9 @@ def test_a_trainer_s_outsized_backward_is_left_out_of_the_sum() -> None:
         torch.testing.assert_close(p.grad, g)
     first.backward(x, grad)  # the honest one still counts
     assert first.pending == pending + 1 and first.left_out is None
+    # The round's take counts what was left out per caller, and the next round starts at 0.
+    first.backward(x, grad * -1000.0, caller="liar")
+    first.take()
+    assert first.taken_left_out == {"": 1, "liar": 1}
+    first.take()
+    assert first.taken_left_out == {}
