@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from swarmd.node.averaging.allreduce import Member
-from swarmd.node.averaging.matchmaking import partition
+from swarmd.node.averaging.partition import partition
 from swarmd.node.sim.dht import seeded_identity
 
 

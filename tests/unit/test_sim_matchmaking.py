@@ -9,6 +9,7 @@ import trio
 
 from swarmd.node.averaging.allreduce import Group, Member
 from swarmd.node.averaging.attendance import Gathered
+from swarmd.node.averaging.gridround import roll_call
 from swarmd.node.averaging.matchmaking import form_group
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.sim.dht import DhtSwarm
@@ -40,11 +41,16 @@ def test_groups_never_exceed_the_target_and_holders_agree_on_their_members() -> 
 Part = tuple[int, float, int, Callable[[list[PeerId]], Gathered]]
 
 
-async def _three(parts: list[Part]) -> tuple[set[tuple[int, ...]], dict[int, float]]:
-    """Three simulated peers (ranked by peer id: rank 0 leads any group it is in) under one
-    round key; the groups formed (as sets of ranks) and how long each peer took."""
-    swarm = DhtSwarm(3, NetworkConfig(), DHTConfig(), seed=7)
-    order = sorted(range(3), key=lambda i: swarm.nodes[i].peer_id)
+async def _three(
+    parts: list[Part], roll: bool = False
+) -> tuple[set[tuple[int, ...]], dict[int, float]]:
+    """Simulated peers, one a part (at least three; ranked by peer id: rank 0 leads any group
+    it is in) under one round key; the groups formed (as sets of ranks) and how long each
+    peer took. ``roll``: they gather as a grid round's roll call (the target: the peers
+    each expects)."""
+    n = max(3, len(parts))
+    swarm = DhtSwarm(n, NetworkConfig(), DHTConfig(), seed=7)
+    order = sorted(range(n), key=lambda i: swarm.nodes[i].peer_id)
     members = [Member(swarm.nodes[i].peer_id, swarm.hosts[i].address) for i in order]
     ids = [m.peer_id for m in members]
     mm = with_target(MatchScenario(peers=3), 3).matchmaking
@@ -56,7 +62,11 @@ async def _three(parts: list[Part]) -> tuple[set[tuple[int, ...]], dict[int, flo
         cfg = dataclasses.replace(mm, target_group_size=target)
         t0 = trio.current_time()
         node = swarm.nodes[order[rank]]
-        groups[rank] = await form_group(node, "sim/three", members[rank], cfg, gathered)
+        if roll:
+            group = await roll_call(node, "sim/three", members[rank], mm, target, gathered)
+        else:
+            group = await form_group(node, "sim/three", members[rank], cfg, gathered)
+        groups[rank] = group
         took[rank] = trio.current_time() - t0
 
     async with trio.open_nursery() as nursery:
@@ -161,3 +171,31 @@ def test_among_many_announced_peers_each_probes_only_its_own_group() -> None:
     assert all(g is not None and 3 <= len(g.members) <= 4 for g in groups.values())
     assert len({g.round_id for g in groups.values() if g is not None}) == 8  # ⌈30 / 4⌉
     assert max(probes.values()) <= 3
+
+
+def test_a_roll_call_waits_for_an_expected_peer_when_an_excused_one_comes_too() -> None:
+    """A grid round's roll call (gridround.roll_call) among three peers of a run in groups
+    of 2: the leader expects ranks 0 and 2 and excuses rank 1, which comes at once; rank 2
+    comes a second later. The roster holds all three. With the wait capped at the run's
+    group size, as rows are (the daemon's first roll call), the excused peer took the
+    expected one's place: the roll closed at once on two and rank 2 sat the round out."""
+
+    def lead(ids: list[PeerId]) -> Gathered:
+        return Gathered(excused=frozenset({ids[1]}), most=2)
+
+    parts: list[Part] = [(0, 0.0, 2, lead), (1, 0.0, 3, lambda _: Gathered())]
+    parts.append((2, 1.0, 3, lambda _: Gathered()))
+    assert run_virtual(_three, parts, True, seed=7)[0] == {(0, 1, 2)}
+    assert run_virtual(_three, parts, False, seed=7)[0] != {(0, 1, 2)}
+
+
+def test_peers_that_come_after_the_roll_closed_roll_no_second_line() -> None:
+    """Ranks 0 and 1 roll at once and commit a roster of two; ranks 2 and 3 come 3 s
+    later. They find the roll committed without them and form nothing (each takes the
+    round's state): as a second roll of the same round they were a second state line, the
+    10 slower of 40 simulated peers every round."""
+    ids: Callable[[list[PeerId]], Gathered] = lambda _: Gathered()  # noqa: E731
+    parts: list[Part] = [(0, 0.0, 2, ids), (1, 0.0, 2, ids), (2, 3.0, 4, ids), (3, 3.0, 4, ids)]
+    assert run_virtual(_three, parts, True, seed=7)[0] == {(0, 1), (2,), (3,)}
+    # As plain matchmaking under one key, the latecomers pair up.
+    assert run_virtual(_three, parts, False, seed=7)[0] == {(0, 1), (2, 3)}

@@ -23,9 +23,7 @@ import trio
 
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceResult, Member
-from swarmd.node.averaging.attendance import Attendance
-from swarmd.node.averaging.grid import Grid
-from swarmd.node.averaging.gridround import GridConfig, GridPeer
+from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call
 from swarmd.node.averaging.lowrank import allreduce_lowrank
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.peer.context import PeerContext
@@ -44,8 +42,6 @@ VALIDATION_BATCHES = 4
 #: zstd level when the run asks for zstd frames: level 3 runs at ~300 MB/s per core and
 #: higher levels gained nothing measurable on int8 codes (level 19: same ratio, 70x slower).
 ZSTD_LEVEL = 3
-#: The gather window of a grid round's levels above the rows (gridround.GridConfig).
-UPPER_GATHER_S = 15.0
 
 Opt = TypeVar("Opt", DiLoCo, StreamingDiLoCo)
 
@@ -372,30 +368,24 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         reads every announcement under one key, as one flat group of all does: O(N^2)
         records a round over the run."""
         # The live peers the round's group_target just read afresh (no second read).
-        want = max(self.mm.min_group_size, self.peer.live.expected())
-        mm = dataclasses.replace(self.mm, target_group_size=want)
         gathered = self.peer.live.gathering()
+        expected = self.peer.live.expected()
         roll = await self.peer.unless_stopping(
-            lambda: form_group(self.peer.dht, f"{key}/roll", self.me, mm, gathered)
+            lambda: roll_call(self.peer.dht, key, self.me, self.mm, expected, gathered)
         )
         if roll is None and self.peer.stopping.is_set():
             return Averaging(left=True)
         self.peer.live.came(key, gathered)
+        if roll is None and gathered.announced - {self.me.peer_id}:
+            # Others answered and committed a roster without this peer (it came after the
+            # roll closed): their round's state is taken, as a peer left out of a group does.
+            return Averaging(formed=True, sat_out=True)
         if roll is None or len(roll.members) < 2:
             return Averaging(formed=roll is not None)
-        roster = [m.peer_id for m in roll.members]
         config = self.peer.config
-        grid = Grid.plan(roster, config.target_group_size, key.encode())
-        mm = dataclasses.replace(self.mm, target_group_size=config.target_group_size)
-        cfg = GridConfig(mm, UPPER_GATHER_S, codec=config.codec)  # type: ignore[arg-type]
-        # Every roster peer committed to come: none is excused (a fresh attendance).
-        members = {m.peer_id: m for m in roll.members}
-        peer = GridPeer(
-            self.peer.dht, self.peer.averager, self.me, Attendance(), cfg, members=members
-        )
-        got = await self.peer.unless_stopping(
-            lambda: peer.average(grid, key, vector, weight, roster)
-        )
+        cfg = GridConfig(config.target_group_size, config.codec)  # type: ignore[arg-type]
+        grid, peer = on_roster(roll, key, self.peer.averager, self.me, cfg)
+        got = await self.peer.unless_stopping(lambda: peer.average(grid, key, vector, weight))
         if got is None:
             return Averaging(left=True)
         self.state.meet(got.met)

@@ -55,6 +55,11 @@ class Gathered:
     expected: frozenset[PeerId] | None = None
     #: Peers whose places this peer fills in the group (grid.takeover), announced with it.
     stands_for: frozenset[PeerId] = frozenset()
+    #: One group a key (a grid round's roll call): every peer seen goes into one group, and
+    #: a peer that finds a group committed without it forms none (it takes that group's
+    #: round instead). Two rolls of one round are two lines: the 10 slower of 40 simulated
+    #: peers formed a second roll once the first had closed, every round.
+    one_group: bool = False
     #: Every peer seen announcing itself for the round, this one included.
     announced: set[PeerId] = field(default_factory=set)
     #: The round formed without reaching this peer's target (at the gathering's deadline, or

@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import trio
 
 from swarmd.node.averaging.allreduce import Group, Member
 from swarmd.node.averaging.attendance import Gathered
+from swarmd.node.averaging.partition import leader_of, partition
 from swarmd.node.dht import DHTNode, Value
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
@@ -143,7 +144,7 @@ def _decode_group(leader: PeerId, raw: bytes) -> _Commitment | None:
     ids = [m.peer_id for m in members]
     if not members or ids != sorted(ids) or len(set(ids)) != len(ids):
         return None
-    lead = _leader_of(members)
+    lead = leader_of(members)
     if lead is None or lead.peer_id != leader:
         return None  # only the leader itself (its lowest reachable id) may publish a group
     return _Commitment(leader, raw, members)
@@ -237,45 +238,11 @@ class _View:
         return out
 
 
-def _leader_of(members: Sequence[Member]) -> Member | None:
-    """A group's leader: its reachable member of lowest peer id (None: nobody in it can be
-    dialled)."""
-    return min((m for m in members if not m.client), key=lambda m: m.peer_id, default=None)
-
-
-def partition(ordered: Sequence[Member], target: int) -> list[list[Member]]:
-    """The available peers (sorted by id) cut into ⌈n / target⌉ groups of near-equal size,
-    each with a reachable member to lead it: the reachable peers split in id order, the
-    client-mode ones dealt out in turn. Every peer that read the same announcements cuts the
-    same groups, so the groups of a round form at once.
-
-    One group of the lowest ids with everybody else alone (what was done before) left 32 of
-    48 simulated peers alone in a round with target 16, and 12 of 16 with target 4, each
-    waiting out the gather window; the lowest reachable peer still leads the first group, and
-    a group of near-equal sizes leaves no one a group of one (17 peers: 9 and 8, not 16 and 1).
-    """
-    reachable = [m for m in ordered if not m.client]
-    clients = [m for m in ordered if m.client]
-    count = min(len(reachable), max(1, -(-len(ordered) // target)))
-    if not count:
-        return []
-    groups: list[list[Member]] = []
-    base, extra = divmod(len(reachable), count)
-    start = 0
-    for k in range(count):
-        size = base + (k < extra)
-        groups.append(reachable[start : start + size])
-        start += size
-    for k, client in enumerate(clients):
-        groups[k % count].append(client)
-    return [sorted(g, key=lambda m: m.peer_id) for g in groups]
-
-
 def _enough(visible: Iterable[Member], target: int) -> bool:
     """Whether gathering may stop early: the target is visible and one of them is reachable
     to lead (a client that stopped at two clients gave up a round its reachable peer led)."""
     members = list(visible)
-    return len(members) >= target and _leader_of(members) is not None
+    return len(members) >= target and leader_of(members) is not None
 
 
 def _group(key: str, commitment: _Commitment) -> Group:
@@ -392,11 +359,13 @@ async def _gather(
             # follower that gathered for 10 s then averaged alone too, in the "same" group).
             if (mine := view.mine()) is not None:
                 return view, mine
+            if gathered.one_group and view.committed():
+                break  # the key's one group formed without this peer
             want = gathered.wanted(cfg.target_group_size, view.visible)
             enough = _enough(view.visible.values(), want) or (
                 gathered.expected is not None
                 and view.covers(gathered.expected)
-                and _leader_of(list(view.visible.values())) is not None
+                and leader_of(list(view.visible.values())) is not None
             )
             if enough or not await waits.sleep(stored):
                 break
@@ -444,7 +413,14 @@ async def form_group(
     seen = set(view.visible) | ({m.peer_id for m in mine.members} if mine else set())
     gathered.announced = seen
     # Excused peers that came make the groups this peer cuts as large as it waited for.
-    cfg = dataclasses.replace(cfg, target_group_size=gathered.wanted(cfg.target_group_size, seen))
+    size = gathered.wanted(cfg.target_group_size, seen)
+    if gathered.one_group:
+        if view.committed():
+            log.info("round %s: the key's one group formed without this peer", key)
+            gathered.short = True
+            return None
+        size = max(size, len(seen))
+    cfg = dataclasses.replace(cfg, target_group_size=size)
     # Short even when a leader's group came first: the round still formed without the peers
     # this one counted, and every member must reach the same verdict, or the ones that still
     # count them make the next round wait when they lead it.
@@ -452,7 +428,7 @@ async def form_group(
     if mine is not None:
         return _group(key, mine)
     ordered = await _available(dht, view, me, cfg)
-    lead = _leader_of(ordered)
+    lead = leader_of(ordered)
     if lead is None:
         log.warning(
             "round %s: the %d peers visible are all unreachable (client mode): a group needs "
@@ -465,13 +441,19 @@ async def form_group(
     if len(candidates) < cfg.min_group_size:
         log.info("round %s: %d peers visible, not enough for a group", key, len(view.visible))
         return None
-    own_lead = _leader_of(candidates)
+    own_lead = leader_of(candidates)
     assert own_lead is not None  # partition gives every group a reachable member
     leader = own_lead.peer_id
 
     if leader == me.peer_id:
         return await _lead(dht, key, me, info, candidates, announced_until + 0.01, cfg)
 
+    return await _follow(view, key, leader, cfg)
+
+
+async def _follow(view: _View, key: str, leader: PeerId, cfg: MatchmakingConfig) -> Group | None:
+    """A follower's wait for ``leader``'s group record naming it; another leader's group
+    is settled for only if ours never shows up within the deadline."""
     fallback: _Commitment | None = None
     waits = _Waits(cfg, cfg.commit_wait_s)
     with trio.move_on_after(cfg.commit_wait_s + cfg.max_poll_s):
@@ -479,8 +461,6 @@ async def form_group(
             stored = view.next_store()
             await view.read(waits)
             best = view.mine()
-            # Wait for the leader we expect; settle for another leader's group only if ours
-            # never shows up within the deadline (handled after the loop).
             if best is not None and best.leader <= leader:
                 return _group(key, best)
             fallback = best

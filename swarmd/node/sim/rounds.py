@@ -33,8 +33,7 @@ from swarmd.node.averaging.allreduce import Averager, Member
 from swarmd.node.averaging.attendance import Attendance
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
-from swarmd.node.averaging.grid import Grid
-from swarmd.node.averaging.gridround import GridConfig, GridPeer
+from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
 from swarmd.node.chaos.byzantine import LIES, WEIGHTFLIP
@@ -112,10 +111,6 @@ class RoundsScenario:
     stallers: int = 0
     workload: QuadraticConfig = field(default_factory=QuadraticConfig)
     grouping: Grouping = "flat"
-    #: grouping = "grid": the gather window of the levels above the first. Their peers are
-    #: all on their way (they finished the level below), only later than the first: one
-    #: group that closed before a late member came left its block out of the round.
-    upper_gather_s: float = 15.0
     join_window_s: float = 60.0
     seed: int = 0
     matchmaking: MatchmakingConfig = field(default_factory=MatchmakingConfig)
@@ -230,9 +225,8 @@ class _Run:
             for k in range(scenario.stallers)
         ]
         self.attendance: list[Attendance] = []
-        #: grouping = "grid": each round's grid, the first finished state of each round (what
-        #: a peer outside its roster takes), and whether one is there yet.
-        self.grids: dict[int, Grid] = {}
+        #: grouping = "grid": the first finished state of each round (what a peer outside its
+        #: roster takes), and whether one is there yet.
         self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.done: dict[int, trio.Event] = {}
         for i in range(scenario.peers):
@@ -323,14 +317,6 @@ class _Run:
             wall = time.monotonic() - self.wall0
             self.say(f"[{wall:7.1f}s wall] round {r} ends first at {trio.current_time():.0f}s")
 
-    def grid(self, r: int) -> Grid:
-        """Round r's grid (grouping = "grid"), planned from the live heartbeats when its
-        first peer asks: the roster a daemon reads then. Peers that join later sit it out."""
-        if r not in self.grids:
-            target = self.s.matchmaking.target_group_size
-            self.grids[r] = Grid.plan(self.live_ids(), target, f"sim/diloco/{r}".encode())
-        return self.grids[r]
-
     def finished(self, r: int) -> trio.Event:
         return self.done.setdefault(r, trio.Event())
 
@@ -338,28 +324,47 @@ class _Run:
         self, i: int, r: int, me: Member, value: torch.Tensor, weight: float, lie: str,
         t0: float, train_s: float,
     ) -> bool:  # fmt: skip
-        """One round on the grid (averaging/gridround.py); the outer step on its result. A
-        peer the round's roster does not name, or one left out of a group, takes the state of
-        the first peer to finish the round (as its catch-up would) and drops its inner steps;
-        True then."""
-        grid, outer = self.grid(r), self.outers[i]
-        if me.peer_id not in grid.roster:
+        """One round on the grid as a daemon's DiLoCo runs it (loop.py `average_grid`): a
+        roll call of the peers this peer expects, the grid planned from its roster, the
+        levels' groups built from it (averaging/gridround.py); the outer step on the
+        result. A peer the roll call formed without, or one left out of a group, takes the
+        state of the first peer to finish the round (as its catch-up would) and drops its
+        inner steps: True then. With no roll call of two it steps on its own, as the daemon
+        does."""
+        node, outer, attendance = self.swarm.nodes[i], self.outers[i], self.attendance[i]
+        live, key = self.live_ids(), f"sim/diloco/{r}"
+        target = self.s.matchmaking.target_group_size
+        gathered = attendance.gathering(live, target)
+        roll = await roll_call(
+            node, key, me, self.s.matchmaking, attendance.expected(live), gathered
+        )
+        attendance.record(live, gathered)
+        if roll is None and gathered.announced - {me.peer_id}:
             return await self._sit_out(i, r, t0, train_s)
-        config = GridConfig(self.s.matchmaking, self.s.upper_gather_s)
-        peer = GridPeer(self.swarm.nodes[i], self.averagers[i], me, self.attendance[i], config)
-        got = await peer.average(grid, f"sim/diloco/{r}", value, weight, self.live_ids())
+        if roll is None or len(roll.members) < 2:
+            outer.step(value)
+            self._record(i, r, 1, 0, lie, trio.current_time() - t0, 0.0, train_s)
+            return False
+        config = GridConfig(target)
+        grid, peer = on_roster(roll, key, self.averagers[i], me, config)
+        form_s = trio.current_time() - t0
+        got = await peer.average(grid, key, value, weight)
         if got.result is None:
             return await self._sit_out(i, r, t0, train_s)
         outer.step(got.result)
-        self._progress(r)
-        t2 = trio.current_time()
         if r not in self.snapshots and i not in self.lying:
             self.snapshots[r] = (outer.values.clone(), outer.momentum().clone())
-        loss = self.work.loss(outer.values)
-        alone = t2 - t0 - got.form_s
-        row = PeerRound(i, r, got.row_size, got.dropped, lie, got.form_s, alone, train_s, loss)
-        self.records.append(row)
+        alone = trio.current_time() - t0 - form_s
+        self._record(i, r, got.row_size, got.dropped, lie, form_s, alone, train_s)
         return False
+
+    def _record(
+        self, i: int, r: int, size: int, dropped: int, lie: str, form_s: float, alone: float,
+        train_s: float,
+    ) -> None:  # fmt: skip
+        self._progress(r)
+        loss = self.work.loss(self.outers[i].values)
+        self.records.append(PeerRound(i, r, size, dropped, lie, form_s, alone, train_s, loss))
 
     async def _sit_out(self, i: int, r: int, t0: float, train_s: float) -> bool:
         """A peer outside round r's roster, or one its group formed without (it came after

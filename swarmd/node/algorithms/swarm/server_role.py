@@ -367,7 +367,6 @@ class StageServer:
         loss = job.trainer.taken_loss
         if math.isfinite(loss):
             self.peer.stats.loss = loss
-        left_out = job.trainer.taken_left_out
         recovery_s = None
         if self._recovered_at is not None and count > 0:
             recovery_s = round(time.monotonic() - self._recovered_at, 3)
@@ -389,9 +388,7 @@ class StageServer:
             seconds=round(time.monotonic() - t0, 3),
             # After a rebuild: seconds from the lost stage's detection to its first step.
             **({"recovery_s": recovery_s} if recovery_s is not None else {}),
-            # Micro-batches whose gradients were left out of this round's sum, per caller
-            # (optim/grad_bound.py): a liar shows as one caller with most of its calls here.
-            **({"left_out": left_out} if left_out else {}),
+            left_out=job.trainer.taken_left_out,  # of the sum, per caller (grad_bound.py)
         )
 
     def _codec(self) -> CodecName:
