@@ -12,6 +12,8 @@ import trio
 import trio.testing
 
 from swarmd.node.dht.config import DHTConfig
+from swarmd.node.dht.ids import key_id, node_id
+from swarmd.node.dht.records import fingerprint, sign_record
 from swarmd.node.sim.dht import DhtScenario, DhtSwarm, run_dht, seeded_identity
 from swarmd.node.sim.network import NetworkConfig, SimNetwork
 from swarmd.node.sim.virtual import run_virtual
@@ -155,3 +157,32 @@ def test_a_key_looked_up_lately_is_stored_and_read_from_its_neighbourhood() -> N
     # The quorum closest are asked first; a slow answer (RTTs up to 300 ms) adds an ask each.
     assert near_read <= 2 * DHTConfig().get_quorum
     assert far_read > near_read  # measured: 12 against 5
+
+
+def test_a_light_read_looks_past_a_replica_that_holds_only_records_it_knows() -> None:
+    """A matchmaking poll reads lightly (one node at a time, stopping at a holder) and lists
+    the records it holds so that nodes leave them out. A replica holding only the reader's
+    own announcement (the writer's store had not reached it) counted as a holder, so every
+    poll stopped there with nothing new: a peer waited out its whole gather window for a
+    group record the other replicas held (a CI failure of test_stallers.py: 10 s)."""
+
+    async def main() -> None:
+        swarm = DhtSwarm(4, NetworkConfig(), DHTConfig(), seed=5)
+        async with trio.open_nursery() as nursery:
+            await swarm.join(nursery, 5.0)
+            reader, writer = swarm.nodes[0], swarm.nodes[1]
+            key = b"sim/light"
+            until = reader.now() + 60.0
+            await reader.store(key, b"r", until, subkey=str(reader.peer_id), republish=False)
+            own = [fingerprint(r) for r in reader.storage.get(key)]
+            assert own
+            record = sign_record(writer.identity, key, b"w", until, str(writer.peer_id).encode())
+            others = [n for n in swarm.nodes if n is not reader]
+            others.sort(key=lambda n: node_id(n.peer_id) ^ key_id(key))
+            for node in others[1:]:  # every replica but the one asked first
+                node.storage.put(record)
+            found = await reader.get_records(key, light=True, known=own)
+            assert [r.value for r in found if r.owner == writer.peer_id] == [b"w"]
+            nursery.cancel_scope.cancel()
+
+    run_virtual(main, seed=5)

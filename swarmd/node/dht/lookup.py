@@ -59,12 +59,22 @@ class LookupResult:
     hops: int = 0
 
 
+#: A light read (``LookupParams.light``) also ends once this many nodes held only records
+#: the reader already has: one could be a replica the latest store had not reached.
+STALE_HOLDERS = 2
+
+
 @dataclass(frozen=True)
 class LookupParams:
     k: int
     alpha: int
     timeout_s: float
     quorum: int | None = None
+    #: A poll for news (DHTNode.get_records(light=True)): a holder is a node with records
+    #: the reader does not hold yet. Counting a node that held only the reader's own
+    #: announcement ended every poll at a replica the other peer's store had not reached,
+    #: and a matchmaking peer waited out its whole gather window (a CI failure: 10 s).
+    light: bool = False
 
 
 async def lookup(
@@ -107,6 +117,8 @@ class _Lookup:
         self.table = caller.table
         self.candidates: dict[PeerId, _Candidate] = {}
         self.result = LookupResult(closest=[])
+        #: Light reads: nodes that held only records the reader has.
+        self.stale = 0
         self.send, self.receive = trio.open_memory_channel[
             tuple[_Candidate, pb.FindResponse | None]
         ](math.inf)
@@ -146,6 +158,8 @@ class _Lookup:
         if all(c.state == "answered" for c in short):
             return True
         quorum, holders = self.params.quorum, self.result.holders
+        if quorum is not None and self.params.light and self.stale >= STALE_HOLDERS:
+            return True
         if quorum is None or not holders:
             return False
         if holders >= quorum:
@@ -215,6 +229,7 @@ class _Lookup:
             return
         now = self.clock()
         held = found.omitted > 0
+        count = len(self.result.records)
         for msg in found.records:
             record = Record.from_pb(msg)
             if record.key != self.key:
@@ -225,6 +240,9 @@ class _Lookup:
                 continue  # a node serving forged or expired records gains nothing
             self.result.records.append(record)
             held = True
+        if self.params.light and held and len(self.result.records) == count:
+            self.stale += 1
+            return
         self.result.holders += held
         if held and not self.result.hops:
             self.result.hops = hops

@@ -224,9 +224,10 @@ class DHTNode:
         *,
         alpha: int | None = None,
         known: Sequence[bytes] = (),
+        light: bool = False,
     ) -> LookupResult:
         cfg = self.config
-        params = LookupParams(cfg.k, alpha or cfg.alpha, cfg.lookup_timeout_s, quorum)
+        params = LookupParams(cfg.k, alpha or cfg.alpha, cfg.lookup_timeout_s, quorum, light)
         near = self._replicator.near(target) if key is not None else ()
         limits, clock = cfg.storage.records, self._clock
         return await lookup(
@@ -297,7 +298,7 @@ class DHTNode:
         if exhaustive:
             result = await self._lookup(key_id(raw), raw, None, known=known)
         elif light:
-            result = await self._lookup(key_id(raw), raw, 1, alpha=1, known=known)
+            result = await self._lookup(key_id(raw), raw, 1, alpha=1, known=known, light=True)
         else:
             result = await self._lookup(key_id(raw), raw, self.config.get_quorum, known=known)
         return held + result.records
