@@ -172,8 +172,9 @@ class _Lookup:
         active = sum(1 for c in self.candidates.values() if c.state == "asked" and not c.stalled)
         # Once the α closest have answered, the lookup has found the key's neighbourhood: ask
         # the rest of the k closest at once (Kademlia's final round) instead of α at a time.
+        # A light read stays one node at a time: it stops at the first with news.
         converged = all(c.state == "answered" for c in short[: self.params.alpha])
-        limit = self.params.k if converged else self.params.alpha
+        limit = self.params.k if converged and not self.params.light else self.params.alpha
         for c in short:
             if active >= limit:
                 break
