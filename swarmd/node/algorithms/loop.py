@@ -376,6 +376,11 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         if roll is None and self.peer.stopping.is_set():
             return Averaging(left=True)
         self.peer.live.came(key, gathered)
+        # The roll's peers held this peer's state (its hash is in the key): their adverts
+        # count in its catch-up. Meeting only grid partners, a peer whose partners had all
+        # left (the creator, killed) and that missed the next roll never knew the others'
+        # adverts and stepped alone for the rest of the run (a CI rehearsal: 17 rounds).
+        self.state.meet(gathered.announced)
         if roll is None and gathered.announced - {self.me.peer_id}:
             # Others answered and committed a roster without this peer (it came after the
             # roll closed): their round's state is taken, as a peer left out of a group does.
