@@ -106,17 +106,11 @@ class Attendance:
         run's largest group."""
         return Gathered(excused=frozenset(self.absent & set(live)), most=most)
 
-    def record(
-        self,
-        live: Collection[PeerId],
-        gathered: Gathered,
-        among: Collection[PeerId] | None = None,
-    ) -> set[PeerId]:
-        """Accounts one round; returns the peers newly not waited for. ``among``: the live
-        peers this gathering was for (a grid row, grid.py), when not all of them."""
+    def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
+        """Accounts one round; returns the peers newly not waited for."""
         alive = set(live)
         absent = self.absent
-        waited_for = (alive if among is None else alive & set(among)) - absent
+        waited_for = alive - absent
         self._rounds += 1
         self._missing = {
             p: m for p, m in self._missing.items() if p in alive and p not in gathered.announced
@@ -133,11 +127,10 @@ class Attendance:
         # between theirs, and every round waited out the window (seen in CI: two of three
         # stallers' heartbeats read in round 1, the third in round 2, then all four rounds
         # waited 10 s).
-        # Only when someone new missed, never earlier than a peer's own due round, and only
-        # among the peers this gathering was for: else every short round (a lone peer held
-        # at min_group_size) would put the absent ones off again and again.
-        scope = alive if among is None else alive & set(among)
-        marked = [p for p in self._missing if p in newly or (p in absent and p in scope)]
+        # Only when someone new missed, never earlier than a peer's own due round: else every
+        # short round (a lone peer held at min_group_size) would put the absent ones off
+        # again and again.
+        marked = [p for p in self._missing if p in newly or (p in absent and p in alive)]
         if newly:
             most = max(self._missing[p].misses for p in marked)
             until = self._rounds + min(MAX_SKIP, 2 ** (most - 1))
