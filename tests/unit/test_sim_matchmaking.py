@@ -42,7 +42,7 @@ Part = tuple[int, float, int, Callable[[list[PeerId]], Gathered]]
 
 
 async def _three(
-    parts: list[Part], roll: bool = False
+    parts: list[Part], roll: bool = False, commit_wait_s: float | None = None
 ) -> tuple[set[tuple[int, ...]], dict[int, float]]:
     """Simulated peers, one a part (at least three; ranked by peer id: rank 0 leads any group
     it is in) under one round key; the groups formed (as sets of ranks) and how long each
@@ -54,6 +54,8 @@ async def _three(
     members = [Member(swarm.nodes[i].peer_id, swarm.hosts[i].address) for i in order]
     ids = [m.peer_id for m in members]
     mm = with_target(MatchScenario(peers=3), 3).matchmaking
+    if commit_wait_s is not None:
+        mm = dataclasses.replace(mm, commit_wait_s=commit_wait_s)
     groups: dict[int, Group | None] = {}
     took: dict[int, float] = {}
 
@@ -199,3 +201,18 @@ def test_peers_that_come_after_the_roll_closed_roll_no_second_line() -> None:
     assert run_virtual(_three, parts, True, seed=7)[0] == {(0, 1), (2,), (3,)}
     # As plain matchmaking under one key, the latecomers pair up.
     assert run_virtual(_three, parts, False, seed=7)[0] == {(0, 1), (2, 3)}
+
+
+def test_a_follower_waits_out_a_leader_that_came_after_it() -> None:
+    """Ranks 1 and 2 come at once and wait their 5 s window for a fourth peer; rank 0, the
+    leader, comes 3 s later and gathers until its own window ends, 3 s after theirs, then
+    commits the three. With a 1 s commit wait counted from their own deadline, the two
+    followers gave up before it and averaged alone outside the group naming them (the first
+    four of 100 simulated peers did, and 95 sat the round out); counted from the leader's
+    window, all three meet."""
+    nobody: Callable[[list[PeerId]], Gathered] = lambda _: Gathered()  # noqa: E731
+    parts: list[Part] = [(0, 3.0, 4, nobody), (1, 0.0, 4, nobody), (2, 0.0, 4, nobody)]
+    formed, took = run_virtual(_three, parts, False, 1.0, seed=7)
+    assert formed == {(0, 1, 2)}, formed
+    # They waited for the leader's window, not a fixed longer time: it ends ~8 s in.
+    assert 7.0 < max(took[1], took[2]) < 11.0, took
