@@ -11,6 +11,7 @@ from swarmd.node.averaging.allreduce import Group, Member
 from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.gridround import roll_call
 from swarmd.node.averaging.matchmaking import form_group
+from swarmd.node.averaging.probes import LEADER_PROBES
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking, with_target
@@ -216,3 +217,75 @@ def test_a_follower_waits_out_a_leader_that_came_after_it() -> None:
     assert formed == {(0, 1, 2)}, formed
     # They waited for the leader's window, not a fixed longer time: it ends ~8 s in.
     assert 7.0 < max(took[1], took[2]) < 11.0, took
+
+
+Roll = tuple[dict[int, Group | None], dict[int, int], list[int], list[PeerId]]
+
+
+def _roll_of_twelve(dead: int) -> Roll:
+    """Twelve simulated peers roll at once (`roll_call`) and wait out their window; the
+    ``dead`` lowest ids announce and are then killed before anyone probes. The roster each
+    got, the probes each sent, the peers in id order, and their ids."""
+
+    async def main() -> Roll:
+        swarm = DhtSwarm(12, NetworkConfig(), DHTConfig(), seed=5)
+        order = sorted(range(12), key=lambda i: swarm.nodes[i].peer_id)
+        members = [
+            Member(n.peer_id, h.address) for n, h in zip(swarm.nodes, swarm.hosts, strict=True)
+        ]
+        mm = with_target(MatchScenario(peers=12), 12).matchmaking
+        rosters: dict[int, Group | None] = {}
+        probes = dict.fromkeys(range(12), 0)
+        for i, node in enumerate(swarm.nodes):
+            ping = node.caller.ping
+
+            async def counted(
+                *args: object, __i: int = i, __ping: object = ping, **kw: object
+            ) -> object:
+                probes[__i] += "timeout" in kw  # the probes (admission's pings have none)
+                return await __ping(*args, **kw)  # type: ignore[operator]
+
+            node.caller.ping = counted  # type: ignore[method-assign,assignment]
+
+        async def one(i: int) -> None:
+            # Each expects a 13th that never comes: all gather their whole window.
+            rosters[i] = await roll_call(swarm.nodes[i], "sim/roll", members[i], mm, 13, Gathered())
+
+        async with trio.open_nursery() as nursery:
+            await swarm.join(nursery, 5.0)
+            probes.update(dict.fromkeys(range(12), 0))
+            async with trio.open_nursery() as rnd:
+                for i in range(12):
+                    rnd.start_soon(one, i)
+                await trio.sleep(1.0)  # all announced
+                for i in order[:dead]:
+                    swarm.kill(i)
+            nursery.cancel_scope.cancel()
+        return rosters, probes, order, [m.peer_id for m in members]
+
+    return run_virtual(main, seed=5)
+
+
+def test_in_a_roll_call_only_the_leader_probes_everybody() -> None:
+    """All twelve alive: the lowest id leads and pings the eleven others; each follower
+    pings only the LEADER_PROBES lowest ids below its own (the leader among them), not all
+    eleven (a million pings a round at 1,000 peers). All twelve get one roster."""
+    rosters, probes, order, _ = _roll_of_twelve(dead=0)
+    assert {len(g.members) for g in rosters.values() if g} == {12}
+    assert len({g.round_id for g in rosters.values() if g}) == 1
+    assert probes[order[0]] == 11
+    assert all(probes[i] <= LEADER_PROBES for i in order[1:]), probes
+
+
+def test_a_roll_call_whose_lowest_ids_died_agrees_on_the_next_leader() -> None:
+    """The five lowest ids announce and die: the followers probe the ids below their own
+    in batches of LEADER_PROBES, and all seven live peers still find the same leader (the
+    lowest id that answers) and one roster of the seven."""
+    rosters, probes, order, ids = _roll_of_twelve(dead=5)
+    live = order[5:]
+    got = {i: rosters.get(i) for i in live}
+    assert all(g is not None for g in got.values()), got
+    assert len({g.round_id for g in got.values() if g}) == 1
+    roster = next(g for g in got.values() if g)
+    assert {m.peer_id for m in roster.members} == {ids[i] for i in live}
+    assert max(probes[i] for i in live[1:]) < 11

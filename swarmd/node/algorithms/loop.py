@@ -52,9 +52,6 @@ def matchmaking_config(config: RunConfig) -> MatchmakingConfig:
         target_group_size=config.target_group_size,
         min_group_size=config.min_group_size,
         gather_s=10.0,
-        # A follower must outwait the leader's own gathering, or it gives up on a group
-        # record that is about to appear and trains alone.
-        commit_wait_s=15.0,
     )
 
 

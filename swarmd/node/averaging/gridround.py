@@ -2,8 +2,8 @@
 the blocks its members hold, until it holds the mean of every contribution. The same code
 runs in the simulator (sim/rounds.py) and is what a daemon's strategy calls.
 
-Per group, two all-reduces: the blocks (this peer's slots in the group, as one weighted
-mean), and a small fp32 tally of the weight they cover and which of the group's slots came
+Per group, two all-reduces at once: the blocks (this peer's slots in the group, as one
+weighted mean), and a small fp32 tally of the weight they cover and which of the group's slots came
 (the averager reports no totals). The tally marks a member's slots 2 and the others 1, not 1
 among zeros: the averager drops a member whose part's norm is far above the others', and
 the members' tallies would disagree. Only the rows (level 0) use error feedback: a residual
@@ -25,6 +25,7 @@ import trio
 from swarmd.node.averaging.allreduce import Averager, Group, Member
 from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.codecs import CodecName
+from swarmd.node.averaging.config import AllReduceResult
 from swarmd.node.averaging.grid import Grid, takeover
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.dht import DHTNode
@@ -160,18 +161,30 @@ class GridPeer:
         # Declared weights stay near 1 (the run bounds them): a block at this level covers
         # about this many slots.
         scale = float(math.prod(grid.shape[:level]))
-        result = await self.averager.allreduce(
-            group, value, weight / scale, key=f"grid{level}/{n}", feedback=not level,
-            codec=self.config.codec,
-        )  # fmt: skip
         marks = torch.ones(1 + len(g))
         marks[0] = weight / scale
         for k in mine:
             marks[1 + g.index(k)] = 2.0
         sibling = Group(hashlib.sha256(group.round_id + b"/slots").digest(), group.members)
-        tally = await self.averager.allreduce(
-            sibling, marks, 1.0, key=f"gridw{level}/{n}", codec="fp32"
-        )
+        got: dict[str, AllReduceResult] = {}
+
+        async def reduce_blocks() -> None:
+            got["blocks"] = await self.averager.allreduce(
+                group, value, weight / scale, key=f"grid{level}/{n}", feedback=not level,
+                codec=self.config.codec,
+            )  # fmt: skip
+
+        async def reduce_tally() -> None:
+            got["tally"] = await self.averager.allreduce(
+                sibling, marks, 1.0, key=f"gridw{level}/{n}", codec="fp32"
+            )
+
+        # The blocks and the tally at once: each is a few round trips of small messages,
+        # and one after the other they were two of a grid round's four latencies.
+        async with trio.open_nursery() as both:
+            both.start_soon(reduce_blocks)
+            both.start_soon(reduce_tally)
+        result, tally = got["blocks"], got["tally"]
         kept = len(group.members) - len(tally.dropped)
         sums = tally.tensor * kept
         came = {k for j, k in enumerate(g) if float(sums[1 + j]) - kept > 0.5}

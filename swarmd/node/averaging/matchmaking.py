@@ -30,10 +30,9 @@ import trio
 from swarmd.node.averaging.allreduce import Group, Member
 from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.partition import leader_of, partition
+from swarmd.node.averaging.probes import available
 from swarmd.node.dht import DHTNode, Value
 from swarmd.protocol import averaging_pb2 as apb
-from swarmd.protocol import rpc
-from swarmd.protocol.errors import ProtocolError
 from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.matchmaking")
@@ -253,30 +252,6 @@ def _group(key: str, commitment: _Commitment) -> Group:
     return Group(round_id_of(key, commitment.record), commitment.members)
 
 
-async def answering(dht: DHTNode, members: list[Member], timeout: float) -> set[PeerId]:
-    """The members that answer a DHT ping (proving their peer id) within ``timeout``.
-
-    The ping gets all of ``timeout``, not the DHT's round-trip-based deadline: a peer whose
-    link is busy sending its last all-reduce answers late, and leaving a live member out
-    splits the round (seen in the simulator: a grid group's member, left out by a 0.4 s
-    deadline, took its block out of the round)."""
-    alive: set[PeerId] = set()
-
-    async def probe(member: Member) -> None:
-        with trio.move_on_after(timeout):
-            try:
-                await dht.caller.ping(member.address, member.peer_id, timeout=timeout)
-            except (rpc.RpcError, ProtocolError) as exc:
-                log.info("leaving %s out of the group: %s", member.peer_id.short(), exc)
-                return
-            alive.add(member.peer_id)
-
-    async with trio.open_nursery() as nursery:
-        for member in members:
-            nursery.start_soon(probe, member)
-    return alive
-
-
 def round_id_of(key: str, record: bytes) -> bytes:
     return hashlib.sha256(b"swarmd/round/v1\0" + key.encode() + b"\0" + record).digest()
 
@@ -304,41 +279,6 @@ async def _lead(
     until = max(dht.now() + cfg.ttl_s, after)
     await dht.store(key, info.SerializeToString(), until, subkey=str(me.peer_id), republish=False)
     return Group(round_id_of(key, info.group), tuple(members))
-
-
-#: Above this many available peers per target group size, a peer probes only the group the
-#: partition gives it, not everybody it read (see _available).
-PROBE_ALL_UP_TO = 2
-
-
-async def _available(dht: DHTNode, view: _View, me: Member, cfg: MatchmakingConfig) -> list[Member]:
-    """The announced peers this one may group with: not committed elsewhere, and alive.
-
-    Up to PROBE_ALL_UP_TO × the target, every announced peer is probed, so a dead one is left
-    out before the groups are cut (17 announced, one dead: one group of 16, not 8 and 8).
-    Beyond that, only the peers of this peer's own group (as cut from all announced) are: the
-    members of a group read the same announcements and probe the same peers, so they still
-    agree, and a round costs each peer O(target) pings, not O(N). Probing all of them was the
-    largest cost of a simulated 1,000-peer round (38% of its CPU: each peer pinged every peer
-    it read, a million pings a round)."""
-    # Announcements outlive their round: a latecomer still sees the peers that already
-    # averaged this round together. They are committed to a group that does not name us;
-    # forming a group with them would only wait for peers that will never answer.
-    committed = view.committed()
-    available = sorted(
-        (m for m in view.visible.values() if m.peer_id not in committed), key=lambda m: m.peer_id
-    )
-    if len(available) > PROBE_ALL_UP_TO * cfg.target_group_size:
-        available = next((g for g in partition(available, cfg.target_group_size) if me in g), [me])
-    # An announcement outlives its author: a peer killed or frozen after announcing must not
-    # lead the group (its followers would wait for a record that never comes, then train
-    # alone; seen under `swarmd chaos`, where it split the run for minutes) nor be waited for
-    # in the all-reduce. Everyone who sees it probes it, so they agree on leaving it out.
-    # Client-mode peers cannot be pinged: their fresh announcement is all there is, and a dead
-    # one costs its reducers a deadline (as a peer that dies mid-round does).
-    probed = [m for m in available if m.peer_id != me.peer_id and not m.client]
-    alive = await answering(dht, probed, cfg.probe_s)
-    return [m for m in available if m.peer_id == me.peer_id or m.client or m.peer_id in alive]
 
 
 async def _gather(
@@ -431,7 +371,10 @@ async def form_group(
     gathered.short = len(seen) < cfg.target_group_size
     if mine is not None:
         return _group(key, mine)
-    ordered = await _available(dht, view, me, cfg)
+    ordered = await available(
+        dht, view.visible.values(), view.committed(), me, cfg.target_group_size, cfg.probe_s,
+        gathered.one_group,
+    )  # fmt: skip
     lead = leader_of(ordered)
     if lead is None:
         log.warning(

@@ -40,9 +40,9 @@ from swarmd.node.algorithms.loop import (
 )
 from swarmd.node.averaging.group import Group, Member
 from swarmd.node.averaging.matchmaking import (
-    answering,
     form_group,
 )
+from swarmd.node.averaging.probes import answering
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.model import build_model
