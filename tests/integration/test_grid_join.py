@@ -15,7 +15,7 @@ import pytest
 
 from tests.harness.join import events_until_exit, join_cmd, start_bootstrap
 from tests.harness.processes import ProcessGroup
-from tests.harness.runs import TINY_RUN
+from tests.harness.runs import STREAMING_RUN, TINY_RUN
 
 PEERS = 3
 #: 20 rounds of H = 5: the first peers up average in a pair (flat: they see 2 live peers)
@@ -97,3 +97,38 @@ def test_the_creator_killed_mid_run_the_grid_peers_end_on_one_state(
     assert len(after) >= 8, rounds
     for r, es in after.items():
         assert len({e["state_hash"] for e in es}) == 1, (r, es)
+
+
+@pytest.mark.timeout(300)
+def test_three_streaming_peers_in_groups_of_two_average_fragments_on_the_grid(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Streaming DiLoCo on the grid (issue 46 item 4): each fragment round takes the roll
+    call and grid a DiLoCo round takes, its rows' error feedback kept per fragment. Three
+    peers in groups of 2: every turn all three averaged in ends on one state, and peers met
+    both others (across rows). Flat, they were a pair and a lone peer on two state lines."""
+    (tmp_path / "run.toml").write_text(STREAMING_RUN + 'target_group_size = 2\ngrouping = "grid"\n')
+    boot = start_bootstrap(processes, tmp_path)
+    create = ("--create-run", str(tmp_path / "run.toml"))
+    procs = processes.start_many(
+        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=40) for i in range(PEERS)]
+    )
+    runs = [events_until_exit(p, timeout=240) for p in procs]
+    for i, events in enumerate(runs):
+        print(f"p{i}:", [(e.get("turn"), e["status"], e["group_size"]) for e in _outer(events)])
+    assert all(p.process.returncode == 0 for p in procs), [p.stderr_tail for p in procs]
+    turns: dict[int, list[dict[str, Any]]] = {}
+    for events in runs:
+        for e in _outer(events):
+            if e["status"] != "synced":
+                turns.setdefault(e["turn"], []).append(e)
+    full = {
+        t: es for t, es in turns.items()
+        if len(es) == PEERS and all(e["status"] == "averaged" for e in es)
+    }  # fmt: skip
+    assert len(full) >= 6, turns
+    for t, es in full.items():
+        assert len({e["state_hash"] for e in es}) == 1, (t, es)
+    # Both fragments went over the grid, each with a peer that met both others.
+    met_all = {es[0]["fragment"] for es in full.values() if max(e["group_size"] for e in es) == 3}
+    assert met_all == {0, 1}, full

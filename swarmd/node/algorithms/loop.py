@@ -348,7 +348,9 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         grid = c.grouping == "grid" and c.codec != "lowrank" and c.target_group_size >= 2
         return grid and live > c.target_group_size
 
-    async def average_grid(self, key: str, vector: torch.Tensor, weight: float) -> Averaging:
+    async def average_grid(
+        self, key: str, vector: torch.Tensor, weight: float, ef_key: str = "grid"
+    ) -> Averaging:
         """The round under ``key`` on the grid (grid.py) of a roster every member agrees on,
         once `group_target(fresh=True)` counted the live peers: a roll call first (one
         gathering of every live peer, no tensor, whose leader commits the member list:
@@ -363,7 +365,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         gathered by matchmaking, an upper group closed at its window before a late member
         and results under one roster differed (7.2x one group's wall time). The roll call
         reads every announcement under one key, as one flat group of all does: O(N^2)
-        records a round over the run."""
+        records a round over the run. ``ef_key`` names the vector's error-feedback residual
+        (see `average`)."""
         # The live peers the round's group_target just read afresh (no second read).
         gathered = self.peer.live.gathering()
         expected = self.peer.live.expected()
@@ -385,7 +388,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         if roll is None or len(roll.members) < 2:
             return Averaging(formed=roll is not None)
         config = self.peer.config
-        cfg = GridConfig(config.target_group_size, config.codec)  # type: ignore[arg-type]
+        cfg = GridConfig(config.target_group_size, config.codec, ef_key)  # type: ignore[arg-type]
         grid, peer = on_roster(roll, key, self.peer.averager, self.me, cfg)
         got = await self.peer.unless_stopping(lambda: peer.average(grid, key, vector, weight))
         if got is None:

@@ -40,6 +40,9 @@ class GridConfig:
     target_group_size: int = 16
     #: The blocks' codec (None: the averager's); the tallies are always fp32.
     codec: CodecName | None = None
+    #: Names the rows' error-feedback residuals: one per distinct vector a peer averages on
+    #: the grid (each streaming fragment has its own).
+    ef_key: str = "grid"
 
     def __post_init__(self) -> None:
         if self.target_group_size < 2:
@@ -170,13 +173,13 @@ class GridPeer:
 
         async def reduce_blocks() -> None:
             got["blocks"] = await self.averager.allreduce(
-                group, value, weight / scale, key=f"grid{level}/{n}", feedback=not level,
-                codec=self.config.codec,
+                group, value, weight / scale, key=f"{self.config.ef_key}{level}/{n}",
+                feedback=not level, codec=self.config.codec,
             )  # fmt: skip
 
         async def reduce_tally() -> None:
             got["tally"] = await self.averager.allreduce(
-                sibling, marks, 1.0, key=f"gridw{level}/{n}", codec="fp32"
+                sibling, marks, 1.0, key=f"{self.config.ef_key}w{level}/{n}", codec="fp32"
             )
 
         # The blocks and the tally at once: each is a few round trips of small messages,

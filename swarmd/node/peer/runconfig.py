@@ -140,10 +140,11 @@ class RunConfig:
     lowrank_rank: int = 4
     target_group_size: int = 16
     min_group_size: int = 2
-    #: `grid` (DiLoCo): with more live peers than `target_group_size`, a round takes a roll
-    #: call of every live peer and averages on a grid of ceil(log_T N) levels of groups
-    #: planned from it, so every contribution reaches every peer in the round and the run
-    #: keeps one state line (algorithms/loop.py `average_grid`, averaging/grid.py). `flat`:
+    #: `grid` (DiLoCo, and streaming DiLoCo's fragment rounds): with more live peers than
+    #: `target_group_size`, a round takes a roll call of every live peer and averages on a
+    #: grid of ceil(log_T N) levels of groups planned from it, so every contribution reaches
+    #: every peer in the round and the run keeps one state line (algorithms/loop.py
+    #: `average_grid`, averaging/grid.py; codec lowrank stays flat). `flat`:
     #: groups cut from whoever announced, which fork into separate state lines when peers
     #: outnumber a group (6 peers in groups of 2: 4 states a round, 5.7x the wall time).
     grouping: str = "grid"

@@ -173,22 +173,34 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         rnd = flight.round
         sent0 = dict(self.peer.metrics.sent_by_method)
         try:
-            flight.live, target = await self.peer.live.group_target()
+            # Gridded as DiLoCo's rounds are (see its `_outer_step`): the live count afresh.
+            gridded = self.peer.config.grouping == "grid"
+            flight.live, target = await self.peer.live.group_target(fresh=gridded)
             overlapped = self.peer.config.overlap_steps > 0
-            avg = await self.average(
-                key,
-                rnd.pseudo_grad,
-                rnd.weight,
-                target=target,
-                ef_key=f"fragment/{rnd.fragment}",  # error feedback per fragment
-                poll_s=OVERLAPPED_POLL_S if overlapped else None,
-                layout=(
-                    self.opt.fragment_names(rnd.fragment),
-                    self.opt.fragment_shapes(rnd.fragment),
-                ),
-            )
+            ef_key = f"fragment/{rnd.fragment}"  # error feedback per fragment
+            if self.on_grid(flight.live):
+                avg = await self.average_grid(key, rnd.pseudo_grad, rnd.weight, ef_key + "/grid")
+            else:
+                avg = await self.average(
+                    key,
+                    rnd.pseudo_grad,
+                    rnd.weight,
+                    target=target,
+                    ef_key=ef_key,
+                    poll_s=OVERLAPPED_POLL_S if overlapped else None,
+                    layout=(
+                        self.opt.fragment_names(rnd.fragment),
+                        self.opt.fragment_shapes(rnd.fragment),
+                    ),
+                )
             flight.group_size, flight.dropped = avg.group_size, avg.dropped
-            if avg.result is not None:
+            if avg.mean is not None:
+                flight.result = avg.mean
+            elif avg.sat_out:
+                # Outside the round's grid: the round fails here (the run's failure policy),
+                # and the next round's catch-up takes the state its peers then publish.
+                flight.result = None
+            elif avg.result is not None:
                 flight.result = avg.result
             elif avg.formed:
                 # A group of one (min_group_size 1, nobody else here): its average is its own.
