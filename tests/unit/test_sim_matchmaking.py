@@ -12,7 +12,9 @@ from swarmd.node.averaging.attendance import Gathered
 from swarmd.node.averaging.gridround import roll_call
 from swarmd.node.averaging.matchmaking import form_group
 from swarmd.node.averaging.probes import LEADER_PROBES
+from swarmd.node.dht import RecordLimits
 from swarmd.node.dht.config import DHTConfig
+from swarmd.node.dht.storage import StorageLimits
 from swarmd.node.sim.dht import DhtSwarm
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking, with_target
 from swarmd.node.sim.network import NetworkConfig
@@ -289,3 +291,38 @@ def test_a_roll_call_whose_lowest_ids_died_agrees_on_the_next_leader() -> None:
     roster = next(g for g in got.values() if g)
     assert {m.peer_id for m in roster.members} == {ids[i] for i in live}
     assert max(probes[i] for i in live[1:]) < 11
+
+
+def test_a_roll_call_too_large_for_one_dht_value_commits_the_members_that_fit() -> None:
+    """A roll call's commitment names every peer of the round in one DHT value: about 1,000
+    peers with IPv4 addresses overflow 64 KiB, and the leader's store raised out of the
+    round. Here 24 peers and 1 KiB values: the leader commits the members that fit, every
+    one of them gets that one roster, and the others get none (they take the round's
+    state)."""
+
+    async def main() -> tuple[dict[int, Group | None], list[PeerId]]:
+        limits = StorageLimits(records=RecordLimits(max_value_bytes=1024))
+        swarm = DhtSwarm(24, NetworkConfig(), DHTConfig(storage=limits), seed=3)
+        pairs = zip(swarm.nodes, swarm.hosts, strict=True)
+        members = [Member(n.peer_id, h.address) for n, h in pairs]
+        mm = with_target(MatchScenario(peers=24), 24).matchmaking
+        rosters: dict[int, Group | None] = {}
+
+        async def one(i: int) -> None:
+            rosters[i] = await roll_call(swarm.nodes[i], "sim/big", members[i], mm, 24, Gathered())
+
+        async with trio.open_nursery() as nursery:
+            await swarm.join(nursery, 5.0)
+            async with trio.open_nursery() as rnd:
+                for i in range(24):
+                    rnd.start_soon(one, i)
+            nursery.cancel_scope.cancel()
+        return rosters, [m.peer_id for m in members]
+
+    rosters, ids = run_virtual(main, seed=3)
+    got = [g for g in rosters.values() if g is not None]
+    assert len({g.round_id for g in got}) == 1
+    roster = {m.peer_id for m in got[0].members}
+    assert 2 <= len(roster) < len(ids)
+    # Exactly the committed members hold the roster; the rest formed nothing.
+    assert {ids[i] for i, g in rosters.items() if g is not None} == roster

@@ -265,20 +265,40 @@ async def _lead(
     after: float,
     cfg: MatchmakingConfig,
 ) -> Group:
-    """This peer leads: it commits to ``members`` by adding the group to its announcement."""
-    info.group = apb.GroupRecord(
-        members=[
-            apb.GroupMember(
-                peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth, client=m.client
-            )
-            for m in members
-        ]
-    ).SerializeToString()
+    """This peer leads: it commits to ``members`` by adding the group to its announcement.
+
+    The commitment is one DHT value (64 KiB by default). A grid round's roll call names
+    every peer of the round, about 65 B each with an IPv4 address: from about 1,000 members
+    the record no longer fits, and storing it raised out of the round. Then only the members
+    that fit are committed (the leader, then the lowest ids); the others find the roll
+    committed without them and take the round's state."""
+    limit = dht.config.storage.records.max_value_bytes
+    ranked = sorted(members, key=lambda m: (m.peer_id != me.peer_id, m.peer_id))
+    keep = len(ranked)
+    while True:
+        chosen = sorted(ranked[:keep], key=lambda m: m.peer_id)
+        info.group = apb.GroupRecord(members=[_entry(m) for m in chosen]).SerializeToString()
+        size = len(info.SerializeToString())
+        if size <= limit or keep <= 2:
+            break
+        keep = min(keep - 1, int(keep * limit / size * 0.98))
+    if keep < len(ranked):
+        log.warning(
+            "round %s: a group record of all %d members exceeds the DHT's %d B values; "
+            "committing %d of them (the others sit this round out)",
+            key, len(ranked), limit, keep,
+        )  # fmt: skip
     # The same slot as the announcement: a later expiry (than ``after``, the announcement's)
     # replaces it on every replica.
     until = max(dht.now() + cfg.ttl_s, after)
     await dht.store(key, info.SerializeToString(), until, subkey=str(me.peer_id), republish=False)
-    return Group(round_id_of(key, info.group), tuple(members))
+    return Group(round_id_of(key, info.group), tuple(chosen))
+
+
+def _entry(m: Member) -> apb.GroupMember:
+    return apb.GroupMember(
+        peer_id=m.peer_id.raw, address=m.address, bandwidth=m.bandwidth, client=m.client
+    )
 
 
 async def _gather(
