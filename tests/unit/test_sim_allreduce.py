@@ -28,8 +28,11 @@ def average(
     vectors: list[torch.Tensor] | None = None,
     weights: list[float] | None = None,
     reduction: ReductionConfig | None = None,
+    kill_after: float | None = None,
 ) -> tuple[list[AllReduceResult], float, int]:
-    """N peers (or one per vector) average ``vectors`` (peer i: all i + 1 by default)."""
+    """N peers (or one per vector) average ``vectors`` (peer i: all i + 1 by default).
+    ``kill``: that peer's host is dead from the start, or, with ``kill_after``, it joins
+    the round and dies that many seconds in."""
     vectors = vectors or [torch.full((SIZE,), float(i + 1)) for i in range(N)]
     weights = weights or [1.0] * len(vectors)
     config = AllReduceConfig(codec=codec, reduction=reduction or ReductionConfig())
@@ -50,9 +53,10 @@ def average(
     async def main() -> float:
         async with trio.open_nursery() as nursery:
             for i in range(len(vectors)):
-                if i != kill:
+                if i != kill or kill_after is not None:
                     nursery.start_soon(one, i)
             if kill is not None:
+                await trio.sleep(kill_after or 0.0)
                 net.kill(hosts[kill].address)
         return trio.current_time()
 
@@ -92,6 +96,24 @@ def test_a_peer_that_never_answers_is_dropped_and_the_others_agree(codec: CodecN
         assert kept.numel() > 0 and torch.equal(kept, torch.full_like(kept, 2.0))
     # Within the deadlines (min_deadline_s 5 s a stage), never the network's 30 s default.
     assert took < 30.0, took
+
+
+def test_a_member_that_dies_mid_round_is_dropped_alike_by_every_survivor() -> None:
+    """Five members; one dies 0.05 s in, after some reducers got its contribution and before
+    others did. Its own part is re-reduced without it by a fallback. Every survivor holds the
+    same mix (its value in some parts, not in others) and must say alike that the mean is
+    not whole: a grid's upper group decides on it (gridround.py). Before, only a reducer
+    that missed the contribution knew, and here none did: the fallback reducer did not count
+    the reducer that failed before it, and the others never learnt what a part left out
+    (now its proof tells every member)."""
+    vectors = [torch.full((SIZE,), float(i + 1)) for i in range(5)]
+    results, _, _ = average("fp32", kill=4, vectors=vectors, kill_after=0.05)
+    results = results[:4]  # the survivors (the dead host's own call ran to its deadlines)
+    mix = results[0].tensor
+    assert float(mix[0]) != float(mix[-1]), "the scenario: the dead member in some parts only"
+    for r in results:
+        assert torch.equal(r.tensor, mix)
+        assert not r.whole and len(r.dropped) == 1
 
 
 def test_a_tensor_call_to_a_dead_host_ends_at_its_own_deadline() -> None:

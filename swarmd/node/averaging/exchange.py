@@ -136,15 +136,11 @@ class Exchange:
             self.result[s:e] = self.local[s:e]
 
     def outcome(self, duration_s: float) -> AllReduceResult:
-        self.dropped.discard(self.rnd.me)
-        members = self.rnd.group.members
+        dropped = {self.rnd.group.members[i].peer_id for i in self.dropped - {self.rnd.me}}
         return AllReduceResult(
-            tensor=self.result,
-            dropped={members[i].peer_id for i in self.dropped},
-            failed_parts=sorted(self.failed),
-            recovered_parts=sorted(self.recovered),
-            duration_s=duration_s,
-        )
+            self.result, dropped, sorted(self.failed), sorted(self.recovered), duration_s,
+            whole=not self.dropped and not self.failed,
+        )  # fmt: skip
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -253,7 +249,8 @@ class Exchange:
         with trio.move_on_after(self.phase_deadline):
             await red.all_arrived.wait()
         await finish_reduction(red, rnd, self.result[s:e], self.link.config.reduction)
-        self.dropped.update(red.expected - red.contributors)
+        # Not `red.expected`: a fallback's leaves out the failed reducers, also not in it.
+        self.dropped.update(set(range(len(rnd.group.members))) - red.contributors)
         for index, why in red.rejected.items():
             if isinstance(why, Rejection):  # what it sent; a member that never came is not
                 peer = rnd.group.members[index].peer_id
@@ -288,12 +285,8 @@ class Exchange:
         except (rpc.RpcError, OSError, ValueError, DecodeError) as exc:
             log.info(
                 "fetching part %d (attempt %d, relay=%s) from member %d failed: %s",
-                j,
-                attempt,
-                relay,
-                target,
-                exc,
-            )
+                j, attempt, relay, target, exc,
+            )  # fmt: skip
             return None
         self.link.throughput.observe(len(data), trio.current_time() - t0)
         self.link.count_bytes("received", rnd.codec_name, len(data))
@@ -413,6 +406,9 @@ class Exchange:
         if why is None:
             if verdict.accepted is not None:
                 self.rnd.accepted[(j, attempt)] = verdict.accepted
+            # Who the part left out, as its proof says: the same for every member (see
+            # AllReduceResult.whole).
+            self.dropped.update(set(range(len(self.rnd.group.members))) - verdict.used)
             return True
         # The evidence a ban needs: who, which round and part, and what did not hold.
         log.warning(

@@ -195,7 +195,7 @@ class GridPeer:
         # slot lost below and not taken over) may be in the other groups' means and not in
         # this one's: this peer's result is not the round's, and it takes the round's state
         # instead (as left out).
-        partial = bool(level) and bool(result.dropped or tally.dropped or set(g) - came)
+        partial = bool(level) and not (result.whole and tally.whole and came == set(g))
         gone = set(result.dropped) | set(tally.dropped)
         met = frozenset(m.peer_id for m in group.members if m.peer_id not in gone) - {me}
         out[g] = _Result(

@@ -112,6 +112,9 @@ class Verdict:
     why: str | None
     #: What this member tells fellow members it accepted (cross_check), when the proof held.
     accepted: apb.AcceptedProof | None = None
+    #: The members whose contributions the part holds, as its proof lists them: the same
+    #: for every member that accepted it.
+    used: frozenset[int] = frozenset()
 
 
 async def cross_check(rnd: Round, link: Link, elapsed_s: float) -> list[tuple[int, int, PeerId]]:
@@ -330,6 +333,6 @@ async def check(
             signer_key=proof.signer_key,
             signature=proof.signature,
         )
-        return Verdict(None, accepted)
+        return Verdict(None, accepted, frozenset(e.member for e in proof.entries))
 
     return await offload.run_sync(verify)
