@@ -135,6 +135,23 @@ def test_a_gathering_for_known_peers_ends_when_a_member_stands_for_the_missing_o
     assert formed == {(0, 1)} and max(took.values()) > 5.0, took
 
 
+def _count_probes(swarm: DhtSwarm) -> dict[int, int]:
+    """Counts each simulated node's probes (pings with a timeout: probes and bootstraps;
+    admission's pings have none) into the returned dict, live."""
+    probes = dict.fromkeys(range(len(swarm.nodes)), 0)
+    for i, node in enumerate(swarm.nodes):
+        ping = node.caller.ping
+
+        async def counted(
+            *args: object, __i: int = i, __ping: object = ping, **kw: object
+        ) -> object:
+            probes[__i] += "timeout" in kw
+            return await __ping(*args, **kw)  # type: ignore[operator]
+
+        node.caller.ping = counted  # type: ignore[method-assign,assignment]
+    return probes
+
+
 def test_among_many_announced_peers_each_probes_only_its_own_group() -> None:
     """30 peers that all read each other under one key, target 4: each pings the members of
     the group the partition gives it (3 or 4 peers), not all 29 (a million pings a round at
@@ -147,17 +164,7 @@ def test_among_many_announced_peers_each_probes_only_its_own_group() -> None:
         everyone = frozenset(m.peer_id for m in members)
         mm = with_target(MatchScenario(peers=30), 4).matchmaking
         groups: dict[int, Group | None] = {}
-        probes = dict.fromkeys(range(30), 0)
-        for i, node in enumerate(swarm.nodes):
-            ping = node.caller.ping
-
-            async def counted(
-                *args: object, __i: int = i, __ping: object = ping, **kw: object
-            ) -> object:
-                probes[__i] += "timeout" in kw  # probes (and bootstraps); admission's have none
-                return await __ping(*args, **kw)  # type: ignore[operator]
-
-            node.caller.ping = counted  # type: ignore[method-assign,assignment]
+        probes = _count_probes(swarm)
 
         async def one(i: int) -> None:
             gathered = Gathered(expected=everyone)  # each reads all 30 before it cuts groups
@@ -237,17 +244,7 @@ def _roll_of_twelve(dead: int) -> Roll:
         ]
         mm = with_target(MatchScenario(peers=12), 12).matchmaking
         rosters: dict[int, Group | None] = {}
-        probes = dict.fromkeys(range(12), 0)
-        for i, node in enumerate(swarm.nodes):
-            ping = node.caller.ping
-
-            async def counted(
-                *args: object, __i: int = i, __ping: object = ping, **kw: object
-            ) -> object:
-                probes[__i] += "timeout" in kw  # the probes (admission's pings have none)
-                return await __ping(*args, **kw)  # type: ignore[operator]
-
-            node.caller.ping = counted  # type: ignore[method-assign,assignment]
+        probes = _count_probes(swarm)
 
         async def one(i: int) -> None:
             # Each expects a 13th that never comes: all gather their whole window.
