@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Collection
 
 import torch
 import trio
@@ -135,6 +136,10 @@ class Exchange:
             self.failed.append(rnd.me)
             self.result[s:e] = self.local[s:e]
 
+    def left_out(self, used: Collection[int]) -> None:
+        """A part holds the contributions of ``used``: every other member is dropped."""
+        self.dropped.update(set(range(len(self.rnd.group.members))).difference(used))
+
     def outcome(self, duration_s: float) -> AllReduceResult:
         dropped = {self.rnd.group.members[i].peer_id for i in self.dropped - {self.rnd.me}}
         return AllReduceResult(
@@ -250,7 +255,7 @@ class Exchange:
             await red.all_arrived.wait()
         await finish_reduction(red, rnd, self.result[s:e], self.link.config.reduction)
         # Not `red.expected`: a fallback's leaves out the failed reducers, also not in it.
-        self.dropped.update(set(range(len(rnd.group.members))) - red.contributors)
+        self.left_out(red.contributors)
         for index, why in red.rejected.items():
             if isinstance(why, Rejection):  # what it sent; a member that never came is not
                 peer = rnd.group.members[index].peer_id
@@ -406,9 +411,7 @@ class Exchange:
         if why is None:
             if verdict.accepted is not None:
                 self.rnd.accepted[(j, attempt)] = verdict.accepted
-            # Who the part left out, as its proof says: the same for every member (see
-            # AllReduceResult.whole).
-            self.dropped.update(set(range(len(self.rnd.group.members))) - verdict.used)
+            self.left_out(verdict.used)  # as its proof says: alike for every member
             return True
         # The evidence a ban needs: who, which round and part, and what did not hold.
         log.warning(

@@ -3,11 +3,11 @@ the blocks its members hold, until it holds the mean of every contribution. The 
 runs in the simulator (sim/rounds.py) and is what a daemon's strategy calls.
 
 Per group, two all-reduces at once: the blocks (this peer's slots in the group, as one
-weighted mean), and a small fp32 tally of the weight they cover and which of the group's slots came
-(the averager reports no totals). The tally marks a member's slots 2 and the others 1, not 1
-among zeros: the averager drops a member whose part's norm is far above the others', and
-the members' tallies would disagree. Only the rows (level 0) use error feedback: a residual
-added above would reach its own group's mean and no other's.
+weighted mean), and a small fp32 tally of the weight they cover and which of the group's
+slots came (the averager reports no totals). The tally marks a member's slots 2 and the
+others 1, not 1 among zeros: the averager drops a member whose part's norm is far above the
+others', and the members' tallies would disagree. Only the rows (level 0) use error
+feedback: a residual added above would reach its own group's mean and no other's.
 """
 
 from __future__ import annotations

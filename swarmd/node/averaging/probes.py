@@ -44,7 +44,7 @@ async def answering(dht: DHTNode, members: list[Member], timeout: float) -> set[
 
 
 #: Above this many available peers per target group size, a peer probes only the group the
-#: partition gives it, not everybody it read (see _available).
+#: partition gives it, not everybody it read (see `available`).
 PROBE_ALL_UP_TO = 2
 
 
@@ -80,9 +80,17 @@ async def available(
     # in the all-reduce. Everyone who sees it probes it, so they agree on leaving it out.
     # Client-mode peers cannot be pinged: their fresh announcement is all there is, and a dead
     # one costs its reducers a deadline (as a peer that dies mid-round does).
-    probed = [m for m in ordered if m.peer_id != me.peer_id and not m.client]
+    return await _answering_of(dht, ordered, me, probe_s)
+
+
+async def _answering_of(
+    dht: DHTNode, candidates: list[Member], me: Member, probe_s: float
+) -> list[Member]:
+    """``candidates`` less the reachable ones that do not answer a probe (this peer and
+    client-mode peers are kept unprobed)."""
+    probed = [m for m in candidates if m.peer_id != me.peer_id and not m.client]
     alive = await answering(dht, probed, probe_s)
-    return [m for m in ordered if m.peer_id == me.peer_id or m.client or m.peer_id in alive]
+    return [m for m in candidates if m.peer_id == me.peer_id or m.client or m.peer_id in alive]
 
 
 #: How many of the lowest ids a roll call's peer probes at once while looking for its leader.
@@ -92,7 +100,7 @@ LEADER_PROBES = 4
 async def _roll_available(
     dht: DHTNode, ordered: list[Member], me: Member, probe_s: float
 ) -> list[Member]:
-    """`_available` for one group a key (a roll call, `Gathered.one_group`): only its leader
+    """`available` for one group a key (a roll call, `Gathered.one_group`): only its leader
     probes everybody. A follower needs only to know who leads, the lowest id that answers:
     it probes the ids below its own, LEADER_PROBES at a time in id order, and stops at the
     first batch with an answer. The rule is the one every peer applies when all are probed,
@@ -105,9 +113,10 @@ async def _roll_available(
         if alive:
             lead = next(m for m in batch if m.peer_id in alive)
             return [lead, me]
-    rest = [m for m in ordered if m.peer_id > me.peer_id and not m.client]
-    alive = await answering(dht, rest, probe_s)
-    return [m for m in ordered if m.peer_id == me.peer_id or m.client or m.peer_id in alive]
+    # None below answered: this peer leads, and probes everybody above it.
+    return await _answering_of(
+        dht, [m for m in ordered if m.client or m.peer_id >= me.peer_id], me, probe_s
+    )
 
 
 __all__ = ["LEADER_PROBES", "PROBE_ALL_UP_TO", "answering", "available"]
