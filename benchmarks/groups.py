@@ -5,11 +5,15 @@ built-in model, 150 steps a peer (H = 5), N peers with groups of T against one g
 run did before.
 
     python benchmarks/groups.py [--peers 6] [--target 2] [--steps 150] [--grouping grid]
-                                [--kill-creator] [--sim-peers 0]
+                                [--end run|peer] [--kill-creator] [--sim-peers 0]
 
 Each case starts a bootstrap node and N peers at once (the first creates the run) and reads
-their JSON events until they exit. Reported per case: wall time until the last peer exits;
-lone rounds (an outer step with no partner while 2+ peers were live); states per round (the
+their JSON events until they exit. `--end run` (the default) ends the run at its
+`total_steps = STEPS` (every peer stops once the run's state reaches it, late joiners too);
+`--end peer` gives each peer `--max-steps STEPS` of its own instead, as before 2026-11-29.
+Reported per case: wall time until the last peer exits; lone rounds (an outer step with no
+partner while 2+ peers were live); carried rounds (no group's mean came, so the peer kept the
+round's state and carried its steps into the next: DiLoCo.carry); states per round (the
 distinct state hashes the peers' outer steps of one round ended on, the most over rounds, and
 the mean); the final validation loss of each peer. `--kill-creator` kills the run's creator
 at the run's midpoint (its 15th outer step) in the grouped case.
@@ -41,19 +45,26 @@ Events = list[dict[str, Any]]
 
 
 def run_case(
-    peers: int, target: int, steps: int, grouping: str, kill_creator: bool, timeout: float
+    peers: int,
+    target: int,
+    steps: int,
+    grouping: str,
+    kill_creator: bool,
+    timeout: float,
+    end: str = "run",
 ) -> tuple[float, list[Events]]:
     """Wall seconds until every peer exited, and each peer's events."""
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         run = TINY_RUN + f'target_group_size = {target}\ngrouping = "{grouping}"\n'
+        run += f"total_steps = {steps}\n" if end == "run" else ""
         (tmp / "run.toml").write_text(run)
         processes = ProcessGroup()
         try:
             boot = start_bootstrap(processes, tmp)
             cmds = [
                 join_cmd(tmp, f"p{i}", boot, *(("--create-run", str(tmp / "run.toml")) * (i == 0)),
-                         steps=steps)
+                         steps=steps if end == "peer" else None)
                 for i in range(peers)
             ]  # fmt: skip
             t0 = time.monotonic()
@@ -87,22 +98,29 @@ def _collect(procs: list[Proc], timeout: float, kill_at: int | None) -> list[Eve
     return out
 
 
-def figures(events: list[Events]) -> dict[str, float]:
+def figures(events: list[Events], killed: bool = False) -> dict[str, float]:
+    """The case's figures; final losses only of the peers that ran to the end (``killed``:
+    the creator, events[0], did not)."""
     steps = [e for ev in events for e in ev if e["event"] == "outer_step"]
+    # A carried round (no group's mean came: nothing applied, the state kept) is not lone.
     lone = sum(
-        1 for e in steps if e.get("group_size", 0) == 1 and e.get("live_peers", 1) >= 2
+        1 for e in steps
+        if e.get("group_size", 0) == 1 and e.get("live_peers", 1) >= 2
+        and e["status"] != "carried"
     )  # fmt: skip
+    carried = sum(1 for e in steps if e["status"] == "carried")
     by_round: dict[int, set[str]] = {}
     for e in steps:
         by_round.setdefault(e["round"], set()).add(e["state_hash"])
     states = [len(h) for h in by_round.values()] or [0]
     finals = [
         next(e["val_loss"] for e in reversed(ev) if e["event"] == "outer_step")
-        for ev in events
+        for ev in events[1 if killed else 0 :]
         if any(e["event"] == "outer_step" for e in ev)
     ]
     return {
         "lone_rounds": lone,
+        "carried_rounds": carried,
         "peer_rounds": len(steps),
         "states_max": max(states),
         "states_mean": statistics.mean(states),
@@ -117,6 +135,7 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--grouping", choices=("grid", "flat"), default="grid")
+    parser.add_argument("--end", choices=("run", "peer"), default="run")
     parser.add_argument("--kill-creator", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--sim-peers", type=int, default=0)
@@ -129,11 +148,14 @@ def main() -> None:
     results = {}
     for label, target, grouping, kill in cases:
         print(f"{label}: {args.peers} peers, target {target}, {grouping}", flush=True)
-        wall, events = run_case(args.peers, target, args.steps, grouping, kill, args.timeout)
-        f = figures(events)
+        wall, events = run_case(
+            args.peers, target, args.steps, grouping, kill, args.timeout, args.end
+        )
+        f = figures(events, killed=kill)
         results[label] = (wall, f)
         print(
-            f"  {wall:.0f}s wall, {f['lone_rounds']} lone of {f['peer_rounds']} peer-rounds, "
+            f"  {wall:.0f}s wall, {f['lone_rounds']} lone and {f['carried_rounds']} carried "
+            f"of {f['peer_rounds']} peer-rounds, "
             f"states per round max {f['states_max']} mean {f['states_mean']:.2f}, final loss "
             f"{f['final_loss']:.4f} (spread {f['loss_spread']:.2%})",
             flush=True,

@@ -20,10 +20,11 @@ from torch import nn
 
 from swarmd.compression.sparse_wire import SparseUpdate
 from swarmd.optim.demo import DeMo, DeMoConfig
-from swarmd.optim.diloco import GLOBAL_PREFIX, ROUND_KEY, trainable
+from swarmd.optim.diloco import trainable
 from swarmd.optim.flat import params_digest
 from swarmd.optim.forward import InnerForward
 from swarmd.optim.schedule import LrSchedule
+from swarmd.optim.statedicts import GLOBAL_PREFIX, ROUND_KEY
 
 
 class DeMoRun:

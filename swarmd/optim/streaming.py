@@ -57,25 +57,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from swarmd.optim.diloco import (
-    GLOBAL_PREFIX,
-    MOMENTUM_PREFIX,
-    ROUND_KEY,
-    DiLoCoConfig,
-    build_inner_optimizer,
-    check_global_state,
-    flat_from_state,
-    forward_step,
-    global_tensors,
-    inner_state_dict,
-    load_inner_state,
-    trainable,
-)
+from swarmd.optim.diloco import DiLoCoConfig, build_inner_optimizer, forward_step, trainable
 from swarmd.optim.flat import flatten, views
 from swarmd.optim.forward import InnerForward
 from swarmd.optim.fragment_round import FragmentReport, FragmentRound, FragmentStatus, StandIn
 from swarmd.optim.fragments import LAYOUTS, Fragment, FragmentLayout, layer_units, split_fragments
 from swarmd.optim.outer import Averaged, read_average
+from swarmd.optim.statedicts import (
+    GLOBAL_PREFIX,
+    MOMENTUM_PREFIX,
+    ROUND_KEY,
+    check_global_state,
+    flat_from_state,
+    global_tensors,
+    inner_state_dict,
+    load_inner_state,
+)
 
 __all__ = [
     "LAYOUTS",

@@ -18,12 +18,13 @@ def start_bootstrap(processes: ProcessGroup, tmp: Path) -> str:
     return boot.address
 
 
-def join_cmd(tmp: Path, name: str, boot: str, *extra: str, steps: int = 30) -> list[str]:
-    """`swarmd join` of run "t" with its state in tmp/name, stopping after `steps` steps."""
+def join_cmd(tmp: Path, name: str, boot: str, *extra: str, steps: int | None = 30) -> list[str]:
+    """`swarmd join` of run "t" with its state in tmp/name, stopping after `steps` steps
+    (None: at the run's end, its total_steps)."""
+    budget = ("--max-steps", str(steps)) if steps is not None else ()
     return swarmd_cmd(
         "join", "--run", "t", "--peers", boot, "--log-format", "json",
-        "--state-dir", str(tmp / name), "--progress-interval", "60",
-        "--max-steps", str(steps), *extra,
+        "--state-dir", str(tmp / name), "--progress-interval", "60", *budget, *extra,
     )  # fmt: skip
 
 

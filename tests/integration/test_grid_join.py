@@ -31,15 +31,15 @@ def _outer(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_three_peers_in_groups_of_two_average_on_the_grid(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
-    run = TINY_RUN + 'target_group_size = 2\ngrouping = "grid"\n'
+    """The run ends at its total_steps (20 rounds), not at each peer's --max-steps: a peer
+    that started late stops with the others, and all three end on one state."""
+    run = TINY_RUN + f'target_group_size = 2\ngrouping = "grid"\ntotal_steps = {STEPS}\n'
     (tmp_path / "run.toml").write_text(run)
     boot = start_bootstrap(processes, tmp_path)
     create = ("--create-run", str(tmp_path / "run.toml"))
     procs = processes.start_many(
-        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=STEPS) for i in range(PEERS)]
+        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=None) for i in range(PEERS)]
     )
-    # A peer that started late trains its last rounds alone after the others stopped, each
-    # waiting for their heartbeats until attendance excuses them: up to ~90 s seen.
     runs = [events_until_exit(p, timeout=240) for p in procs]
     for i, events in enumerate(runs):
         print(f"p{i}:", [(e["round"], e["status"], e["group_size"]) for e in _outer(events)])
@@ -58,6 +58,10 @@ def test_three_peers_in_groups_of_two_average_on_the_grid(
         assert len({e["state_hash"] for e in es}) == 1, (r, es)
     # With groups of 2, a peer that met both others averaged across rows: on the grid.
     assert any(max(e["group_size"] for e in es) == PEERS for es in full.values()), full
+    # The run's end: every peer's last state is the run's last round, the same state.
+    last = [_outer(events)[-1] for events in runs]
+    assert {e["round"] for e in last} == {STEPS // 5}, last
+    assert len({e["state_hash"] for e in last}) == 1, last
 
 
 @pytest.mark.timeout(300)
@@ -67,13 +71,14 @@ def test_the_creator_killed_mid_run_the_grid_peers_end_on_one_state(
     """Issue 46: no peer is special. Four peers in groups of 2 (a 2 x 2 grid); the run's
     creator is killed after its third outer step. Its heartbeat outlives it by up to 30 s, so
     roll calls wait for it until attendance excuses it; the three others then keep averaging
-    on a grid of three and end on one state."""
+    on a grid of three and end on one state, the run's last (its total_steps)."""
     peers = 4
-    (tmp_path / "run.toml").write_text(TINY_RUN + 'target_group_size = 2\ngrouping = "grid"\n')
+    run = TINY_RUN + f'target_group_size = 2\ngrouping = "grid"\ntotal_steps = {STEPS}\n'
+    (tmp_path / "run.toml").write_text(run)
     boot = start_bootstrap(processes, tmp_path)
     create = ("--create-run", str(tmp_path / "run.toml"))
     creator, *others = processes.start_many(
-        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=STEPS) for i in range(peers)]
+        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=None) for i in range(peers)]
     )
     seen = 0
     while seen < 3:
@@ -84,8 +89,7 @@ def test_the_creator_killed_mid_run_the_grid_peers_end_on_one_state(
         print(f"p{i}:", [(e["round"], e["status"], e["group_size"]) for e in _outer(events)])
     assert all(p.process.returncode == 0 for p in others), [p.stderr_tail for p in others]
     # The lines merge: after the kill, the survivors keep averaging together, every round
-    # all three averaged in ending on one state. (Their last rounds may differ: a peer that
-    # caught up dropped steps and ends rounds after the others, alone: issue 46 item 2.)
+    # all three averaged in ending on one state, and the run's last state is the same.
     rounds: dict[int, list[dict[str, Any]]] = {}
     for events in runs:
         for e in _outer(events):
@@ -97,6 +101,9 @@ def test_the_creator_killed_mid_run_the_grid_peers_end_on_one_state(
     assert len(after) >= 8, rounds
     for r, es in after.items():
         assert len({e["state_hash"] for e in es}) == 1, (r, es)
+    last = [_outer(events)[-1] for events in runs]
+    assert {e["round"] for e in last} == {STEPS // 5}, last
+    assert len({e["state_hash"] for e in last}) == 1, last
 
 
 @pytest.mark.timeout(300)

@@ -290,6 +290,41 @@ def test_deferred_failure_keeps_training_and_carries_the_weight() -> None:
     assert seen == [2 * h * 4.0] and report.inner_steps == 2 * h and opt.round == 1
 
 
+def test_a_carried_round_keeps_one_state_and_the_next_pseudo_gradient_covers_both() -> None:
+    """Two peers of one state that both sit a round out and carry it stay identical (their
+    own pseudo-gradients, applied, differ), the round and the run's clock move on, and the
+    next pseudo-gradient covers both rounds with both rounds' samples as its weight."""
+    h = 2
+    config = DiLoCoConfig(inner_steps=h, inner_lr=3e-3)
+    peers = [DiLoCo(GPT(TINY_GPT, seed=0), config) for _ in range(2)]
+    start = peers[0].global_flat()
+    for seed, opt in enumerate(peers):
+        for b in tiny_batches(h, seed=20 + seed):
+            opt.inner_step(b)
+    assert not torch.equal(peers[0].pseudo_gradient(), peers[1].pseudo_gradient())
+    for opt in peers:
+        report = opt.carry(opt.pseudo_gradient())
+        assert report.status == "carried" and report.round == 1 and report.inner_steps == h
+        assert torch.equal(opt.global_flat(), start) and opt.progress == h
+        assert not opt.should_sync()
+    assert peers[0].state_dict().keys() == peers[1].state_dict().keys()
+    for name, value in peers[0].state_dict().items():
+        assert torch.equal(value, peers[1].state_dict()[name]), name
+    opt = peers[0]
+    for b in tiny_batches(h, seed=30):
+        opt.inner_step(b)
+    assert opt.should_sync() and opt.progress == 2 * h
+    seen: list[float] = []
+
+    async def record(pg: torch.Tensor, weight: float) -> torch.Tensor:
+        seen.append(weight)
+        torch.testing.assert_close(pg, start - opt.flat_params())
+        return pg
+
+    report = run_outer_step(opt, record)
+    assert seen == [2 * h * 4.0] and opt.round == 2 and opt.progress == 2 * h
+
+
 def test_exception_in_averaging_leaves_state_unchanged() -> None:
     opt = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=1, inner_lr=3e-3))
     opt.inner_step(tiny_batches(1, seed=12)[0])

@@ -10,7 +10,7 @@ from swarmd.node.cli.export import ExportError, choose_state, model_weights
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.statesync.donor import StateAdvert
-from swarmd.optim.diloco import GLOBAL_PREFIX
+from swarmd.optim.statedicts import GLOBAL_PREFIX
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
 

@@ -83,6 +83,9 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("lr_final_ratio = 2.0", r"final_ratio must be in \[0, 1\]"),
         ('algo = "demo"\ncodec = "lowrank"', "codec lowrank factors DiLoCo's .* not demo's"),
         ('grouping = "mesh"', "grouping must be grid or flat, got 'mesh'"),
+        ("total_steps = -36", "total_steps must be a non-negative integer, got -36"),
+        ("inner_steps = 5\ntotal_steps = 12", r"total_steps \(12\) must be a multiple of inner_"),
+        ('algo = "swarm"\ntotal_steps = 36', "total_steps needs a run clock"),
     ],
 )
 def test_bad_run_files(tmp_path: Path, text: str, message: str) -> None:

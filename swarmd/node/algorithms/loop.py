@@ -33,7 +33,8 @@ from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.peer.strategy import LocalTarget, Strategy
 from swarmd.node.runkeys import state_round_key
-from swarmd.optim.diloco import GLOBAL_PREFIX, DiLoCo, trainable
+from swarmd.optim.diloco import DiLoCo, trainable
+from swarmd.optim.statedicts import GLOBAL_PREFIX
 from swarmd.optim.streaming import StreamingDiLoCo
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
 

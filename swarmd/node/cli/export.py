@@ -38,7 +38,7 @@ from swarmd.node.peer.runrecord import choose, claims
 from swarmd.node.statesync.donor import StateAdvert, advert_key
 from swarmd.node.statesync.download import StateSyncError, download_state
 from swarmd.node.statesync.vet import nonfinite
-from swarmd.optim.diloco import GLOBAL_PREFIX
+from swarmd.optim.statedicts import GLOBAL_PREFIX
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 from swarmd.workloads.gpt import GPT

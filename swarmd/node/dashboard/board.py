@@ -22,7 +22,7 @@ MAX_ROUNDS = 500
 MAX_TIME_POINTS = 900
 MAX_EVENTS = 200
 #: Outer-round outcomes worth an event (an averaged round is the normal case).
-_NOTABLE = frozenset({"local", "alone", "partial", "deferred", "failed"})
+_NOTABLE = frozenset({"local", "alone", "partial", "deferred", "carried", "failed"})
 #: The event kind on the board of each notice kind a peer publishes (others are not shown).
 _NOTICE_EVENTS = {"peer_banned": "ban", "stage_recovered": "recovery"}
 #: Rounds a peer may claim beyond the run's (`Board.anchor_round`) and still be charted: a

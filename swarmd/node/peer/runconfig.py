@@ -94,6 +94,13 @@ class RunConfig:
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 0
     lr_final_ratio: float = 0.1
+    #: The run's length in inner steps on the run's clock (round × H plus this peer's steps
+    #: since, as for lr_schedule), 0 for none: a peer stops once the state it holds reaches
+    #: it, so peers that joined late stop with the others, on the same state. --max-steps
+    #: counts a peer's own steps instead; a late joiner that trained its 150 then went on
+    #: alone after the others had stopped (3% apart in final loss, 6 peers in groups of 2).
+    #: A multiple of inner_steps (peers end on an outer step); not for swarm (no run clock).
+    total_steps: int = 0
     #: How pseudo-gradients travel: int8 (with error feedback), fp16, fp32, topk (sparse:
     #: per chunk of 4096 values the `topk_density` largest, in `topk_bits` bits, with error
     #: feedback carrying the rest; SparseLoCo's compressor), or lowrank (PowerSGD: each 2-D
@@ -214,6 +221,7 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise RunConfigError(f"{name} must be a positive integer, got {value!r}")
+        self._check_total_steps()
         if self.n_embd % self.n_head:
             raise RunConfigError("n_embd must be divisible by n_head")
         for name, low, high in _INT_RANGES:
@@ -275,6 +283,21 @@ class RunConfig:
         except ValueError as exc:
             raise RunConfigError(f"demo options: {exc}") from None
         self._check_swarm()
+
+    def _check_total_steps(self) -> None:
+        total = self.total_steps
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise RunConfigError(f"total_steps must be a non-negative integer, got {total!r}")
+        if total and self.algo == "swarm":
+            raise RunConfigError(
+                "total_steps needs a run clock (diloco, streaming-diloco, demo); a swarm peer "
+                "stops at its own --max-steps or --duration"
+            )
+        if total % self.inner_steps:
+            raise RunConfigError(
+                f"total_steps ({total}) must be a multiple of inner_steps ({self.inner_steps}): "
+                "peers end on an outer step"
+            )
 
     def _check_swarm(self) -> None:
         """SWARM's options, and how the built-in GPT's blocks cut into its stages."""

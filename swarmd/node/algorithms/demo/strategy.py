@@ -208,7 +208,7 @@ class DeMoStrategy(Strategy):
         return self.steps
 
     def _should_stop(self) -> bool:
-        return self.peer.should_stop(self.steps, self.started)
+        return self.peer.should_stop(self.steps, self.started, self.run.step)
 
     def _must_wait(self) -> bool:
         """No group, and none ever: with the run's min_group_size above one such a peer waits

@@ -25,7 +25,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
     async def train(self, nursery: trio.Nursery) -> int:
         start = await self._begin()
         step = self.first_step
-        while not self.peer.should_stop(step, start):
+        while not self.peer.should_stop(step, start, self.opt.progress):
             await self.inner_step(step)
             step += 1
             if not self.opt.should_sync():
@@ -79,7 +79,13 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         sync_by_method = self.peer.metrics.sent_since(sent0)
         self.peer.clock.wait_s += waited
         result = avg.mean if avg.mean is not None else avg.result
-        report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, result)
+        if avg.sat_out:
+            # Sat out and no round state came: the whole grid fell short (a block dropped
+            # above the rows is dropped in every column alike). The roll's members all carry
+            # the round and stay on one state; applying each its own made a state apiece.
+            report = self.opt.carry(pg)
+        else:
+            report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, result)
         self.state.averaged(report.status, avg.group_size, avg.dropped)
         snap = await self.state.publish(step, background=nursery)
         # The new global parameters are validated (and the state saved) beside the next inner

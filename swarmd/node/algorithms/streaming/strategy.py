@@ -78,7 +78,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         start = await self._begin()
         step = self.first_step
         opt = self.opt
-        while not self.peer.should_stop(step, start):
+        while not self.peer.should_stop(step, start, self.opt.progress):
             await self.inner_step(step)
             step += 1
             flight = self._flight

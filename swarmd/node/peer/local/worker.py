@@ -30,8 +30,9 @@ from swarmd.node.peer.local.protocol import (
 )
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.runconfig import RunConfig
-from swarmd.optim.diloco import DiLoCoConfig, build_inner_optimizer, load_inner_state, trainable
+from swarmd.optim.diloco import DiLoCoConfig, build_inner_optimizer, trainable
 from swarmd.optim.diloco import train_step as optimizer_step
+from swarmd.optim.statedicts import load_inner_state
 from swarmd.workloads import load_source
 
 #: Exit code of a rank whose parent (rank 0, the peer) is gone.
