@@ -36,6 +36,7 @@ from swarmd.node.runkeys import state_round_key
 from swarmd.optim.diloco import DiLoCo, trainable
 from swarmd.optim.statedicts import GLOBAL_PREFIX
 from swarmd.optim.streaming import StreamingDiLoCo
+from swarmd.protocol.identity import PeerId
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
 
 #: Validation batches per evaluation: enough to compare peers, cheap enough for every round.
@@ -113,8 +114,9 @@ class Averaging:
     #: A grid round (`average_grid`): the mean of every contribution that made the round.
     mean: torch.Tensor | None = None
     #: A grid round this peer had no part in (its roster did not name it, or its group
-    #: closed before it came): it takes the round's state.
+    #: closed before it came): it takes the round's state, that of ``publishers``.
     sat_out: bool = False
+    publishers: frozenset[PeerId] = frozenset()
 
 
 class OuterLoopStrategy(Strategy, Generic[Opt]):
@@ -385,7 +387,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         if roll is None and gathered.announced - {self.me.peer_id}:
             # Others answered and committed a roster without this peer (it came after the
             # roll closed): their round's state is taken, as a peer left out of a group does.
-            return Averaging(formed=True, sat_out=True)
+            return Averaging(formed=True, sat_out=True, publishers=gathered.committed)
         if roll is None or len(roll.members) < 2:
             return Averaging(formed=roll is not None)
         config = self.peer.config
@@ -396,7 +398,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             return Averaging(left=True)
         self.state.meet(got.met)
         if got.result is None:
-            return Averaging(formed=True, sat_out=True)
+            roster = frozenset(m.peer_id for m in roll.members) - {self.me.peer_id}
+            return Averaging(formed=True, sat_out=True, publishers=roster)
         # Its size: the peers it averaged with at any level, itself included.
         return Averaging(
             formed=True, group_size=len(got.met) + 1, dropped=got.dropped, mean=got.result

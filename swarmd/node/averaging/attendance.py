@@ -62,6 +62,8 @@ class Gathered:
     one_group: bool = False
     #: Every peer seen announcing itself for the round, this one included.
     announced: set[PeerId] = field(default_factory=set)
+    #: One group a key, formed without this peer: its members (whose round's state it takes).
+    committed: frozenset[PeerId] = frozenset()
     #: The round formed without reaching this peer's target (at the gathering's deadline, or
     #: by a leader's group): each live peer that had not announced was not there.
     short: bool = False

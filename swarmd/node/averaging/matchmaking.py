@@ -382,6 +382,7 @@ async def form_group(
         if view.committed():
             log.info("round %s: the key's one group formed without this peer", key)
             gathered.short = True
+            gathered.committed = frozenset(view.committed())
             return None
         size = max(size, len(seen))
     cfg = dataclasses.replace(cfg, target_group_size=size)

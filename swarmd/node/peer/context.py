@@ -113,14 +113,17 @@ class PeerContext:
             nursery.cancel_scope.cancel()
         return result
 
+    def at_end(self, run_step: int) -> bool:
+        """Whether the run's clock has reached the run's end (RunConfig.total_steps)."""
+        return 0 < self.config.total_steps <= run_step
+
     def should_stop(self, step: int, start: float, run_step: int | None = None) -> bool:
         """Signalled, at the user's --max-steps / --duration, or, given the run's clock
         (``run_step``), at the run's end (RunConfig.total_steps)."""
         opts = self.opts
         if self.stopping.is_set():
             return True
-        total = self.config.total_steps
-        if total and run_step is not None and run_step >= total:
+        if run_step is not None and self.at_end(run_step):
             return True
         if opts.max_steps is not None and step >= opts.max_steps:
             return True

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -378,11 +378,14 @@ class SharedState:
         self.shared_round = self.opt.age
         return origin, step
 
-    async def catch_up(self, newer: bool = False) -> bool:
+    async def catch_up(
+        self, newer: bool = False, publishers: Collection[PeerId] = frozenset()
+    ) -> bool:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
         it takes the group's instead of drifting apart forever. True if it did. ``newer``:
         it sat out a grid round the others are finishing; it waits for their states of the
-        next round (at most LONE_WAIT_S).
+        next round (at most LONE_WAIT_S): those of ``publishers``, the round's roster, if
+        known, else of every live peer.
 
         Averaging pseudo-gradients cannot bring diverged global parameters back together, so a
         peer whose state is not the group's takes the group's state before its outer step (its
@@ -391,7 +394,7 @@ class SharedState:
             return False
         adverts = await self.adverts(known_only=True)
         if newer:
-            adverts = await self._await_adverts_of(self.opt.age + 1, adverts)
+            adverts = await self._await_adverts_of(self.opt.age + 1, adverts, publishers)
         elif self.opt.age > self.shared_round:
             adverts = await self._await_adverts_of(self.opt.age, adverts)
         # A client-mode peer's state cannot be downloaded: deciding to take one would fail
@@ -419,9 +422,16 @@ class SharedState:
             return False
         return await self._sync_from_group([a for a in donors if a.state_hash == want])
 
-    async def _await_adverts_of(self, age: int, adverts: list[StateAdvert]) -> list[StateAdvert]:
-        """Waits (at most LONE_WAIT_S) until every other live peer advertises a state of `age`
-        or newer; returns the adverts then.
+    async def _await_adverts_of(
+        self, age: int, adverts: list[StateAdvert], publishers: Collection[PeerId] = ()
+    ) -> list[StateAdvert]:
+        """Waits (at most LONE_WAIT_S) until every other live peer (of ``publishers``, if
+        given) advertises a state of `age` or newer; returns the adverts then.
+
+        Waiting for every live peer, two peers that came late to a grid round's roll call
+        waited for each other, each sitting the round out: both waited all of LONE_WAIT_S,
+        and the next round's roll call waited for them (10 s stalls at the start of 6-peer
+        runs). The roster's members are the ones that publish the round's state.
 
         A peer whose last round was its own (it came late to a round the others had already
         formed) holds a state of the same age as the group's but its own: in streaming DiLoCo
@@ -435,8 +445,13 @@ class SharedState:
         state and it keeps it."""
         deadline = trio.current_time() + LONE_WAIT_S
         while trio.current_time() < deadline:
-            others = await self.peer.live.count() - 1
-            if sum(a.round >= age for a in adverts) >= others:
+            if publishers:
+                live = {str(p) for p in await self.peer.live.addresses()} & {
+                    str(p) for p in publishers
+                }
+                if live <= {a.owner for a in adverts if a.round >= age}:
+                    break
+            elif sum(a.round >= age for a in adverts) >= await self.peer.live.count() - 1:
                 break
             await trio.sleep(LONE_POLL_S)
             adverts = await self.adverts(known_only=True)

@@ -11,6 +11,7 @@ import torch
 import trio
 
 from swarmd.node.algorithms.loop import Averaging, OuterLoopStrategy
+from swarmd.node.peer.runend import leave_on_one_state
 from swarmd.optim.diloco import DiLoCo
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
                 # before the peers it had caught up with, and the last of those averaged its
                 # final round alone, ending on another state (a CI failure under load).
                 step -= dropped
+        if not self.peer.stopping.is_set() and self.peer.at_end(self.opt.progress):
+            await leave_on_one_state(
+                self.state, lambda: self.took_group_state(step, time.monotonic())
+            )
         await self.reports_drained()
         return step
 
@@ -63,7 +68,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             avg = await self.average_grid(key, pg, self.opt.weight())
         else:
             avg = await self.average(key, pg, self.opt.weight(), target=target, ef_key="diloco")
-        if avg.sat_out and await self.state.catch_up(newer=True):
+        if avg.sat_out and await self.state.catch_up(newer=True, publishers=avg.publishers):
             # Outside the round's grid: the round's state is taken once its peers publish it,
             # as a catch-up (its inner steps are dropped).
             await self.took_group_state(step, t0)
