@@ -5,9 +5,9 @@ can end differently for different peers: one whose grid group was whole averaged
 others, whose groups fell short, carried the round (DiLoCo.carry), and the run ended on two
 states (seen: 6 peers in groups of 2, one averaged and five carried, final losses 5.9%
 apart). Before it leaves, a peer waits until every live peer advertises a state of the last
-round; while they differ, the one more peers hold is taken (`SharedState.catch_up`, the
-rule every peer applies alike), and a peer stays, serving its state, until all of them
-advertise one state, at most END_WAIT_S."""
+round (every live peer it met: a staller advertises nothing); while they differ, the one
+more peers hold is taken (`SharedState.catch_up`, the rule every peer applies alike), and a
+peer stays, serving its state, until all of them advertise one state, at most END_WAIT_S."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ async def leave_on_one_state(state: SharedState, took: Callable[[], Awaitable[No
     age = state.opt.age
     with trio.move_on_after(END_WAIT_S):
         while True:
-            live = {str(p) for p in await state.peer.live.addresses()} - {me}
+            # Of the live peers, those it met: an identity that heartbeats and never joins
+            # (a staller) advertises no state, and would hold every peer here END_WAIT_S.
+            live = {str(p) for p in await state.peer.live.addresses()} & state.met - {me}
             final = {a.owner: a.state_hash for a in await state.adverts() if a.round >= age}
             if live <= final.keys():
                 if set(final.values()) <= {state.last_hash}:
