@@ -378,14 +378,12 @@ class SharedState:
         self.shared_round = self.opt.age
         return origin, step
 
-    async def catch_up(
-        self, newer: bool = False, publishers: Collection[PeerId] = frozenset()
-    ) -> bool:
+    async def catch_up(self, publishers: Collection[PeerId] = frozenset()) -> bool:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
-        it takes the group's instead of drifting apart forever. True if it did. ``newer``:
-        it sat out a grid round the others are finishing; it waits for their states of the
-        next round (at most LONE_WAIT_S): those of ``publishers``, the round's roster, if
-        known, else of every live peer.
+        it takes the group's instead of drifting apart forever. True if it did. A peer whose
+        last round was its own first waits (at most LONE_WAIT_S) for the others' states of
+        that round: those of ``publishers`` (a grid round's roster, which it carried) if
+        given, else of every live peer.
 
         Averaging pseudo-gradients cannot bring diverged global parameters back together, so a
         peer whose state is not the group's takes the group's state before its outer step (its
@@ -393,10 +391,8 @@ class SharedState:
         if self.last_hash is None:
             return False
         adverts = await self.adverts(known_only=True)
-        if newer:
-            adverts = await self._await_adverts_of(self.opt.age + 1, adverts, publishers)
-        elif self.opt.age > self.shared_round:
-            adverts = await self._await_adverts_of(self.opt.age, adverts)
+        if self.opt.age > self.shared_round:
+            adverts = await self._await_adverts_of(self.opt.age, adverts, publishers)
         # A client-mode peer's state cannot be downloaded: deciding to take one would fail
         # every round (nor can a creator behind NAT anchor the run's line).
         adverts = [a for a in adverts if not a.client]

@@ -68,11 +68,20 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             avg = await self.average_grid(key, pg, self.opt.weight())
         else:
             avg = await self.average(key, pg, self.opt.weight(), target=target, ef_key="diloco")
-        if avg.sat_out and await self.state.catch_up(newer=True, publishers=avg.publishers):
-            # Outside the round's grid: the round's state is taken once its peers publish it,
-            # as a catch-up (its inner steps are dropped).
-            await self.took_group_state(step, t0)
-            return True
+        if avg.sat_out:
+            # Outside the round's grid, or its group fell short: it carries the round at once
+            # and says so (its advert), then takes the round's state if most of the roster
+            # averaged (a catch-up: its inner steps are dropped). When every group fell short
+            # (a block dropped above the rows is dropped in every column alike), all carry
+            # and stay on one state; applying each its own pseudo-gradient made a state
+            # apiece. Waiting for an averaged state before carrying, every member waited all
+            # of LONE_WAIT_S for states nobody would publish (12 peers in groups of 4: a
+            # third of the run's time).
+            report = self.opt.carry(pg)
+            snap = await self.state.publish(step)
+            if await self.state.catch_up(publishers=avg.publishers):
+                await self.took_group_state(step, t0)
+                return True
         if avg.left:  # no lone step on the way out: the saved state stays the run's
             log.info(
                 "round %d: leaving before a group formed; its inner steps are dropped",
@@ -84,15 +93,10 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         sync_by_method = self.peer.metrics.sent_since(sent0)
         self.peer.clock.wait_s += waited
         result = avg.mean if avg.mean is not None else avg.result
-        if avg.sat_out:
-            # Sat out and no round state came: the whole grid fell short (a block dropped
-            # above the rows is dropped in every column alike). The roll's members all carry
-            # the round and stay on one state; applying each its own made a state apiece.
-            report = self.opt.carry(pg)
-        else:
+        if not avg.sat_out:
             report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, result)
-        self.state.averaged(report.status, avg.group_size, avg.dropped)
-        snap = await self.state.publish(step, background=nursery)
+            self.state.averaged(report.status, avg.group_size, avg.dropped)
+            snap = await self.state.publish(step, background=nursery)
         # The new global parameters are validated (and the state saved) beside the next inner
         # steps, not before them; the round's `outer_step` line follows when both are done.
         params = await trio.to_thread.run_sync(self.params_now)
