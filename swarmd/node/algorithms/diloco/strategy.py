@@ -99,7 +99,9 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             snap = await self.state.publish(step, background=nursery)
         # The new global parameters are validated (and the state saved) beside the next inner
         # steps, not before them; the round's `outer_step` line follows when both are done.
-        params = await trio.to_thread.run_sync(self.params_now)
+        params = await trio.to_thread.run_sync(
+            self.global_params if avg.sat_out else self.params_now
+        )
         held = self.peer.clock.held(t0)
         self.report_later()
         nursery.start_soon(
