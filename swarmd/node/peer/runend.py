@@ -20,9 +20,9 @@ from swarmd.node.peer.sharedstate import LONE_POLL_S, SharedState
 
 log = logging.getLogger("swarmd.daemon")
 
-#: Longest a peer at the run's end waits for the others to end on its state: a carried last
-#: round is decided after LONE_WAIT_S, and a peer that then takes the majority's state
-#: downloads it from peers that must still be there.
+#: Longest a peer at the run's end waits for the others to end on its state: a sat-out peer's
+#: last round waits up to LONE_WAIT_S for the roster's adverts before it settles, and a peer
+#: that then takes the majority's state downloads it from peers that must still be there.
 END_WAIT_S = 30.0
 
 
