@@ -13,6 +13,7 @@ import trio.testing
 
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.dht.ids import key_id, node_id
+from swarmd.node.dht.node import DHTNode
 from swarmd.node.dht.records import fingerprint, sign_record
 from swarmd.node.sim.dht import DhtScenario, DhtSwarm, run_dht, seeded_identity
 from swarmd.node.sim.network import NetworkConfig, SimNetwork
@@ -186,3 +187,40 @@ def test_a_light_read_looks_past_a_replica_that_holds_only_records_it_knows() ->
             nursery.cancel_scope.cancel()
 
     run_virtual(main, seed=5)
+
+
+def test_a_heartbeat_refresh_reaches_nodes_that_joined_near_its_key_since() -> None:
+    """An announcement is re-stored every ttl/3; the re-store went to the neighbourhood the
+    first store found (Replicator.near, kept NEAR_S = 30 s), so nodes that joined since held
+    none of it for up to 30 s, and a quorum read that stopped at three holders among them
+    missed the heartbeat (CI: a peer counted 4 of 5 live peers for two rounds,
+    test_stallers.py). A refresh now goes to the nodes now nearest."""
+
+    async def main() -> list[bool]:
+        swarm = DhtSwarm(8, NetworkConfig(), DHTConfig(), seed=7)
+        key = b"sim/heartbeats"
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                await swarm.start(nursery, i)
+            writer = swarm.nodes[1]
+            await nursery.start(_announce, writer, key)
+            for i in range(4, 8):
+                await swarm.start(nursery, i)
+            await trio.sleep(12.0)  # one refresh (ttl/3 = 10 s) and its stores
+            held = [
+                any(r.owner == writer.peer_id for r in swarm.nodes[i].storage.get(key))
+                for i in range(4, 8)
+            ]
+            nursery.cancel_scope.cancel()
+        return held
+
+    # 8 nodes and k = 20: every node is among the key's k closest.
+    assert run_virtual(main, seed=7) == [True] * 4
+
+
+async def _announce(
+    node: DHTNode, key: bytes, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    async with node.announce(key, b"here", ttl=30.0):
+        task_status.started()
+        await trio.sleep_forever()

@@ -66,11 +66,31 @@ class Replicator:
         about a third of a round's Finds (40 a peer-round of 117). Within NEAR_S the
         neighbourhood is taken as found: a store goes straight to it, and a get starts its
         lookup there (a node that left since fails and is passed over; one that joined nearer
-        since misses the record, as it would have until a re-publish)."""
+        since is found in the routing table, and the entry is dropped: see `_outgrown`)."""
         entry = self._near.get(target)
         if entry is None or trio.current_time() - entry[0] >= NEAR_S:
             return []
+        if self._outgrown(target, entry[1]):
+            del self._near[target]
+            return []
         return entry[1]
+
+    def _outgrown(self, target: int, nodes: list[tuple[PeerId, str]]) -> bool:
+        """Whether the routing table holds a node nearer ``target`` than the farthest of
+        ``nodes`` (any node, while they are fewer than k) that they lack.
+
+        A heartbeat is re-stored every ttl/3 (10 s) and used to go to the neighbourhood its
+        first store found for NEAR_S (30 s): nodes that joined since held none of it, and a
+        read that stopped at three holders among them missed a live peer for up to 30 s (CI:
+        a peer counted 4 of 5 live peers for two rounds). A joiner near the key shows here
+        first: it looks itself up through its neighbours, who add it to their tables."""
+        held = {peer for peer, _ in nodes}
+        full = len(nodes) >= self.config.k
+        bound = node_id(nodes[-1][0]) ^ target if full and nodes else None
+        for contact in self.table.closest(target, self.config.k):
+            if contact.peer_id not in held and (bound is None or contact.id ^ target < bound):
+                return True
+        return False
 
     def _remember(self, target: int, nodes: list[tuple[PeerId, str]]) -> None:
         now = trio.current_time()

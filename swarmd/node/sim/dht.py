@@ -120,7 +120,13 @@ class DhtSwarm:
             nursery.start_soon(self._run_node, i, self.rng.uniform(0, window_s))
         await trio.sleep(window_s + 5.0)
 
-    async def _run_node(self, i: int, delay: float) -> None:
+    async def start(self, nursery: trio.Nursery, i: int) -> None:
+        """Starts node ``i`` now; returns once it has joined (a test's own join order)."""
+        await nursery.start(self._run_node, i, 0.0)
+
+    async def _run_node(
+        self, i: int, delay: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         with self.scopes[i]:
             await trio.sleep(delay)
             others = self.rng.sample(self.joined, min(2, len(self.joined)))
@@ -128,6 +134,7 @@ class DhtSwarm:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.nodes[i].run, 4000, boot if i else [])
                 self.joined.append(i)
+                task_status.started()
 
     def kill(self, i: int) -> None:
         self.net.kill(self.hosts[i].address)
