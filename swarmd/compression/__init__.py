@@ -20,7 +20,7 @@ from swarmd.compression.errors import CompressionError
 from swarmd.compression.halfcast import HalfCodec, HalfConfig
 from swarmd.compression.int8 import Int8Codec, Int8Config, dequantize_int8, quantize_int8
 from swarmd.compression.lowrank import LowRankCodec, PowerSGD, PowerSGDConfig, PowerSGDRound
-from swarmd.compression.raw import RawCodec
+from swarmd.compression.raw import RawCodec, raw_segments
 from swarmd.compression.registry import decode, decode_into, peek_header
 from swarmd.compression.topk import TopKCodec, TopKConfig
 from swarmd.compression.wire import CodecId, DecodeLimits, Header
@@ -67,6 +67,7 @@ __all__ = [
     "encode_segments",
     "peek_header",
     "quantize_int8",
+    "raw_segments",
     "to_dense",
     "zstd_compress",
     "zstd_decompress",

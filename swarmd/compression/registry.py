@@ -29,11 +29,12 @@ _DECODERS: dict[CodecId, Callable[[Header, Buffer], torch.Tensor]] = {
 }
 
 
-def decode(data: Buffer, limits: DecodeLimits) -> torch.Tensor:
+def decode(data: Buffer, limits: DecodeLimits, *, finite: bool = True) -> torch.Tensor:
     """Decode any swarmd payload, optionally zstd-framed (one level; nesting is refused).
 
     Every failure (unknown codec, truncation, oversize, NaN, inconsistency) raises
-    `CompressionError`.
+    `CompressionError`; with ``finite=False`` a RAW payload's NaN and infinity do not (the
+    caller's norm pass refuses them, and a second pass over the values is spared).
     """
     header = parse_header(data, limits)
     if header.codec == CodecId.ZSTD:
@@ -41,6 +42,8 @@ def decode(data: Buffer, limits: DecodeLimits) -> torch.Tensor:
         header = parse_header(data, limits)
         if header.codec == CodecId.ZSTD:
             raise CompressionError("nested ZSTD frames are refused")
+    if header.codec == CodecId.RAW and not finite:
+        return decode_raw(header, data, finite=False)
     return _DECODERS[header.codec](header, data)
 
 
@@ -49,11 +52,14 @@ def peek_header(data: Buffer, limits: DecodeLimits) -> Header:
     return parse_header(data, limits)
 
 
-def decode_into(data: Buffer, limits: DecodeLimits, out: torch.Tensor) -> None:
+def decode_into(
+    data: Buffer, limits: DecodeLimits, out: torch.Tensor, *, finite: bool = True
+) -> None:
     """Decodes a payload that must describe a float32 tensor of `out`'s shape into `out`.
 
     INT8 payloads are dequantised straight into `out`; other codecs decode, then copy. On
     failure `out` may hold part of the payload: the caller overwrites it with its fallback.
+    ``finite``: see `decode`.
     """
     header = parse_header(data, limits)
     if header.codec != CodecId.ZSTD and (
@@ -65,7 +71,7 @@ def decode_into(data: Buffer, limits: DecodeLimits, out: torch.Tensor) -> None:
     if header.codec == CodecId.INT8 and out.dtype == torch.float32 and out.is_contiguous():
         decode_int8(header, data, out)
         return
-    value = decode(data, limits)
+    value = decode(data, limits, finite=finite)
     if value.dtype != torch.float32 or value.shape != out.shape:
         raise CompressionError(
             f"payload is {value.dtype} {tuple(value.shape)}, expected float32 {tuple(out.shape)}"

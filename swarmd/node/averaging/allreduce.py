@@ -48,14 +48,14 @@ from swarmd.node.averaging.exchange import GET_PART, PUT_PART, SERVICE, Exchange
 from swarmd.node.averaging.group import Group, Member, part_bounds, sub_group
 from swarmd.node.averaging.link import Link
 from swarmd.node.averaging.proof import NONCE_BYTES
-from swarmd.node.averaging.reduction import ReductionConfig, check_contribution, l2_norm
+from swarmd.node.averaging.reduction import ReductionConfig, check_contribution, part_norms
 from swarmd.node.averaging.round import Reduction, Round
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.metrics import Metrics
 from swarmd.node.runtime import offload
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
-from swarmd.protocol.framing import RECEIVE_BUFFERS, TensorMeta, payload_nbytes
+from swarmd.protocol.framing import TensorMeta, payload_nbytes
 from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.allreduce")
@@ -226,7 +226,7 @@ class Averager:
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, "weight must be finite and > 0")
         limits = DecodeLimits(max_elements=red.numel, max_bytes=part_limit(red.numel))
         try:
-            value, backing = await offload.run_sync(decode_contribution, data, limits)
+            value, backing, norm = await offload.run_sync(decode_contribution, data, limits)
         except CompressionError as exc:
             red.add(sender, None, 0.0, Rejection(f"undecodable: {exc}", "undecodable"))
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {exc}") from None
@@ -237,6 +237,7 @@ class Averager:
             red.add(sender, None, 0.0, why)
             raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"bad part: {why}")
         red.add(sender, value, info.weight)
+        red.norms[sender] = norm
         red.buffers.append(backing)
         self._link.count_bytes("received", rnd.codec_name, len(data))
         return apb.PartAck(received_bytes=len(data))
@@ -317,15 +318,7 @@ class Averager:
         for rid, old in list(self._rounds.items()):
             if old.finished_at is None:
                 continue
-            # Relay copies go back to the pool as soon as this peer starts another round: a
-            # member still fetching relays of the old round is late, and has fallbacks. Kept
-            # for the whole linger, they made every round of a busy peer allocate its receive
-            # buffers afresh (measured, 4 x 100M fp32 back to back: 3.6-6.0 s per round with
-            # cold buffers, 1.8 s warm).
-            for outcome in old.direct.values():
-                if outcome.received is not None:  # nothing but relays ever read it
-                    RECEIVE_BUFFERS.give(outcome.received)
-                    outcome.received = None
+            old.retire_copies()
             if now - old.finished_at > self.config.linger_s:
                 del self._rounds[rid]
                 self._stale[rid] = None
@@ -372,7 +365,10 @@ class Averager:
 
         # Whole-vector passes run in a worker thread, as the codecs do: in the trio thread they
         # held up every transfer this peer serves meanwhile (a 400 MB pass takes ~0.1 s).
-        if not math.isfinite(await offload.run_sync(l2_norm, local)):
+        # One pass, part by part: the norms of this peer's own parts are the yardstick for
+        # the reduced parts it obtains (Exchange.decode_part).
+        norms = await offload.run_sync(part_norms, local, rnd.bounds)
+        if not all(math.isfinite(n) for n in norms):
             raise ValueError("allreduce input contains NaN or infinity")
         # Error feedback: compress what we would have sent plus what earlier rounds lost.
         residual: torch.Tensor | None = None
@@ -388,6 +384,7 @@ class Averager:
             result=result,
             weight=weight,
             key=key,
+            local_norms=norms,
         )
         await exchange.run()
         if residual is not None:

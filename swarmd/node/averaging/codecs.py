@@ -6,6 +6,7 @@ Kept apart from the round logic so a codec change (or a new one) touches one sma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,6 +30,7 @@ from swarmd.compression import (
     zstd_compress,
 )
 from swarmd.compression.codec import Codec
+from swarmd.node.averaging.reduction import l2_norm
 from swarmd.protocol.framing import RECEIVE_BUFFERS
 
 CodecName = Literal["fp32", "fp16", "int8", "topk"]
@@ -51,11 +53,16 @@ def part_limit(numel: int) -> int:
     return 4 * numel + 4096
 
 
-def decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.Tensor, bytearray]:
-    """A received part's values and the buffer behind them (recycled after the reduction).
+def decode_contribution(
+    data: bytearray, limits: DecodeLimits
+) -> tuple[torch.Tensor, bytearray, float]:
+    """A received part's values, the buffer behind them (recycled after the reduction), and
+    their L2 norm, which the reducer's outlier check needs (`norm_outliers`).
 
     INT8 parts are dequantised into a recycled float32 buffer, and the payload goes back to
-    the pool at once; raw fp32 values are the payload itself, seen as floats."""
+    the pool at once; raw fp32 values are the payload itself, seen as floats. Non-finite
+    values raise CompressionError: for raw values, found by the norm's pass (the decoder's
+    own check would be a second pass over the part)."""
     header = peek_header(data, limits)
     if header.codec == CodecId.INT8 and len(header.shape) == 1 and header.numel > 0:
         backing = RECEIVE_BUFFERS.take(4 * header.numel)
@@ -65,8 +72,13 @@ def decode_contribution(data: bytearray, limits: DecodeLimits) -> tuple[torch.Te
             RECEIVE_BUFFERS.give(backing)
             raise
         RECEIVE_BUFFERS.give(data)
-        return torch.frombuffer(backing, dtype=torch.float32), backing
-    return decode(data, limits), data
+        values, data = torch.frombuffer(backing, dtype=torch.float32), backing
+    else:
+        values = decode(data, limits, finite=False)
+    norm = l2_norm(values)
+    if not math.isfinite(norm):
+        raise CompressionError("the contribution contains NaN or infinity")
+    return values, data, norm
 
 
 def make_codec(

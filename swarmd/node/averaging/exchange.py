@@ -21,9 +21,11 @@ from swarmd.compression import (
     CompressionError,
     DecodeLimits,
     Int8Codec,
+    RawCodec,
     decode,
     decode_into,
     encode_segments,
+    raw_segments,
 )
 from swarmd.node.averaging import verify
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
@@ -59,11 +61,14 @@ class Exchange:
         result: torch.Tensor,
         weight: float,
         key: str,
+        local_norms: list[float],
     ) -> None:
         """``to_send`` is ``local`` plus the error-feedback residual; ``residual`` receives
-        what this round's encoding loses (None: no error feedback)."""
+        what this round's encoding loses (None: no error feedback). ``local_norms``: the
+        L2 norm of each of ``local``'s parts, all finite."""
         self.link, self.rnd, self.key, self.weight = link, rnd, key, weight
         self.local, self.to_send, self.residual, self.result = local, to_send, residual, result
+        self.local_norms = local_norms
         n = len(rnd.group.members)
         self.failed: list[int] = []
         self.recovered: list[int] = []
@@ -168,7 +173,7 @@ class Exchange:
         segments: Encoded = (
             [liar(to_send[s:e])]
             if liar
-            else zstd_framed(encode_segments(rnd.codec, to_send[s:e]), rnd.zstd_level)
+            else zstd_framed(self.segments(to_send[s:e]), rnd.zstd_level)
         )
         if residual is not None:
             blob = b"".join(segments)
@@ -178,6 +183,13 @@ class Exchange:
             except (CompressionError, RuntimeError):
                 residual[s:e].zero_()  # a deliberately broken payload: nothing to carry
         return segments
+
+    def segments(self, values: torch.Tensor) -> Encoded:
+        """``values`` (a part of `to_send`) in the round's codec. Raw values that are this
+        peer's checked input go out without the codec's own pass over them."""
+        if isinstance(self.rnd.codec, RawCodec) and self.to_send is self.local:
+            return raw_segments(values)
+        return encode_segments(self.rnd.codec, values)
 
     async def prepare(self, j: int) -> None:
         self.encoded_parts[j] = await offload.run_sync(self.encode_part, j)
@@ -310,10 +322,13 @@ class Exchange:
         numel = e - s
         limits = DecodeLimits(max_elements=numel, max_bytes=8 * numel + 4096)
         try:
-            decode_into(blob, limits, self.result[s:e])
+            # Non-finite values are found by the norm below, in the same pass.
+            decode_into(blob, limits, self.result[s:e], finite=False)
         except CompressionError as exc:
             return Rejection(f"undecodable part: {exc}", "undecodable")
-        got, mine = l2_norm(self.result[s:e]), l2_norm(self.to_send[s:e])
+        got = l2_norm(self.result[s:e])
+        own = self.to_send is self.local
+        mine = self.local_norms[j] if own else l2_norm(self.to_send[s:e])
         factor = self.link.config.reduction.norm_outlier_factor
         if math.isfinite(got) and (math.isinf(factor) or got <= factor * mine + 1e-6):
             return None

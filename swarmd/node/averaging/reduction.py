@@ -8,6 +8,7 @@ norms far outside the group before they reach anyone's model.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,6 +82,11 @@ def l2_norm(value: torch.Tensor) -> float:
     if math.isfinite(fast):
         return fast
     return float(torch.linalg.vector_norm(value, dtype=torch.float64))
+
+
+def part_norms(value: torch.Tensor, bounds: list[tuple[int, int]]) -> list[float]:
+    """`l2_norm` of each part ``value[s:e]``: every one is finite iff the whole is."""
+    return [l2_norm(value[s:e]) for s, e in bounds]
 
 
 #: Elements per step of the float64 accumulation: small enough to stay in cache.
@@ -157,7 +163,10 @@ def _median(xs: list[float]) -> float:
 
 
 def norm_outliers(
-    values: dict[int, torch.Tensor], config: ReductionConfig, own: int | None = None
+    values: dict[int, torch.Tensor],
+    config: ReductionConfig,
+    own: int | None = None,
+    known: Mapping[int, float] | None = None,
 ) -> dict[int, Rejection]:
     """Contributions with non-finite values, or a norm beyond the absolute bound or far beyond
     the group's. The norm is taken in float64: a finite float32 vector never overflows it, so a
@@ -166,8 +175,10 @@ def norm_outliers(
     With fewer than three contributions there is no majority to compare against; ``own`` (the
     reducer's own contribution, which it trusts) is then the yardstick, so one member of a
     pair cannot move the other by more than the outlier factor times its own update (a x100
-    update once took the honest member of a pair from loss 3.25 to 13.1, and states to NaN)."""
-    norms = {k: l2_norm(v) for k, v in values.items()}
+    update once took the honest member of a pair from loss 3.25 to 13.1, and states to NaN).
+    ``known``: norms already taken (a received part's, as it was decoded), not taken again."""
+    known = known or {}
+    norms = {k: known[k] if k in known else l2_norm(v) for k, v in values.items()}
     bad = {
         k: Rejection("non-finite values", "non_finite")
         for k, n in norms.items()
