@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Collection
 
 import torch
@@ -31,7 +30,7 @@ from swarmd.node.averaging import verify
 from swarmd.node.averaging.codecs import BYTES_PER_VALUE, Encoded, zstd_framed
 from swarmd.node.averaging.config import AllReduceResult
 from swarmd.node.averaging.link import Link
-from swarmd.node.averaging.reduction import l2_norm
+from swarmd.node.averaging.reduction import implausible_part, l2_norm
 from swarmd.node.averaging.round import Round, finish_reduction
 from swarmd.node.bans import Rejection
 from swarmd.node.runtime import offload
@@ -169,12 +168,12 @@ class Exchange:
             self.sent_codes[j] = codes
             fused = rnd.codec.encode_segments(to_send[s:e], residual[s:e], codes=codes)
             return zstd_framed(fused, rnd.zstd_level)
-        liar = self.link.outgoing_encoder
-        segments: Encoded = (
-            [liar(to_send[s:e])]
-            if liar
-            else zstd_framed(self.segments(to_send[s:e]), rnd.zstd_level)
-        )
+        liar, values = self.link.outgoing_encoder, to_send[s:e]
+        # Raw values of this peer's checked input skip the codec's pass over them.
+        raw = isinstance(rnd.codec, RawCodec) and to_send is self.local
+        segments: Encoded = [liar(values)] if liar else zstd_framed(
+            raw_segments(values) if raw else encode_segments(rnd.codec, values), rnd.zstd_level
+        )  # fmt: skip
         if residual is not None:
             blob = b"".join(segments)
             limits = DecodeLimits(max_elements=e - s, max_bytes=len(blob) * 8 + 4096)
@@ -183,13 +182,6 @@ class Exchange:
             except (CompressionError, RuntimeError):
                 residual[s:e].zero_()  # a deliberately broken payload: nothing to carry
         return segments
-
-    def segments(self, values: torch.Tensor) -> Encoded:
-        """``values`` (a part of `to_send`) in the round's codec. Raw values that are this
-        peer's checked input go out without the codec's own pass over them."""
-        if isinstance(self.rnd.codec, RawCodec) and self.to_send is self.local:
-            return raw_segments(values)
-        return encode_segments(self.rnd.codec, values)
 
     async def prepare(self, j: int) -> None:
         self.encoded_parts[j] = await offload.run_sync(self.encode_part, j)
@@ -329,22 +321,11 @@ class Exchange:
         got = l2_norm(self.result[s:e])
         own = self.to_send is self.local
         mine = self.local_norms[j] if own else l2_norm(self.to_send[s:e])
-        factor = self.link.config.reduction.norm_outlier_factor
-        if math.isfinite(got) and (math.isinf(factor) or got <= factor * mine + 1e-6):
-            return None
-        log.warning(
-            "round %s: refused part %d from reducer %s: norm %.3g, this peer's own %.3g "
-            "(bound %g x)",
-            self.rnd.group.round_id.hex()[:12],
-            j,
-            self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id.short(),
-            got,
-            mine,
-            factor,
-        )
-        if not math.isfinite(got):
-            return Rejection("a part with non-finite values", "non_finite")
-        return Rejection(f"a part of norm {got:.3g}, {factor:g} x this peer's own", "outlier")
+        why = implausible_part(got, mine, self.link.config.reduction.norm_outlier_factor)
+        if why is not None:
+            reducer = self.rnd.group.members[self.rnd.reducer_of(j, attempt)].peer_id.short()
+            log.warning("%s: refused part from reducer %s: %s", self.context(j), reducer, why)
+        return why
 
     async def obtain(self, j: int) -> None:
         rnd = self.rnd

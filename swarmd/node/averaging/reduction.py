@@ -84,6 +84,17 @@ def l2_norm(value: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(value, dtype=torch.float64))
 
 
+def implausible_part(got: float, mine: float, factor: float) -> Rejection | None:
+    """Why a reduced part of norm ``got`` cannot be a mean of contributions its reducer
+    should have accepted (each within ``factor`` of the others), against this member's own
+    contribution's ``mine``: non-finite, or far larger. None: plausible."""
+    if math.isfinite(got) and (math.isinf(factor) or got <= factor * mine + 1e-6):
+        return None
+    if not math.isfinite(got):
+        return Rejection("a part with non-finite values", "non_finite")
+    return Rejection(f"a part of norm {got:.3g}, {factor:g} x this peer's own", "outlier")
+
+
 def part_norms(value: torch.Tensor, bounds: list[tuple[int, int]]) -> list[float]:
     """`l2_norm` of each part ``value[s:e]``: every one is finite iff the whole is."""
     return [l2_norm(value[s:e]) for s, e in bounds]
