@@ -5,11 +5,14 @@ rounds of swarmd's all-reduce (swarmd/node/averaging/allreduce.py) with the othe
 is formed each round through the DHT (swarmd/node/averaging/matchmaking.py, every worker runs a
 DHT node), and that time is reported separately as matchmaking_s, not included in round_s.
 
-bound_s is the bytes-on-wire lower bound: the bytes that must cross loopback in one round
-(every peer sends (P-1)/P of its vector in each of the two phases, at the codec's size) divided
-by the throughput of one raw TCP socket stream measured in this run.
+bound_s is the bytes-on-wire lower bound: the part bytes that crossed loopback in the last
+round (every peer sends (P-1)/P of its vector in each of the two phases, at the codec's size:
+counted as sent, so a zstd frame's saving counts) divided by the median throughput of one raw
+TCP socket stream carrying random bytes, measured five times in this run. ratio is
+round_s / bound_s; cpu_s the CPU seconds of one round in all processes together (median).
 
-Last line: peers=… mparams=… codec=… probes=… round_s=… matchmaking_s=… max_err=… bound_s=…
+Last line: peers=… mparams=… codec=… form=… probes=… round_s=… matchmaking_s=… max_err=…
+bound_s=… ratio=… cpu_s=…
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import torch
 import trio
 
+from swarmd.node.algorithms.loop import ZSTD_LEVEL
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager, Member
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.cli.app import THP_ENV
@@ -57,13 +61,21 @@ def true_mean_max_err(result: torch.Tensor, peers: int, numel: int) -> float:
 
 
 async def worker(
-    index: int, numel: int, codec: str, chunk: int, bootstrap: str, probes: int
+    index: int, numel: int, codec: str, chunk: int, bootstrap: str, probes: int, form: str
 ) -> None:
     identity = Identity.generate()
     transport = rpc.TransportConfig(chunk_bytes=chunk, max_message_bytes=max(4 << 20, 2 * chunk))
     client = rpc.RpcClient(identity, transport)
-    config = AllReduceConfig(codec=codec, probes=probes)  # type: ignore[arg-type]
-    averager = Averager(client, identity.peer_id, config)
+    bits, block, zstd = (int(x) for x in form.split("/"))
+    config = AllReduceConfig(
+        codec=codec,  # type: ignore[arg-type]
+        probes=probes,
+        int8_bits=bits,
+        int8_block_size=block,
+        zstd_level=ZSTD_LEVEL if zstd else None,
+    )
+    sent = _SentBytes()
+    averager = Averager(client, identity.peer_id, config, sent)  # type: ignore[arg-type]
     local = data_for(index, numel)
     # The average lands in the same buffer every round, as a trainer that averages every round
     # would keep it: a fresh 400 MB result per round costs the kernel zeroing its pages.
@@ -88,6 +100,7 @@ async def worker(
             matchmaking = time.monotonic() - t0
             assert group is not None and len(group.members) == cmd["peers"]
             t0, cpu0, faults0 = time.monotonic(), time.process_time(), minor_faults()
+            sent.nbytes = 0
             result = await averager.allreduce(group, local, 1.0, out=average)
             elapsed, cpu = time.monotonic() - t0, time.process_time() - cpu0
             out = {
@@ -96,6 +109,7 @@ async def worker(
                 "faults": minor_faults() - faults0,
                 "matchmaking_s": matchmaking,
                 "ok": result.ok,
+                "sent": sent.nbytes,
                 "dropped": len(result.dropped),
             }
             if cmd.get("check"):
@@ -106,13 +120,30 @@ async def worker(
     client.close()
 
 
+class _SentBytes:
+    """The Averager's metrics hooks, counting the part bytes this peer sends (a compressed
+    round's wire bytes are known only once encoded)."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def on_averaging_bytes(self, direction: str, codec: str, nbytes: int) -> None:
+        if direction == "sent":
+            self.nbytes += nbytes
+
+    def on_round(self, kind: str, duration_s: float, dropped: int) -> None:
+        pass
+
+
 def minor_faults() -> int:
     """Page faults so far (first touches of fresh memory: on this machine's VM, zeroing a
     fresh 400 MB costs ~1 CPU-s, so they show where a round allocates)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def socket_gbps(nbytes: int) -> float:
+def socket_gbps(nbytes: int, tries: int = 5) -> list[float]:
+    """One socket stream's throughput on loopback, ``tries`` times. The payload is random
+    bytes that were written (an untouched buffer reads the kernel's shared zero page)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -128,9 +159,9 @@ def socket_gbps(nbytes: int) -> float:
                 got += n
             conn.sendall(b"k")
 
-    payload = memoryview(bytearray(nbytes))
+    payload = memoryview(bytearray(os.urandom(nbytes)))
     rates = []
-    for _ in range(3):
+    for _ in range(tries):
         thread = threading.Thread(target=receive)
         thread.start()
         t0 = time.perf_counter()
@@ -140,7 +171,7 @@ def socket_gbps(nbytes: int) -> float:
         rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
         thread.join()
     listener.close()
-    return max(rates)
+    return rates
 
 
 WORKER_CMD = [__file__]
@@ -165,20 +196,30 @@ def main() -> None:
         default=AllReduceConfig.probes,
         help="random probes each reducer's proof is checked on (0: reducers are trusted)",
     )
-    parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--bits", type=int, default=8, help="int8 codec: bits per code")
+    parser.add_argument("--block", type=int, default=256, help="int8 codec: values per scale")
+    parser.add_argument(
+        "--zstd",
+        action="store_true",
+        help="a zstd frame around each part (the run's default codec is --codec int8 "
+        "--bits 3 --block 4096 --zstd)",
+    )
+    parser.add_argument("--worker", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
-        i, n, codec, chunk, bootstrap, probes = args.worker
+        i, n, codec, chunk, bootstrap, probes, form = args.worker
         settle_heap()  # as `swarmd` does before its main loop
-        trio.run(worker, int(i), int(n), codec, int(chunk), bootstrap, int(probes))
+        trio.run(worker, int(i), int(n), codec, int(chunk), bootstrap, int(probes), form)
         return
+    form = f"{args.bits}/{args.block}/{int(args.zstd)}"
     numel = int(args.mparams * 1e6)
 
     def spawn(i: int, bootstrap: str) -> subprocess.Popen[str]:
         command = [*WORKER_CMD, "--worker", str(i), str(numel), args.codec]
+        command += [str(args.chunk_kib << 10), bootstrap, str(args.probes), form]
         return subprocess.Popen(
-            [sys.executable, *command, str(args.chunk_kib << 10), bootstrap, str(args.probes)],
+            [sys.executable, *command],
             # Huge pages for torch's large tensors, as `swarmd` sets for itself (cli.THP_ENV).
             env={**os.environ, THP_ENV: os.environ.get(THP_ENV, "1")},
             stdin=subprocess.PIPE,
@@ -213,6 +254,7 @@ def main() -> None:
             )
             if check:
                 errs = [o["max_err"] for o in outs]
+                last_sent = sum(o["sent"] for o in outs)
     finally:
         for p in procs:
             if p.stdin:
@@ -220,17 +262,22 @@ def main() -> None:
         for i, p in enumerate(procs):
             if p.wait(timeout=60) != 0:
                 print(f"worker {i} exited with code {p.returncode} after its rounds")
-    bytes_per_value = {"fp32": 4.0, "fp16": 2.0, "int8": 1.0}[args.codec]
-    wire = 2 * args.peers * (args.peers - 1) / args.peers * numel * bytes_per_value
-    gbps = socket_gbps(256 << 20)
+    # The part bytes every peer sent in the last round: contributions and served parts.
+    wire = float(last_sent)
+    rates = socket_gbps(256 << 20)
+    gbps = statistics.median(rates)
     bound = wire / (gbps * 1e9)
-    print(f"raw socket {gbps:.2f} GB/s; {wire / 1e9:.2f} GB cross loopback per round")
+    print(
+        f"raw socket {gbps:.2f} GB/s (median of {', '.join(f'{r:.2f}' for r in rates)}); "
+        f"{wire / 1e9:.3f} GB crossed loopback in the last round"
+    )
     print(f"median CPU seconds per round, all peers together: {statistics.median(cpu_times):.2f}")
     print(
-        f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} probes={args.probes} "
-        f"round_s={statistics.median(round_times):.3f} "
+        f"peers={args.peers} mparams={args.mparams:g} codec={args.codec} form={form} "
+        f"probes={args.probes} round_s={statistics.median(round_times):.3f} "
         f"matchmaking_s={statistics.median(mm_times):.3f} "
         f"max_err={max(errs):.3g} bound_s={bound:.3f} "
+        f"ratio={statistics.median(round_times) / bound:.2f} "
         f"cpu_s={statistics.median(cpu_times):.2f}"
     )
 

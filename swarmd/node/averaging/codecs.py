@@ -120,10 +120,11 @@ def result_codec(name: CodecName, contribution: Codec) -> Codec:
 
 def zstd_framed(segments: Encoded, level: int | None) -> Encoded:
     """The encoded part in one zstd frame (lossless; receivers detect it by its header), or
-    as it was when ``level`` is None."""
+    as it was when ``level`` is None. Parts are quantised codes: compressed as such
+    (`ZstdConfig.literals`; the level is not used)."""
     if level is None:
         return segments
-    return [zstd_compress(b"".join(segments), ZstdConfig(level))]
+    return [zstd_compress(b"".join(segments), ZstdConfig(level, literals=True))]
 
 
 @dataclass(frozen=True)
