@@ -21,7 +21,7 @@ from swarmd.compression.halfcast import HalfCodec, HalfConfig
 from swarmd.compression.int8 import Int8Codec, Int8Config, dequantize_int8, quantize_int8
 from swarmd.compression.lowrank import LowRankCodec, PowerSGD, PowerSGDConfig, PowerSGDRound
 from swarmd.compression.raw import RawCodec, raw_segments
-from swarmd.compression.registry import decode, decode_into, peek_header
+from swarmd.compression.registry import decode, decode_into, peek_header, unframe
 from swarmd.compression.topk import TopKCodec, TopKConfig
 from swarmd.compression.wire import CodecId, DecodeLimits, Header
 from swarmd.compression.zstd_frame import (
@@ -69,6 +69,7 @@ __all__ = [
     "quantize_int8",
     "raw_segments",
     "to_dense",
+    "unframe",
     "zstd_compress",
     "zstd_decompress",
 ]

@@ -36,15 +36,21 @@ def decode(data: Buffer, limits: DecodeLimits, *, finite: bool = True) -> torch.
     `CompressionError`; with ``finite=False`` a RAW payload's NaN and infinity do not (the
     caller's norm pass refuses them, and a second pass over the values is spared).
     """
+    header, data = unframe(data, limits)
+    if header.codec == CodecId.RAW and not finite:
+        return decode_raw(header, data, finite=False)
+    return _DECODERS[header.codec](header, data)
+
+
+def unframe(data: Buffer, limits: DecodeLimits) -> tuple[Header, Buffer]:
+    """The payload inside an optional zstd frame (inflated) and its header."""
     header = parse_header(data, limits)
     if header.codec == CodecId.ZSTD:
         data = _decompress(header, data, limits.max_bytes)
         header = parse_header(data, limits)
         if header.codec == CodecId.ZSTD:
             raise CompressionError("nested ZSTD frames are refused")
-    if header.codec == CodecId.RAW and not finite:
-        return decode_raw(header, data, finite=False)
-    return _DECODERS[header.codec](header, data)
+    return header, data
 
 
 def peek_header(data: Buffer, limits: DecodeLimits) -> Header:
@@ -61,10 +67,11 @@ def decode_into(
     failure `out` may hold part of the payload: the caller overwrites it with its fallback.
     ``finite``: see `decode`.
     """
-    header = parse_header(data, limits)
-    if header.codec != CodecId.ZSTD and (
-        header.dtype != torch.float32 or header.shape != tuple(out.shape)
-    ):
+    # A zstd frame is inflated first, so that framed int8 codes too are dequantised in place
+    # (they were decoded into a fresh tensor and copied: its first touch, the kernel zeroing
+    # 100 MB of pages per part, was an eighth of a default-codec round's CPU).
+    header, data = unframe(data, limits)
+    if header.dtype != torch.float32 or header.shape != tuple(out.shape):
         raise CompressionError(
             f"payload is {header.dtype} {header.shape}, expected float32 {tuple(out.shape)}"
         )

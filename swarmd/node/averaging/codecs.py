@@ -26,7 +26,7 @@ from swarmd.compression import (
     ZstdConfig,
     decode,
     decode_into,
-    peek_header,
+    unframe,
     zstd_compress,
 )
 from swarmd.compression.codec import Codec
@@ -63,18 +63,18 @@ def decode_contribution(
     the pool at once; raw fp32 values are the payload itself, seen as floats. Non-finite
     values raise CompressionError: for raw values, found by the norm's pass (the decoder's
     own check would be a second pass over the part)."""
-    header = peek_header(data, limits)
+    header, inner = unframe(data, limits)  # int8 codes in a zstd frame too
     if header.codec == CodecId.INT8 and len(header.shape) == 1 and header.numel > 0:
         backing = RECEIVE_BUFFERS.take(4 * header.numel)
         try:
-            decode_into(data, limits, torch.frombuffer(backing, dtype=torch.float32))
+            decode_into(inner, limits, torch.frombuffer(backing, dtype=torch.float32))
         except CompressionError:
             RECEIVE_BUFFERS.give(backing)
             raise
         RECEIVE_BUFFERS.give(data)
         values, data = torch.frombuffer(backing, dtype=torch.float32), backing
     else:
-        values = decode(data, limits, finite=False)
+        values = decode(inner, limits, finite=False)
     norm = l2_norm(values)
     if not math.isfinite(norm):
         raise CompressionError("the contribution contains NaN or infinity")
