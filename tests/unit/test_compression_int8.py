@@ -22,7 +22,7 @@ from swarmd.compression import (
     quantize_int8,
 )
 from swarmd.compression.int8 import SCALE_MAX, SCALE_MIN
-from swarmd.compression.zstd_frame import zstd_compress
+from swarmd.compression.zstd_frame import ZstdConfig, zstd_compress
 
 LIMITS = DecodeLimits(max_elements=1 << 20, max_bytes=1 << 24)
 FMAX = torch.finfo(torch.float32).max
@@ -277,3 +277,11 @@ def test_decode_into_writes_the_decoded_values_in_place() -> None:
     half = HalfCodec().encode(x.half())
     with pytest.raises(CompressionError, match="expected float32"):
         decode_into(half, DecodeLimits.for_tensor(x), out)
+    # In a zstd frame (the run's default), inflated first and then dequantised in place; a
+    # framed payload of another shape is refused alike.
+    limits = DecodeLimits(max_elements=10_000, max_bytes=1 << 20)
+    out.fill_(7.0)
+    decode_into(zstd_compress(blob, ZstdConfig(literals=True)), limits, out)
+    assert torch.equal(out, codec.decode(blob, limits))
+    with pytest.raises(CompressionError, match="expected float32"):
+        decode_into(zstd_compress(codec.encode(torch.randn(9_999))), limits, out)
