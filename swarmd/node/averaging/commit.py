@@ -90,6 +90,8 @@ class Committed:
     payload: torch.Tensor
     scales: torch.Tensor | None
     levels: list[list[bytes]]
+    #: The pooled buffer behind int8 `payload`, handed back once the proof is made.
+    buffer: bytearray | None = None
 
     @property
     def root(self) -> bytes:
@@ -111,10 +113,12 @@ def commit(
     block: int,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    *,
+    codes: torch.Tensor | None = None,
 ) -> Committed:
     """Puts ``own`` in ``form``; ``residual`` (its shape) receives what that loses, and the
     values land in ``out`` (``own`` itself is allowed: the int8 form then overwrites it, with
-    no fresh 4-bytes-a-value tensor each round)."""
+    no fresh 4-bytes-a-value tensor each round); int8 codes land in ``codes`` when given."""
     own = own.reshape(-1)
     scales: torch.Tensor | None = None
     if form.kind == "fp32":
@@ -125,7 +129,7 @@ def commit(
     else:
         if block % form.int8_block:
             raise ValueError("the sample block must be whole int8 blocks")
-        payload = torch.empty(own.numel(), dtype=torch.int8)
+        payload = torch.empty(own.numel(), dtype=torch.int8) if codes is None else codes
         scales = torch.empty(-(-own.numel() // form.int8_block), dtype=torch.float32)
         values = torch.empty_like(own) if out is None else out
         quantize_int8_chunks(

@@ -100,6 +100,8 @@ class Reduction:
         contributions afresh, 0.14 CPU-s in `take` alone, more in page faults)."""
         self.values.clear()
         self.used.clear()
+        if self.committed is not None and self.committed.buffer is not None:
+            RECEIVE_BUFFERS.give(self.committed.buffer)
         self.committed = None
         for buf in self.buffers:
             RECEIVE_BUFFERS.give(buf)
@@ -252,32 +254,52 @@ async def finish_reduction(
                 out=target,
             )
         )
-        if isinstance(rnd.codec, Int8Codec):
-            # Quantised in place: `reduced` (`out`, or a robust reduction's own tensor)
-            # becomes what members decode, with no joined copy and no decoding pass.
-            encode = functools.partial(rnd.codec.encode_segments, reduced, decoded=reduced)
-            encoded = await offload.run_sync(encode)
-            red.decoded = reduced
-        elif rnd.codec_name == "fp32":
-            # A mean of finite contributions (their norms were checked) is finite: the
-            # codec's own pass over the values is spared.
-            encoded = raw_segments(reduced)
-            red.decoded = reduced  # lossless: what members decode is exactly this
-            if served and reduced.data_ptr() == target.data_ptr():
-                # Served as views of the buffer itself: the pool sees a send in flight.
-                encoded, red.served = [encoded[0], memoryview(served)], served
-        else:
-            encoded = await offload.run_sync(encode_segments, rnd.result_codec, reduced)
-            # `reduced` is encoded: overwrite `out` with what members decode (from the
-            # bytes before the lossless zstd frame: no need to inflate them).
-            blob = b"".join(encoded)
-            limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
-            await offload.run_sync(decode_into, blob, limits, out)
-            red.decoded = out
-        red.encoded = encoded
-        if rnd.zstd_level is not None:
-            red.encoded = await offload.run_sync(zstd_framed, encoded, rnd.zstd_level)
+        # A robust reduction returns a tensor of its own: the buffer then serves nothing.
+        holds = served if served and reduced.data_ptr() == target.data_ptr() else None
+        await _encode_result(red, rnd, reduced, out, holds)
     red.contributors = set(order)
     red.values.clear()
     red.used = values  # read once more, for the proof; then `release`d
     red.done.set()
+
+
+async def _encode_result(
+    red: Reduction, rnd: Round, reduced: torch.Tensor, out: torch.Tensor, served: bytearray | None
+) -> None:
+    """`red.encoded`, the reduced part as every member gets it, and `red.decoded`, what they
+    decode from it. ``served``: the pooled buffer an fp32 part was reduced into, if it was.
+    """
+    if isinstance(rnd.codec, Int8Codec):
+        # Quantised in place: `reduced` (`out`, or a robust reduction's own tensor) becomes
+        # what members decode, with no joined copy and no decoding pass. The codes go to a
+        # pooled buffer (fresh ones cost the kernel zeroing 25 MB a round): served as views
+        # of it when sent as they are, given back once a zstd frame holds them.
+        codes_buf = RECEIVE_BUFFERS.take(red.numel)
+        codes = torch.frombuffer(codes_buf, dtype=torch.int8) if red.numel else None
+        encode = functools.partial(rnd.codec.encode_segments, reduced, decoded=reduced, codes=codes)
+        encoded = [*(await offload.run_sync(encode))[:2], memoryview(codes_buf)]
+        red.decoded, red.served = reduced, codes_buf
+    elif rnd.codec_name == "fp32":
+        # A mean of finite contributions (their norms were checked) is finite: the codec's
+        # own pass over the values is spared.
+        encoded = raw_segments(reduced)
+        red.decoded = reduced  # lossless: what members decode is exactly this
+        if served is not None:
+            # Served as views of the buffer itself: the pool sees a send in flight.
+            encoded, red.served = [encoded[0], memoryview(served)], served
+    else:
+        encoded = await offload.run_sync(encode_segments, rnd.result_codec, reduced)
+        # `reduced` is encoded: overwrite `out` with what members decode (from the bytes
+        # before the lossless zstd frame: no need to inflate them).
+        blob = b"".join(encoded)
+        limits = DecodeLimits(max_elements=red.numel, max_bytes=len(blob) * 8 + 4096)
+        await offload.run_sync(decode_into, blob, limits, out)
+        red.decoded = out
+    if rnd.zstd_level is None:
+        red.encoded = encoded
+        return
+    red.encoded = await offload.run_sync(zstd_framed, encoded, rnd.zstd_level)
+    del encoded  # its views of the codes: the frame is what is served
+    if red.served is not None and rnd.codec_name != "fp32":
+        RECEIVE_BUFFERS.give(red.served)
+        red.served = None
