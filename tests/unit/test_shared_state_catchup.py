@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import trio
+import trio.testing
 
 from swarmd.node.bans import Bans
 from swarmd.node.dht.values import Value
@@ -31,9 +32,22 @@ class FakeDHT:
 
 
 def shared_state(
-    tmp_path: Path, adverts: dict[PeerId, StateAdvert], creator: PeerId
+    tmp_path: Path,
+    adverts: dict[PeerId, StateAdvert],
+    creator: PeerId,
+    live: set[PeerId] | None = None,
 ) -> tuple[SharedState, list[list[StateAdvert]]]:
+    """``live``: the peers whose heartbeats are live (default: every advert's owner)."""
+    alive = set(adverts) if live is None else live
+
+    async def addresses() -> dict[PeerId, str]:
+        return {p: "127.0.0.1:1" for p in alive}
+
+    async def count() -> int:
+        return len(alive) + 1  # and this peer
+
     peer = SimpleNamespace(
+        live=SimpleNamespace(addresses=addresses, count=count),
         opts=SimpleNamespace(state_dir=tmp_path),
         identity=Identity.generate(),
         creator=creator,
@@ -88,3 +102,23 @@ def test_strangers_are_ignored_but_the_creator_is_read(tmp_path: Path) -> None:
     assert synced == []
     owners = {a.owner for a in trio.run(lambda: state.adverts(known_only=True))}
     assert owners == {str(creator), str(friend)}
+
+
+def test_a_peer_whose_met_peers_all_left_follows_what_several_others_hold(
+    tmp_path: Path,
+) -> None:
+    """The creator's only partner, the creator killed: it never met the two peers that joined
+    meanwhile and average together, and made lone rounds since. It follows their state (two
+    hold it), as a joiner would; while a peer it met is live, strangers stay ignored."""
+    creator, joiners = Identity.generate().peer_id, [Identity.generate().peer_id for _ in range(2)]
+    adverts = {p: StateAdvert(5, h("g"), f"127.0.0.{i}:1", 10) for i, p in enumerate(joiners)}
+    state, synced = shared_state(tmp_path, adverts, creator, live=set(joiners))
+    state.met, state.shared_round = {str(creator)}, 3  # rounds 4 and 5 alone
+    assert trio.run(state.catch_up)
+    assert [{a.owner for a in donors} for donors in synced] == [{str(p) for p in joiners}]
+    # The creator still heartbeats (killed less than 30 s ago, or alive): strangers ignored.
+    state, synced = shared_state(tmp_path, adverts, creator, live={creator, *joiners})
+    state.met, state.shared_round = {str(creator)}, 3
+    # It waits out LONE_WAIT_S for the creator's advert of the round: in virtual time.
+    assert not trio.run(state.catch_up, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert synced == []

@@ -77,8 +77,9 @@ class Reduction:
         self.commitment = b""
         self.proof: apb.PartProof | None = None
         self.proof_ready = trio.Event()
-        #: An fp32 part's reduced values: a pooled buffer, served (through memoryviews of
-        #: it, which the pool sees) until the round is retired (`Round.retire_copies`).
+        #: An fp32 part's reduced values, or an unframed int8 part's codes: a pooled
+        #: buffer, served (through memoryviews of it, which the pool sees) until the round
+        #: is retired (`Round.retire_copies`).
         self.served: bytearray | None = None
 
     def add_nonce(self, index: int, nonce: bytes) -> None:
@@ -155,7 +156,7 @@ class Round:
 
     def retire_copies(self) -> None:
         """Stops serving what this finished round holds and hands its buffers back to the
-        pool: relay copies, and an fp32 part's reduced values.
+        pool: relay copies, and the reduced parts' buffers (`Reduction.served`).
 
         Called when this peer starts another round: a member still fetching the old round's
         parts then is late, and has fallbacks. Kept for the whole linger, they made every

@@ -390,9 +390,10 @@ class SharedState:
         inner steps of this round are dropped)."""
         if self.last_hash is None:
             return False
-        adverts = await self.adverts(known_only=True)
+        known = await self._knows_someone_live()
+        adverts = await self.adverts(known_only=known)
         if self.opt.age > self.shared_round:
-            adverts = await self._await_adverts_of(self.opt.age, adverts, publishers)
+            adverts = await self._await_adverts_of(self.opt.age, adverts, publishers, known)
         # A client-mode peer's state cannot be downloaded: deciding to take one would fail
         # every round (nor can a creator behind NAT anchor the run's line).
         adverts = [a for a in adverts if not a.client]
@@ -400,7 +401,7 @@ class SharedState:
         # Donors come from every advert read: the anchor may be the only holder of its state,
         # which the filter below leaves out of the decision's other rules, not out of the sync.
         donors = adverts
-        if not self.met:
+        if not known:
             # The creator's state counts alone (its config is the one this peer runs): a
             # joiner whose first download failed (refused while the run's peers had not yet
             # read that it was allowed) trained alone for a whole run without this.
@@ -418,8 +419,26 @@ class SharedState:
             return False
         return await self._sync_from_group([a for a in donors if a.state_hash == want])
 
+    async def _knows_someone_live(self) -> bool:
+        """Whether a peer this one has met (averaged with, downloaded from) still heartbeats.
+
+        If none does, it stands where a joiner stands, and follows what a joiner would: a
+        state several peers hold, or the creator's. Following only the peers it had met, the
+        creator's only partner, killed with the creator, trained alone for the rest of a run
+        while the two peers that had joined meanwhile averaged together: it had never met
+        them, and under load it came late to the one roll call it could have (CI, the
+        creator-kill grid test: 17 lone rounds)."""
+        if not self.met:
+            return False
+        live = {str(p) for p in await self.peer.live.addresses()}
+        return bool(self.met & live)
+
     async def _await_adverts_of(
-        self, age: int, adverts: list[StateAdvert], publishers: Collection[PeerId] = ()
+        self,
+        age: int,
+        adverts: list[StateAdvert],
+        publishers: Collection[PeerId] = (),
+        known_only: bool = True,
     ) -> list[StateAdvert]:
         """Waits (at most LONE_WAIT_S) until every other live peer (of ``publishers``, if
         given) advertises a state of `age` or newer; returns the adverts then.
@@ -450,7 +469,7 @@ class SharedState:
             elif sum(a.round >= age for a in adverts) >= await self.peer.live.count() - 1:
                 break
             await trio.sleep(LONE_POLL_S)
-            adverts = await self.adverts(known_only=True)
+            adverts = await self.adverts(known_only=known_only)
         return adverts
 
 
