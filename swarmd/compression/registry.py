@@ -36,7 +36,10 @@ def decode(data: Buffer, limits: DecodeLimits, *, finite: bool = True) -> torch.
     `CompressionError`; with ``finite=False`` a RAW payload's NaN and infinity do not (the
     caller's norm pass refuses them, and a second pass over the values is spared).
     """
-    header, data = unframe(data, limits)
+    return _decode_unframed(*unframe(data, limits), finite=finite)
+
+
+def _decode_unframed(header: Header, data: Buffer, *, finite: bool) -> torch.Tensor:
     if header.codec == CodecId.RAW and not finite:
         return decode_raw(header, data, finite=False)
     return _DECODERS[header.codec](header, data)
@@ -78,7 +81,7 @@ def decode_into(
     if header.codec == CodecId.INT8 and out.dtype == torch.float32 and out.is_contiguous():
         decode_int8(header, data, out)
         return
-    value = decode(data, limits, finite=finite)
+    value = _decode_unframed(header, data, finite=finite)  # inflated above already
     if value.dtype != torch.float32 or value.shape != out.shape:
         raise CompressionError(
             f"payload is {value.dtype} {tuple(value.shape)}, expected float32 {tuple(out.shape)}"

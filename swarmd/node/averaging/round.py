@@ -257,6 +257,8 @@ async def finish_reduction(
         )
         # A robust reduction returns a tensor of its own: the buffer then serves nothing.
         holds = served if served and reduced.data_ptr() == target.data_ptr() else None
+        if served and holds is None:
+            RECEIVE_BUFFERS.give(served)
         await _encode_result(red, rnd, reduced, out, holds)
     red.contributors = set(order)
     red.values.clear()
