@@ -59,6 +59,10 @@ def test_a_peer_whose_heartbeat_lapsed_is_forgotten() -> None:
     assert att.absent == {STALLER}
     att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
     assert att.absent == set()  # the record never outgrows the live peers
+    # Back, it is a newcomer again (it must take the state and train a round first): not
+    # waited for in its first round, then waited for with its old misses forgotten.
+    assert att.expected([ME, STALLER]) == 1
+    att.record([ME, STALLER], Gathered(announced={ME}, short=False))
     assert att.expected([ME, STALLER]) == 2
 
 
@@ -79,7 +83,9 @@ def test_each_excused_peer_that_comes_raises_the_wait_up_to_the_largest_group() 
 def test_stallers_first_seen_in_different_rounds_come_due_together() -> None:
     """Two stallers' heartbeats are read in round 1, the third's only in round 2. Each on its
     own schedule, the first two came due in round 3 and the third in round 4: every round
-    waited (CI). On one schedule: rounds 3, 5 and 6 wait for none of them."""
+    waited (CI). On one schedule they come due together: the third is new in round 2 (not
+    waited for in its first round), all three are waited for in round 3, then not in rounds
+    4 and 5, then in round 6."""
     a, b, c = pid("a"), pid("b"), pid("c")
     att = Attendance()
     waited = []
@@ -88,7 +94,22 @@ def test_stallers_first_seen_in_different_rounds_come_due_together() -> None:
         waits = att.expected(live) > 2
         waited.append(waits)
         att.record(live, Gathered(announced={ME, HONEST}, short=waits))
-    assert waited == [True, True, False, True, False, False, True]
+    assert waited == [True, False, True, False, False, True, False]
+
+
+def test_a_peer_new_after_the_first_round_is_not_waited_for_in_its_first() -> None:
+    """A joiner heartbeats once it holds the run's state, then trains a round before it can
+    announce: the round its heartbeat appears in is not held for it. At this peer's own
+    first round every peer is new and all are waited for (a run's start)."""
+    att = Attendance()
+    assert att.expected([ME, HONEST]) == 2
+    att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
+    assert att.expected([ME, HONEST, LATE]) == 2
+    gathering = att.gathering([ME, HONEST, LATE], most=3)
+    assert gathering.excused == {LATE}
+    assert gathering.wanted(2, [ME, HONEST, LATE]) == 3  # it came anyway: one more waited for
+    att.record([ME, HONEST, LATE], Gathered(announced={ME, HONEST}, short=False))
+    assert att.expected([ME, HONEST, LATE]) == 3  # its second round: waited for
 
 
 def test_a_short_round_with_nobody_new_missing_does_not_put_the_absent_off_again() -> None:
