@@ -21,6 +21,8 @@ PEERS = 3
 #: 20 rounds of H = 5: the first peers up average in a pair (flat: they see 2 live peers)
 #: until the third one's heartbeat is read, a second or two in.
 STEPS = 100
+#: The streaming run's length in turns (H = 4 in 2 fragments: 2 inner steps a turn).
+TURNS = 20
 
 
 def _outer(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -113,12 +115,15 @@ def test_three_streaming_peers_in_groups_of_two_average_fragments_on_the_grid(
     """Streaming DiLoCo on the grid (issue 46 item 4): each fragment round takes the roll
     call and grid a DiLoCo round takes, its rows' error feedback kept per fragment. Three
     peers in groups of 2: every turn all three averaged in ends on one state, and peers met
-    both others (across rows). Flat, they were a pair and a lone peer on two state lines."""
-    (tmp_path / "run.toml").write_text(STREAMING_RUN + 'target_group_size = 2\ngrouping = "grid"\n')
+    both others (across rows). Flat, they were a pair and a lone peer on two state lines.
+    The run ends at its total_steps (20 turns of H/P = 2 steps), and all three leave on one
+    state of its last turn (peer/runend.py, as DiLoCo's peers do)."""
+    run = STREAMING_RUN + f'target_group_size = 2\ngrouping = "grid"\ntotal_steps = {TURNS * 2}\n'
+    (tmp_path / "run.toml").write_text(run)
     boot = start_bootstrap(processes, tmp_path)
     create = ("--create-run", str(tmp_path / "run.toml"))
     procs = processes.start_many(
-        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=40) for i in range(PEERS)]
+        [join_cmd(tmp_path, f"p{i}", boot, *create * (i == 0), steps=None) for i in range(PEERS)]
     )
     runs = [events_until_exit(p, timeout=240) for p in procs]
     for i, events in enumerate(runs):
@@ -139,3 +144,6 @@ def test_three_streaming_peers_in_groups_of_two_average_fragments_on_the_grid(
     # Both fragments went over the grid, each with a peer that met both others.
     met_all = {es[0]["fragment"] for es in full.values() if max(e["group_size"] for e in es) == 3}
     assert met_all == {0, 1}, full
+    last = [_outer(events)[-1] for events in runs]
+    assert {e["turn"] for e in last} == {TURNS}, last
+    assert len({e["state_hash"] for e in last}) == 1, last

@@ -15,6 +15,7 @@ import trio
 from swarmd.node.algorithms.loop import OuterLoopStrategy
 from swarmd.node.averaging.allreduce import AllReduceResult
 from swarmd.node.peer.options import JoinError
+from swarmd.node.peer.runend import leave_on_one_state
 from swarmd.optim.streaming import FragmentReport, FragmentRound, StreamingDiLoCo
 
 log = logging.getLogger("swarmd.daemon")
@@ -92,7 +93,27 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
                     continue  # took the group's state instead: no round this time
             if opt.outer_due() and not await self._outer_step(step):
                 break  # stopping: the round is abandoned, the last saved state stands
+        if not self.peer.stopping.is_set() and self.peer.at_end(self.opt.progress):
+            await self._leave_on_one_state(step)
         return step
+
+    async def _leave_on_one_state(self, step: int) -> None:
+        """The run's end, as DiLoCo's (peer/runend.py): every live peer it met advertises
+        one state of the last turn before it leaves. A last turn can end differently on
+        different peers (one averaged, another deferred its fragment), and without this the
+        peers left on two states. An eager stand-in still waiting for its average is
+        replaced first: the stand-in is this peer's alone."""
+        flight = self._flight
+        if flight is not None:
+            waited = await self._wait_for(flight)
+            if not flight.done.is_set():
+                return  # stopped while it waited
+            await self._finish(flight, step, waited)
+        opt = self.opt
+        await leave_on_one_state(
+            self.state,
+            lambda: self.took_group_state(step, time.monotonic(), fragment=None, turn=opt.turn),
+        )
 
     async def _begin_round(
         self, step: int, nursery: trio.Nursery
