@@ -23,7 +23,7 @@ import trio
 
 from swarmd.compression.lowrank import PowerSGD, PowerSGDConfig
 from swarmd.node.averaging.allreduce import AllReduceResult, Member
-from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call
+from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call, roll_verdict
 from swarmd.node.averaging.lowrank import allreduce_lowrank
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.peer.context import PeerContext
@@ -392,11 +392,10 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         # left (the creator, killed) and that missed the next roll never knew the others'
         # adverts and stepped alone for the rest of the run (a CI rehearsal: 17 rounds).
         self.state.meet(gathered.announced)
-        if roll is None and gathered.announced - {self.me.peer_id}:
-            # Others answered and committed a roster without this peer (it came after the
-            # roll closed): their round's state is taken, as a peer left out of a group does.
+        verdict = roll_verdict(roll, gathered, self.me.peer_id)
+        if verdict == "sit_out":
             return Averaging(formed=True, sat_out=True, publishers=gathered.committed)
-        if roll is None or len(roll.members) < 2:
+        if verdict == "alone" or roll is None:
             return Averaging(formed=roll is not None)
         config = self.peer.config
         cfg = GridConfig(config.target_group_size, config.codec, ef_key)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import trio
@@ -226,6 +227,22 @@ async def roll_call(
     return await form_group(dht, f"{key}/roll", me, cfg, gathered)
 
 
+RollVerdict = Literal["sit_out", "alone", "grid"]
+
+
+def roll_verdict(roll: Group | None, gathered: Gathered, me: PeerId) -> RollVerdict:
+    """What a roll call's outcome leaves this peer to do, the same in a daemon (loop.py) and
+    in the simulator (sim/rounds.py), which kept a copy of this rule each: "sit_out" when
+    others answered and committed a roster without it (it came after the roll closed: it
+    takes their round's state, as a peer left out of a group does); "alone" when no roll of
+    two formed (it steps on its own); else "grid"."""
+    if roll is None and gathered.announced - {me}:
+        return "sit_out"
+    if roll is None or len(roll.members) < 2:
+        return "alone"
+    return "grid"
+
+
 def on_roster(
     roll: Group, key: str, averager: Averager, me: Member, config: GridConfig
 ) -> tuple[Grid, GridPeer]:
@@ -238,4 +255,12 @@ def on_roster(
     return grid, GridPeer(averager, me, config, members)
 
 
-__all__ = ["GridConfig", "GridOutcome", "GridPeer", "on_roster", "roll_call"]
+__all__ = [
+    "GridConfig",
+    "GridOutcome",
+    "GridPeer",
+    "RollVerdict",
+    "on_roster",
+    "roll_call",
+    "roll_verdict",
+]

@@ -33,7 +33,7 @@ from swarmd.node.averaging.allreduce import Averager, Member
 from swarmd.node.averaging.attendance import Attendance
 from swarmd.node.averaging.codecs import CodecName
 from swarmd.node.averaging.config import AllReduceConfig
-from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call
+from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call, roll_verdict
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
 from swarmd.node.chaos.byzantine import LIES, WEIGHTFLIP
@@ -339,9 +339,10 @@ class _Run:
             node, key, me, self.s.matchmaking, attendance.expected(live), gathered
         )
         attendance.record(live, gathered)
-        if roll is None and gathered.announced - {me.peer_id}:
+        verdict = roll_verdict(roll, gathered, me.peer_id)
+        if verdict == "sit_out":
             return await self._sit_out(i, r, t0, train_s)
-        if roll is None or len(roll.members) < 2:
+        if verdict == "alone" or roll is None:
             outer.step(value)
             self._record(i, r, 1, 0, lie, trio.current_time() - t0, 0.0, train_s)
             return False
