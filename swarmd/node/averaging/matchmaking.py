@@ -20,9 +20,10 @@ round and is dropped by its deadline. A peer left out of every group skips to th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import trio
@@ -127,8 +128,13 @@ class _Commitment:
     record: bytes  # the exact GroupRecord bytes: the round id derives from them
     members: tuple[Member, ...]
 
+    @functools.cached_property
+    def _ids(self) -> frozenset[PeerId]:
+        return frozenset(m.peer_id for m in self.members)
+
     def names(self, peer: PeerId) -> bool:
-        return any(m.peer_id == peer for m in self.members)
+        """Looked up, not scanned: every poll of a roll call asks it of the roster's group."""
+        return peer in self._ids
 
 
 def _decode_group(leader: PeerId, raw: bytes) -> _Commitment | None:
@@ -196,8 +202,12 @@ class _View:
 
     async def read(self, waits: _Waits) -> None:
         """Reads the key: this node's own records if a store here woke the peer, else the
-        DHT (light or not, as `waits` says)."""
-        found = await self._reader.peers(light=waits.light, local=waits.woken)
+        DHT (light or not, as `waits` says). Only the announcements new since the last read
+        are decoded and walked (KeyReader.peers_changed): a roll call of N peers walked all
+        N on every poll. A leader's group is checked against the members seen so far when
+        it arrives (each read checked every group it listed, and kept the ones that held
+        once, which comes to the same)."""
+        found = await self._reader.peers_changed(light=waits.light, local=waits.woken)
         decoded = [(peer, d) for peer, value in found.items() if (d := self._decode(peer, value))]
         now = trio.current_time()
         for peer, (member, _, stands_for) in decoded:
@@ -244,8 +254,9 @@ class _View:
 def _enough(visible: Iterable[Member], target: int) -> bool:
     """Whether gathering may stop early: the target is visible and one of them is reachable
     to lead (a client that stopped at two clients gave up a round its reachable peer led)."""
-    members = list(visible)
-    return len(members) >= target and leader_of(members) is not None
+    members = visible if isinstance(visible, Collection) else list(visible)
+    # The count first: a roll call's polls ask this with hundreds of peers short of the target.
+    return len(members) >= target and leader_of(list(members)) is not None
 
 
 def _group(key: str, commitment: _Commitment) -> Group:

@@ -73,6 +73,12 @@ class Record:
         key again (at 1,000 simulated peers, 18% of a round's CPU derived owners)."""
         return PeerId.from_public_key(self.owner_key)
 
+    @functools.cached_property
+    def fingerprint(self) -> bytes:
+        """See `fingerprint`: hashed once per record (a node answering a reader's Find checks
+        every record under the key against the reader's list, on every poll)."""
+        return hashlib.sha256(self.signature).digest()[:FINGERPRINT_BYTES]
+
     @property
     def size(self) -> int:
         """Bytes this record costs a node that stores it (what quotas count)."""
@@ -180,7 +186,7 @@ def fingerprint(record: Record) -> bytes:
     """A short name for one exact version of a record (its signature is unique to it): what a
     reader lists in a Find so that nodes leave out records it already holds. Only the owner
     can make a record, so only the owner could make two whose fingerprints collide."""
-    return hashlib.sha256(record.signature).digest()[:FINGERPRINT_BYTES]
+    return record.fingerprint
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -27,8 +27,13 @@ def key_bytes(text: str | bytes) -> bytes:
     return text.encode() if isinstance(text, str) else text
 
 
-def _value(record: Record) -> Value:
+def value_of(record: Record) -> Value:
     return Value(record.value, record.expires, record.owner)
+
+
+def subkey_text(subkey: bytes) -> str:
+    """A sub-key as the merged map names it."""
+    return subkey.decode("utf-8", "backslashreplace")
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -39,14 +44,23 @@ def _peer_named(subkey: str) -> PeerId | None:
     return PeerId.from_string(subkey) if is_peer_subkey(subkey.encode()) else None
 
 
+def announcer(subkey: str, value: Value) -> PeerId | None:
+    """The peer whose own announcement this entry is (its sub-key names its signer), if it
+    is one and not withdrawn (an empty value, see DHTNode.announce)."""
+    return value.owner if value.value and _peer_named(subkey) == value.owner else None
+
+
 def announced_peers(entries: dict[str, Value]) -> dict[PeerId, Value]:
-    """The entries of a sub-key map that are peers' own announcements (sub-key = signer),
-    less withdrawn ones (empty values, see DHTNode.announce)."""
+    """The entries of a sub-key map that are peers' own announcements, less withdrawn ones."""
     found: dict[PeerId, Value] = {}
     for subkey, value in entries.items():
-        if value.value and _peer_named(subkey) == value.owner:
-            found[value.owner] = value
+        if (peer := announcer(subkey, value)) is not None:
+            found[peer] = value
     return found
+
+
+def peer_named(subkey: str) -> PeerId | None:
+    return _peer_named(subkey)
 
 
 def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | None:
@@ -64,5 +78,5 @@ def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | N
         elif (old := subs.get(r.subkey)) is None or r.supersedes(old):
             subs[r.subkey] = r
     if subs and (plain is None or max(r.expires_ms for r in subs.values()) >= plain.expires_ms):
-        return {k.decode("utf-8", "backslashreplace"): _value(r) for k, r in subs.items()}
-    return _value(plain) if plain is not None else None
+        return {subkey_text(k): value_of(r) for k, r in subs.items()}
+    return value_of(plain) if plain is not None else None
