@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Collection
 
 import trio
@@ -42,7 +41,7 @@ class LivePeers:
     def __init__(self, dht: DHTNode, config: RunConfig) -> None:
         self._dht = dht
         self._config = config
-        #: (monotonic time, live peer -> the address its heartbeat names) at the last read.
+        #: (trio time, live peer -> the address its heartbeat names) at the last read.
         self._last: tuple[float, dict[PeerId, str]] = (-math.inf, {})
         self._reader: KeyReader | None = None
         #: Live peers that did not come to rounds that counted them: not waited for a while.
@@ -65,7 +64,9 @@ class LivePeers:
         different ages plan different grids, and their round forks).
         """
         at, ids = self._last
-        recent = time.monotonic() - at < LIVE_PEERS_MAX_AGE_S
+        # trio's clock, not the OS's: under the simulator's virtual time the count ages as
+        # the simulated run does.
+        recent = trio.current_time() - at < LIVE_PEERS_MAX_AGE_S
         if fresh or not (recent and len(ids) >= self._config.target_group_size):
             if self._reader is None:
                 # Re-reads transfer only heartbeats (refreshes, withdrawals) not read before.
@@ -73,7 +74,7 @@ class LivePeers:
             ids = {
                 p: v.value.decode(errors="replace") for p, v in (await self._reader.peers()).items()
             }
-            self._last = (time.monotonic(), ids)
+            self._last = (trio.current_time(), ids)
         return ids
 
     async def group_target(
