@@ -18,6 +18,7 @@ from swarmd.node.dht.values import (
     announcer,
     key_bytes,
     merge,
+    newest,
     peer_named,
     subkey_text,
     value_of,
@@ -150,12 +151,7 @@ class KeyReader:
         held = list(self._held.values())
         self._first_expiry_ms = min((r.expires_ms for r in held), default=math.inf)
         self._plain = any(r.subkey is None for r in held)
-        self._winners = {}
-        for r in held:
-            if r.subkey is not None and r.expires_ms > now_ms:
-                old = self._winners.get(r.subkey)
-                if old is None or r.supersedes(old):
-                    self._winners[r.subkey] = r
+        _, self._winners = newest(held, now_ms)
         if self._plain:
             merged = merge(held, now_ms / 1000)
             self._merged = merged if isinstance(merged, dict) else {}

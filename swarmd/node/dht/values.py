@@ -63,10 +63,8 @@ def peer_named(subkey: str) -> PeerId | None:
     return _peer_named(subkey)
 
 
-def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | None:
-    """Newest version of each slot; a key's sub-key map wins over its plain value if it
-    expires later (and the other way round)."""
-    now_ms = int(now * 1000)
+def newest(records: Sequence[Record], now_ms: int) -> tuple[Record | None, dict[bytes, Record]]:
+    """The newest live plain record, and the newest live record of each sub-key."""
     plain: Record | None = None
     subs: dict[bytes, Record] = {}
     for r in records:
@@ -77,6 +75,13 @@ def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | N
                 plain = r
         elif (old := subs.get(r.subkey)) is None or r.supersedes(old):
             subs[r.subkey] = r
+    return plain, subs
+
+
+def merge(records: Sequence[Record], now: float) -> Value | dict[str, Value] | None:
+    """Newest version of each slot; a key's sub-key map wins over its plain value if it
+    expires later (and the other way round)."""
+    plain, subs = newest(records, int(now * 1000))
     if subs and (plain is None or max(r.expires_ms for r in subs.values()) >= plain.expires_ms):
         return {subkey_text(k): value_of(r) for k, r in subs.items()}
     return value_of(plain) if plain is not None else None
