@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import trio
@@ -251,12 +251,12 @@ class _View:
         return out
 
 
-def _enough(visible: Iterable[Member], target: int) -> bool:
+def _enough(visible: Collection[Member], target: int) -> bool:
     """Whether gathering may stop early: the target is visible and one of them is reachable
-    to lead (a client that stopped at two clients gave up a round its reachable peer led)."""
-    members = visible if isinstance(visible, Collection) else list(visible)
-    # The count first: a roll call's polls ask this with hundreds of peers short of the target.
-    return len(members) >= target and leader_of(list(members)) is not None
+    to lead (a client that stopped at two clients gave up a round its reachable peer led).
+    The count first: a roll call's polls ask this with hundreds of peers short of the
+    target."""
+    return len(visible) >= target and leader_of(list(visible)) is not None
 
 
 def _group(key: str, commitment: _Commitment) -> Group:

@@ -37,7 +37,7 @@ def subkey_text(subkey: bytes) -> str:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _peer_named(subkey: str) -> PeerId | None:
+def peer_named(subkey: str) -> PeerId | None:
     """The peer a sub-key names, if it is a peer id: parsed once per sub-key (a matchmaking
     read lists every announcement under its key, and parsing them on each read was a fifth
     of a simulated 1,000-peer round's CPU)."""
@@ -47,7 +47,7 @@ def _peer_named(subkey: str) -> PeerId | None:
 def announcer(subkey: str, value: Value) -> PeerId | None:
     """The peer whose own announcement this entry is (its sub-key names its signer), if it
     is one and not withdrawn (an empty value, see DHTNode.announce)."""
-    return value.owner if value.value and _peer_named(subkey) == value.owner else None
+    return value.owner if value.value and peer_named(subkey) == value.owner else None
 
 
 def announced_peers(entries: dict[str, Value]) -> dict[PeerId, Value]:
@@ -57,10 +57,6 @@ def announced_peers(entries: dict[str, Value]) -> dict[PeerId, Value]:
         if (peer := announcer(subkey, value)) is not None:
             found[peer] = value
     return found
-
-
-def peer_named(subkey: str) -> PeerId | None:
-    return _peer_named(subkey)
 
 
 def newest(records: Sequence[Record], now_ms: int) -> tuple[Record | None, dict[bytes, Record]]:

@@ -103,12 +103,8 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         different peers (one averaged, another deferred its fragment), and without this the
         peers left on two states. An eager stand-in still waiting for its average is
         replaced first: the stand-in is this peer's alone."""
-        flight = self._flight
-        if flight is not None:
-            waited = await self._wait_for(flight)
-            if not flight.done.is_set():
-                return  # stopped while it waited
-            await self._finish(flight, step, waited)
+        if not await self._settle_flight(step):
+            return
         opt = self.opt
         await leave_on_one_state(
             self.state,
@@ -121,14 +117,9 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         """Starts the due fragment's round in the background, unless this peer takes the
         group's state instead ("synced") or is stopped while an eager stand-in still waits for
         its average ("stopping")."""
+        if not await self._settle_flight(step):
+            return "stopping"
         t0 = time.monotonic()
-        flight = self._flight
-        if flight is not None:  # an eager stand-in still waits for its average
-            waited = await self._wait_for(flight)
-            if not flight.done.is_set():
-                return "stopping"
-            await self._finish(flight, step, waited)
-            t0 = time.monotonic()
         # A peer whose state is not the group's takes the group's first (see DiLoCo's outer
         # step). The matchmaking key carries the hash of the whole state, not only this
         # fragment's: it is the hash state adverts already carry, so "same key" and "same
@@ -156,6 +147,18 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         )
         self.peer.clock.held(t0)
         return "started"
+
+    async def _settle_flight(self, step: int) -> bool:
+        """Applies the round still on the wire, if any (an eager stand-in waiting for its
+        average), waiting for it; False if the peer was stopped while it waited."""
+        flight = self._flight
+        if flight is None:
+            return True
+        waited = await self._wait_for(flight)
+        if not flight.done.is_set():
+            return False
+        await self._finish(flight, step, waited)
+        return True
 
     async def _outer_step(self, step: int) -> bool:
         """The fragment's outer step: its average (or, eager, a stand-in while it is late);
