@@ -103,3 +103,30 @@ def test_a_withdrawal_and_a_lapse_leave_the_peers_and_the_merge_agrees() -> None
         assert set(await reader.peers_changed()) == {b.peer_id}
 
     trio.run(main)
+
+
+def test_an_announcement_not_admitted_yet_is_handed_over_once_it_is() -> None:
+    """A run's access rules admit a peer only once this peer has read that it is allowed: an
+    announcement read before must come later, not be lost (CI: a secret run's two peers
+    averaged apart when it was)."""
+
+    class Gated(FakeNode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.allowed: set[str] = set()
+
+        def admitted(self, key: bytes, entries: dict[str, Value]) -> dict[str, Value]:
+            return {k: v for k, v in entries.items() if str(v.owner) in self.allowed}
+
+    async def main() -> None:
+        node = Gated()
+        reader = KeyReader(node, KEY)
+        a, b = Identity.generate(), Identity.generate()
+        node.allowed = {str(a.peer_id)}
+        node.held = [announce(a, b"a1", 60), announce(b, b"b1", 60)]
+        assert set(await reader.peers_changed()) == {a.peer_id}
+        assert await reader.peers_changed() == {}
+        node.allowed.add(str(b.peer_id))
+        assert set(await reader.peers_changed()) == {b.peer_id}
+
+    trio.run(main)
