@@ -65,17 +65,26 @@ class RateLimiter:
         self.peak_use: dict[str, float] = {"peer": 0.0, "address": 0.0}
 
     def allow_address(self, peer: str) -> bool:
+        return self.address_wait(peer) == 0.0
+
+    def allow_peer(self, peer_id: str) -> bool:
+        return self.peer_wait(peer_id) == 0.0
+
+    def address_wait(self, peer: str) -> float:
+        """Takes a token from the address's bucket: 0.0, or the seconds until it holds one
+        (the refused call's wait, which an honest client honours before calling again)."""
         limits = self.limits
         key = "a:" + address_key(peer)
         return self._take(key, "address", limits.per_address_rate, limits.per_address_burst)
 
-    def allow_peer(self, peer_id: str) -> bool:
+    def peer_wait(self, peer_id: str) -> float:
+        """As `address_wait`, from the verified peer's bucket."""
         limits = self.limits
         return self._take("p:" + peer_id, "peer", limits.per_peer_rate, limits.per_peer_burst)
 
-    def _take(self, key: str, scope: str, rate: float, burst: float) -> bool:
+    def _take(self, key: str, scope: str, rate: float, burst: float) -> float:
         if not self.limits.enabled:
-            return True
+            return 0.0
         now = self._clock()
         with self._lock:
             bucket = self._buckets.get(key)
@@ -89,9 +98,9 @@ class RateLimiter:
                 bucket.stamp = now
             if bucket.tokens < 1:
                 self.peak_use[scope] = 1.0
-                return False
+                return (1 - bucket.tokens) / rate
             bucket.tokens -= 1
             if bucket.tokens < bucket.low:
                 bucket.low = bucket.tokens
                 self.peak_use[scope] = max(self.peak_use[scope], 1 - bucket.low / burst)
-            return True
+            return 0.0

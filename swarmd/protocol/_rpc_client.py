@@ -26,6 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from swarmd.protocol import bulk, faults
 from swarmd.protocol import swarmd_pb2 as pb
+from swarmd.protocol._pacing import paced
+from swarmd.protocol._rpc_await import await_future, from_grpc
 from swarmd.protocol._rpc_config import TransportConfig
 from swarmd.protocol._rpc_service import GET_BULK_INFO
 from swarmd.protocol.address import parse_address
@@ -70,34 +72,6 @@ class _Hello:
     bulk_port: int | None
     #: time.monotonic() after which the server is asked again.
     until: float
-
-
-async def _await_future(fut: grpc.Future) -> Any:
-    """Awaits a gRPC future from trio; cancelling the awaiting scope cancels the call."""
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
-
-    def wake(_: grpc.Future) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(done.set)
-
-    fut.add_done_callback(wake)
-    try:
-        await done.wait()
-    except trio.Cancelled:
-        fut.cancel()
-        raise
-    try:
-        return fut.result()
-    except grpc.RpcError as exc:
-        raise _from_grpc(exc) from None
-
-
-def _from_grpc(exc: grpc.RpcError) -> RpcError:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    name = code.name if code is not None else "UNKNOWN"
-    return RpcError(StatusCode[name], details or "")
 
 
 class RpcClient:
@@ -186,7 +160,7 @@ class RpcClient:
 
     async def _await(self, address: str, fut: grpc.Future) -> Any:
         with self._forget_if_misaddressed(address):
-            return await _await_future(fut)
+            return await await_future(fut)
 
     def bulk_port(self, address: str) -> int | None:
         """The bulk port this client uses for ``address`` now (None: gRPC, or not asked yet)."""
@@ -302,6 +276,21 @@ class RpcClient:
     ) -> M:
         """One request and its answer. ``recipient``: the peer id the caller expects at
         ``address`` (the DHT knows its contacts'), which saves asking the server who it is."""
+        return await paced(
+            self._timeout(timeout),
+            self._cfg,
+            lambda left: self._unary(address, path, request, response_type, left, recipient),
+        )
+
+    async def _unary(
+        self,
+        address: str,
+        path: str,
+        request: Message,
+        response_type: type[M],
+        timeout: float | None,
+        recipient: PeerId | None,
+    ) -> M:
         body = request.SerializeToString()
         if recipient is None and path != GET_BULK_INFO:
             hello = await self._hello(address, timeout)
@@ -341,8 +330,12 @@ class RpcClient:
         """Streams a tensor to ``path``; the server's handler gets it whole, already validated.
         ``expect``: the peer id that must be listening at ``address`` (see `_hello`)."""
         with self._deadline(timeout):
-            return await self._put_tensor(
-                address, path, meta, payload, response_type, timeout, expect
+            return await paced(
+                self._timeout(timeout),
+                self._cfg,
+                lambda left: self._put_tensor(
+                    address, path, meta, payload, response_type, left, expect
+                ),
             )
 
     async def _put_tensor(
@@ -410,7 +403,11 @@ class RpcClient:
         """Fetches a tensor stream; raises FramingError if the peer's stream is malformed.
         ``expect``: the peer id that must be listening at ``address`` (see `_hello`)."""
         with self._deadline(timeout):
-            return await self._get_tensor(address, path, request, timeout, max_bytes, expect)
+            return await paced(
+                self._timeout(timeout),
+                self._cfg,
+                lambda left: self._get_tensor(address, path, request, left, max_bytes, expect),
+            )
 
     async def _get_tensor(
         self,
@@ -458,7 +455,7 @@ class RpcClient:
                         try:
                             return assemble(frames, limit)
                         except grpc.RpcError as exc:
-                            raise _from_grpc(exc) from None
+                            raise from_grpc(exc) from None
                 except ProtocolError:
                     stream.cancel()
                     raise
@@ -482,7 +479,7 @@ class RpcClient:
             fut = stub.Check.future(
                 health_pb2.HealthCheckRequest(service=service), timeout=self._timeout(timeout)
             )
-            resp = await _await_future(fut)
+            resp = await await_future(fut)
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status))
 
     def close(self) -> None:

@@ -48,6 +48,12 @@ class TransportConfig:
     receive_wait_s: float = 30.0
     #: Server: requests per second per source address and per peer (_rate_limit.py).
     rate_limits: RateLimits = field(default_factory=RateLimits)
+    #: Client: whether a call a peer's rate limit refused is made again, after the wait the
+    #: refusal names, until the call's deadline (False: never, as a flood test's greedy
+    #: client), and the longest such wait honoured. A token comes back every 1/rate s: 10 ms
+    #: at a peer's default.
+    rate_limit_retry: bool = True
+    max_rate_limit_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -70,6 +76,8 @@ class TransportConfig:
                 "TransportConfig needs max_tensor_bytes <= max_receive_bytes_per_peer "
                 "<= max_receive_bytes"
             )
+        if not self.max_rate_limit_wait_s >= 0:
+            raise ValueError("TransportConfig.max_rate_limit_wait_s must be >= 0")
         if self.receive_wait_s < 0:
             raise ValueError("TransportConfig.receive_wait_s must be >= 0")
         if not 0 <= self.bulk_port <= 65535:

@@ -48,6 +48,7 @@ from swarmd.protocol.calls import (
     RpcError,
     RpcObserver,
     StatusCode,
+    rate_limited,
     to_rpc_error,
 )
 from swarmd.protocol.errors import ListenError
@@ -266,16 +267,15 @@ class RpcServer:
     def _check_rate(self, path: str, scope: Literal["address", "peer"], who: str) -> None:
         """The address's bucket before the signature is verified, the peer's after it."""
         limiter = self.rate_limiter
-        if limiter.allow_address(who) if scope == "address" else limiter.allow_peer(who):
+        wait = limiter.address_wait(who) if scope == "address" else limiter.peer_wait(who)
+        if wait == 0.0:
             return
         self._observer.on_limited(scope)
         now = time.monotonic()
         if now - self._limited_logged >= 10.0:  # one line per 10 s, not one per refusal
             self._limited_logged = now
             log.warning("rate limit: refusing calls from %s %s (%s)", scope, who, path[:80])
-        raise RpcError(
-            StatusCode.RESOURCE_EXHAUSTED, f"too many requests from this {scope}: retry later"
-        )
+        raise rate_limited(scope, wait)
 
     async def _admit_tensor(self, path: str, meta: TensorMeta, ctx: CallContext) -> Reservation:
         """Runs before a tensor_in call's buffer exists: the method's own check of what was

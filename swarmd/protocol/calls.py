@@ -6,6 +6,8 @@ Kept apart from rpc.py so that bulk.py shares these without importing grpc."""
 from __future__ import annotations
 
 import enum
+import math
+import re
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -49,6 +51,32 @@ class RpcError(Exception):
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.details}" if self.details else self.code.name
+
+
+#: The end of a rate limit's refusal: when the bucket holds a token again (`rate_limited`).
+_RETRY_IN = re.compile(r": retry in (\d{1,6}) ms$")
+
+
+def rate_limited(scope: str, wait_s: float) -> RpcError:
+    """A call refused by the ``scope`` bucket of a server's rate limits, naming its wait.
+
+    The wait travels in the details, the one field both wires carry: an honest client makes
+    the call again after it (`retry_after`) instead of failing. Failing, an honest member of
+    a fast run (rounds of 50 ms) lost its part of an all-reduce to its reducer's limit and
+    the two members' states split for good (CI: test_run_access)."""
+    ms = max(1, math.ceil(wait_s * 1000))
+    return RpcError(
+        StatusCode.RESOURCE_EXHAUSTED, f"too many requests from this {scope}: retry in {ms} ms"
+    )
+
+
+def retry_after(exc: RpcError) -> float | None:
+    """The seconds a rate limit's refusal asked the caller to wait; None for any other error
+    (a busy stage, a full receive budget: those have their own handling)."""
+    if exc.code is not StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    found = _RETRY_IN.search(exc.details)
+    return None if found is None else int(found.group(1)) / 1000
 
 
 @dataclass(frozen=True)

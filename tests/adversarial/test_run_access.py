@@ -64,6 +64,13 @@ def _outer(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "outer_step"]
 
 
+def _steps(events: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Each outer step as (round, status, group size, hash prefix): what a failure shows."""
+    return [
+        (e["round"], e["status"], e["group_size"], str(e["state_hash"])[:8]) for e in _outer(events)
+    ]
+
+
 def _refused(proc: Proc) -> str:
     proc.process.wait(timeout=120)
     time.sleep(0.2)  # the stderr pump
@@ -114,7 +121,10 @@ def test_a_secret_run_admits_holders_of_the_secret_only(
     ]
     common = set(averaged[0]) & set(averaged[1])
     assert common, runs
-    assert all(averaged[0][r] == averaged[1][r] for r in common)
+    assert all(averaged[0][r] == averaged[1][r] for r in common), "\n".join(
+        f"{name}: {_steps(ev)}\n{''.join(p.stderr_tail)[-6000:]}"
+        for name, p, ev in zip(("creator", "member"), (creator, member), runs, strict=True)
+    )
 
 
 def _run_list(

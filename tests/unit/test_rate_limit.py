@@ -6,6 +6,7 @@ import pytest
 
 from swarmd.protocol._rate_limit import RateLimiter, RateLimits
 from swarmd.protocol.address import address_key
+from swarmd.protocol.calls import RpcError, StatusCode, rate_limited, retry_after
 
 
 class _Clock:
@@ -29,6 +30,28 @@ def test_a_peer_gets_its_burst_then_its_rate() -> None:
     clock.now += 1000.0  # never more than the burst
     assert _served(lambda: limiter.allow_peer("p"), 80) == 50
     assert limiter.peak_use["peer"] == 1.0
+
+
+def test_a_refusal_names_the_wait_until_the_bucket_holds_a_token() -> None:
+    clock = _Clock()
+    limiter = RateLimiter(RateLimits(per_peer_rate=10, per_peer_burst=2), clock)
+    assert limiter.peer_wait("p") == limiter.peer_wait("p") == 0.0
+    assert limiter.peer_wait("p") == pytest.approx(0.1)
+    clock.now += 0.04
+    assert limiter.peer_wait("p") == pytest.approx(0.06)
+    clock.now += 0.06
+    assert limiter.peer_wait("p") == 0.0
+
+
+def test_the_wait_travels_in_the_refusal_and_only_a_rate_limit_names_one() -> None:
+    refusal = rate_limited("peer", 0.0123)
+    assert refusal.code is StatusCode.RESOURCE_EXHAUSTED
+    assert retry_after(refusal) == pytest.approx(0.013)  # whole milliseconds, rounded up
+    assert retry_after(rate_limited("address", 0.0)) == pytest.approx(0.001)
+    assert retry_after(RpcError(StatusCode.RESOURCE_EXHAUSTED, "stage server busy")) is None
+    assert retry_after(RpcError(StatusCode.UNAVAILABLE, refusal.details)) is None
+    # A server naming an absurd wait is not parsed into one (the client caps it too).
+    assert retry_after(RpcError(StatusCode.RESOURCE_EXHAUSTED, "x: retry in 99999999 ms")) is None
 
 
 def test_peers_and_addresses_have_their_own_buckets() -> None:
