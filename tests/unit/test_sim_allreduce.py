@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -30,10 +31,12 @@ def average(
     weights: list[float] | None = None,
     reduction: ReductionConfig | None = None,
     kill_after: float | None = None,
+    lose_first_fetch: int | None = None,
 ) -> tuple[list[AllReduceResult], float, int]:
     """N peers (or one per vector) average ``vectors`` (peer i: all i + 1 by default).
     ``kill``: that peer's host is dead from the start, or, with ``kill_after``, it joins
-    the round and dies that many seconds in."""
+    the round and dies that many seconds in. ``lose_first_fetch``: that peer's first fetch
+    of a reduced part fails (UNAVAILABLE: a connection reset, a refusal)."""
     vectors = vectors or [torch.full((SIZE,), float(i + 1)) for i in range(N)]
     weights = weights or [1.0] * len(vectors)
     config = AllReduceConfig(codec=codec, reduction=reduction or ReductionConfig())
@@ -41,8 +44,11 @@ def average(
     net = SimNetwork(NetworkConfig(rtt_min_s=0.05, rtt_max_s=0.05, up_bytes_s=1e6), seed=0)
     hosts = [net.add_host(seeded_identity(rng)) for _ in vectors]
     averagers = []
-    for host in hosts:
-        averager = Averager(net.client(host), host.identity.peer_id, config)
+    for i, host in enumerate(hosts):
+        client = net.client(host)
+        if i == lose_first_fetch:
+            client.get_tensor = _losing_the_first_fetch(client.get_tensor)  # type: ignore[method-assign]
+        averager = Averager(client, host.identity.peer_id, config)
         net.serve(host, [averager.service()])
         averagers.append(averager)
     group = Group(b"round-1", tuple(Member(h.identity.peer_id, h.address) for h in hosts))
@@ -63,6 +69,18 @@ def average(
 
     took = run_virtual(main, seed=0)
     return [results[i] for i in sorted(results)], took, sum(h.sent_bytes for h in hosts)
+
+
+def _losing_the_first_fetch(get_tensor: Any) -> Any:
+    lost: list[str] = []
+
+    async def get(address: str, path: str, request: Any, **kw: Any) -> Any:
+        if path.endswith("/GetPart") and not lost:
+            lost.append(address)
+            raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "connection reset (injected)")
+        return await get_tensor(address, path, request, **kw)
+
+    return get
 
 
 def test_four_peers_average_exactly_in_the_time_their_links_take() -> None:
@@ -219,3 +237,17 @@ def test_a_reduced_part_s_buffer_serves_the_next_round_unless_a_send_still_reads
         assert averagers[1]._rounds[b"r1"].reductions[(1, 0)].encoded is None
 
     run_virtual(rounds, seed=0)
+
+
+def test_a_pair_whose_member_missed_its_reducer_s_part_asks_the_reducer_again() -> None:
+    """Two members: one's fetch of the other's reduced part fails once. With nobody else to
+    relay the part, it re-reduced it alone at the fallback, from its own values only, while
+    the reducer kept the pair's mean: the two states split (a CI failure of test_run_access,
+    where the failure was a rate limit's refusal). Now the reducer is asked for its copy
+    again before any fallback, and both hold the pair's mean."""
+    vectors = [torch.full((SIZE,), 1.0), torch.full((SIZE,), 3.0)]
+    results, _, _ = average("fp32", vectors=vectors, lose_first_fetch=1)
+    for r in results:
+        assert r.ok and not r.dropped and not r.failed_parts, r
+    assert torch.equal(results[0].tensor, results[1].tensor)
+    assert torch.equal(results[0].tensor, torch.full((SIZE,), 2.0))

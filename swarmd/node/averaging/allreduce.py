@@ -15,7 +15,9 @@ Failures, and what keeps survivors consistent:
   from that reducer (`relay`); members only ever relay what they received directly, so
   there is no cycle and no guessing. Only if nobody has it do the survivors re-reduce the
   part at a fallback reducer (member (j + attempt) mod n), which waits for the survivors'
-  contributions. Since nobody had the original, everyone ends with the re-reduced bytes;
+  contributions. Since nobody had the original, everyone ends with the re-reduced bytes.
+  In a pair there is nobody to relay: the reducer is asked once more first (its partner
+  re-reducing alone would keep its own values while the reducer kept the mean);
 * nothing ever raises into the trainer: a part that cannot be averaged at all keeps the
   local values and is reported in `failed_parts`.
 
