@@ -11,8 +11,9 @@ def h(name: str) -> bytes:
     return name.encode().ljust(HASH_BYTES, b"\0")
 
 
-def ad(round_no: int, name: str, port: int = 1) -> StateAdvert:
-    return StateAdvert(round_no, h(name), f"10.77.0.{port}:7000", 1000)
+def ad(round_no: int, name: str, port: int = 1, *, shared: bool = False) -> StateAdvert:
+    """An advert; ``shared``: its peer averaged that state in a group (or downloaded it)."""
+    return StateAdvert(round_no, h(name), f"10.77.0.{port}:7000", 1000, shared=shared)
 
 
 GROUP = "group"
@@ -47,8 +48,10 @@ def test_newer_state_of_one_peer_is_taken_when_nobody_else_holds_ours() -> None:
 
 
 def test_two_groups_of_a_split_pick_the_same_state() -> None:
-    left = [ad(5, "a", 1), ad(5, "b", 3), ad(5, "b", 4)]  # seen by a peer holding "a"
-    right = [ad(5, "a", 1), ad(5, "a", 2), ad(5, "b", 4)]  # seen by a peer holding "b"
+    a1, a2 = ad(5, "a", 1, shared=True), ad(5, "a", 2, shared=True)
+    b3, b4 = ad(5, "b", 3, shared=True), ad(5, "b", 4, shared=True)
+    left = [a1, b3, b4]  # seen by a peer holding "a"
+    right = [a1, a2, b4]  # seen by a peer holding "b"
     take_left = state_to_take(left, my_round=5, my_hash=h("a"), shared_round=5)
     take_right = state_to_take(right, my_round=5, my_hash=h("b"), shared_round=5)
     # Exactly one side moves, to the other side's state.
@@ -130,7 +133,7 @@ def test_shared_flag_travels_in_the_advert() -> None:
 def test_the_creator_keeps_its_shared_state_against_another_of_its_round() -> None:
     # Two honest members ended a round with different states (one fell back alone on a part):
     # the other takes the creator's; the creator must not take the other's on the tie-break.
-    other = [ad(5, "zzz", 2)]  # a hash that wins the tie-break
+    other = [ad(5, "zzz", 2, shared=True)]  # a hash that wins the tie-break
     assert state_to_take(other, 5, h("a"), 5) == h("zzz")
     assert state_to_take(other, 5, h("a"), 5, i_anchor=True) is None
     # A newer state the group holds is still followed, and a lone creator follows the group.
@@ -138,3 +141,18 @@ def test_the_creator_keeps_its_shared_state_against_another_of_its_round() -> No
     assert state_to_take(newer, 5, h("a"), 5, i_anchor=True) == h("g")
     group = [ad(5, "g", 2), ad(5, "g", 3)]
     assert state_to_take(group, 6, h("lone"), 4, i_anchor=True) == h("g")
+
+
+def test_a_state_made_alone_loses_a_tie_to_a_shared_one_on_both_sides() -> None:
+    """Three peers; the third, paused through round 5's all-reduce, stepped round 5 alone
+    ("zzz", a hash that wins a tie-break). The member that averaged round 5 sees the lone
+    state and its partner's advert still at round 4: one holder against one. It took the
+    lone state on its hash, its partner kept the round's, and the run ended on two states
+    (CI: test_chaos). Now it keeps its own, and the lone peer takes the round's."""
+    seen_by_member = [ad(4, "r4", 1, shared=True), ad(5, "zzz", 3)]
+    assert state_to_take(seen_by_member, 5, h("r5"), 5, past=[h("r4")]) is None
+    seen_by_lone = [ad(4, "r4", 1, shared=True), ad(5, "r5", 2, shared=True)]
+    assert state_to_take(seen_by_lone, 5, h("zzz"), 4) == h("r5")
+    # Two lone states still settle on the newer one, and more holders still win.
+    assert state_to_take([ad(6, "b", 2)], 5, h("zzz"), 4) == h("b")
+    assert state_to_take([ad(5, "g", 1), ad(5, "g", 2)], 5, h("zzz"), 5) == h("g")

@@ -23,7 +23,11 @@ averaged in a group, or a state downloaded from donors), and:
   had (stale adverts it still sees while cut off), not a group to follow;
 - a peer whose state is shared keeps the rule that a newer round wins (a late peer follows the
   group), except a newer state that only one peer holds while others still hold this peer's
-  state: that is a lone peer ahead of the group, not the group.
+  state: that is a lone peer ahead of the group, not the group;
+- either way, between states as many peers hold, one its holders say is shared (their
+  adverts' `shared`) beats one made alone, and only then does the hash decide. A member
+  whose partner had not advertised the round yet once saw the lone state of a peer paused
+  through the round, one holder against one, and took it on its hash (CI: test_chaos).
 
 Two groups that never met cannot settle which state is the group's by counting: a running peer
 follows only peers it has averaged with or downloaded from (`SharedState.met`: strangers'
@@ -75,13 +79,16 @@ def state_to_take(
         # The others of its round take the creator's state: were it to take theirs on the
         # tie-break below, the two would swap and still differ.
         return None
+    # States a holder says it shared (averaged in a group, or downloaded): between states held
+    # by as many peers, one of those beats one its holder made alone.
+    vouched = {a.state_hash for a in others if a.shared}
     if my_round > shared_round:
         fresh = [a for a in others if a.round > shared_round]
         votes: dict[bytes, tuple[int, int]] = {my_hash: (1, my_round)}
         for a in fresh:
             count, round_no = votes.get(a.state_hash, (0, a.round))
             votes[a.state_hash] = (count + 1, max(round_no, a.round))
-        best = max(votes, key=lambda h: (*votes[h], h))
+        best = max(votes, key=lambda h: (votes[h][0], h in vouched, votes[h][1], h))
         return None if best == my_hash else best
     current = [a for a in others if a.round >= my_round]
     if not current:
@@ -98,6 +105,15 @@ def state_to_take(
             return None
         return want
     # Same round, different states (two groups formed): the one more peers hold wins, this
-    # peer's own vote included, so that the two sides of a tie pick the same state.
-    want = max(holders.keys() | {my_hash}, key=lambda h: (holders.get(h, 0) + (h == my_hash), h))
+    # peer's own vote included, so that the two sides of a tie pick the same state; this
+    # peer's (shared: it averaged or downloaded it) beats, at a tie, one made alone. Without
+    # that, a peer paused through a round's all-reduce stepped alone, a member of the round
+    # whose partner's advert was not out yet saw one holder against one, took the lone state
+    # on its hash, and the run ended on two states (CI: test_chaos).
+    vouched.add(my_hash)
+
+    def rank(h: bytes) -> tuple[int, bool, bytes]:
+        return holders.get(h, 0) + (h == my_hash), h in vouched, h
+
+    want = max(holders.keys() | {my_hash}, key=rank)
     return None if want == my_hash else want

@@ -223,8 +223,9 @@ class StateAdvert:
     #: wire, filled in by the reader. Empty when unknown.
     owner: str = ""
     #: The advertiser says the state is also others' (its last round averaged in a group, or
-    #: downloaded), not one it made alone; only the run creator's word is acted on
-    #: (`statesync/catchup.py`).
+    #: downloaded), not one it made alone. Only the run creator's word anchors a line; anyone's
+    #: breaks a tie between states as many peers hold (`statesync/catchup.py`): a liar gains
+    #: no more by it than by a state whose hash wins the tie-break.
     shared: bool = False
     #: The advertiser cannot be dialled (client mode): its state counts as held by it, but
     #: it is not a donor.
