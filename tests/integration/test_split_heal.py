@@ -61,6 +61,22 @@ def timeline(events: list[list[Event]]) -> str:
     )
 
 
+def _hashes(events: list[list[Event]]) -> str:
+    """Each peer's outer steps as round:status:group:dropped:hash, and its state syncs: what a
+    failure of the sides' apartness shows (seen once in a CI rehearsal, not yet explained:
+    a peer of one side whose first outer step held the other side's state)."""
+    lines = []
+    for host, got in zip(HOSTS, events, strict=True):
+        steps = [
+            f"r{e.get('round')}:{e.get('status', 'sync')}:g{e.get('group_size')}:"
+            f"d{e.get('dropped')}:{str(e.get('state_hash'))[:8]}"
+            for e in got
+            if e["event"] in ("outer_step", "state_synced", "training")
+        ]
+        lines.append(f"{host}: {', '.join(steps)}")
+    return "\n".join(lines)
+
+
 def collect(procs: list[Proc], events: list[list[Event]], until: float) -> None:
     """Reads every peer's events that arrive before ``until``, none blocking the others."""
     while time.monotonic() < until:
@@ -107,7 +123,7 @@ def test_groups_that_formed_apart_merge_on_the_creators_state(
         collect(procs, events, time.monotonic() + 1)
     assert not any(e.get("group_size") == 4 for got in events for e in got)
     apart = [[e["state_hash"] for e in got if e["event"] == "outer_step"] for got in events]
-    assert not set(apart[0] + apart[1]) & set(apart[2] + apart[3])
+    assert not set(apart[0] + apart[1]) & set(apart[2] + apart[3]), _hashes(events)
 
     # 2. Healed: all four average together, holding one state.
     for plan in plans:
