@@ -175,11 +175,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
                 turn=report.turn,
             )
             return True
-        waited = await self._wait_for(flight)
-        if not flight.done.is_set():
-            return False
-        await self._finish(flight, step, waited)
-        return True
+        return await self._settle_flight(step)
 
     async def _wait_for(self, flight: _Flight) -> float:
         """The trainer waits for a late round (or for a stop signal: the caller checks
