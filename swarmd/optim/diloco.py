@@ -35,12 +35,20 @@ Choices, and why:
   is applied as it is: those parts are exactly the "local" fallback, part by part.
 * An exception raised by the averaging function propagates and leaves every piece of state as
   it was, so the caller may retry, call `apply_outer(pg, None)`, or keep training.
+* `inner_seconds` bounds a round by time as well as by H: volunteers' GPUs differ by several
+  times, and with H steps alone the slow peers reach each round's group after it has closed
+  (a grid of 100 simulated peers of log-normal speeds σ 0.5, H = 500: 10% of peer-rounds
+  averaged). With every peer training the same seconds from the round's first step, members
+  that ended a round together come to the next together; each is weighted by the samples it
+  trained, so the average is over tokens, as before. H stays the run clock's length of a round
+  (`progress`: the learning-rate schedule, total_steps) and a cap on a fast peer's steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -108,6 +116,9 @@ class DiLoCoConfig:
     inner_optimizer: Literal["adamw", "sgd"] = "adamw"
     #: The inner learning rate over the run's inner steps (`progress`), times `inner_lr`.
     lr_schedule: LrSchedule = field(default_factory=LrSchedule)
+    #: A round also ends once this many seconds have passed since its first inner step (0:
+    #: H steps however long they take); see the module notes.
+    inner_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         h = self.inner_steps
@@ -138,6 +149,7 @@ class DiLoCoConfig:
                 f"DiLoCoConfig.inner_optimizer must be 'adamw' or 'sgd', got "
                 f"{self.inner_optimizer!r}"
             )
+        _finite("inner_seconds", self.inner_seconds, low=0.0, high=math.inf, low_open=False)
         if self.on_failure not in ("local", "defer"):
             raise ValueError(
                 f"DiLoCoConfig.on_failure must be 'local' or 'defer', got {self.on_failure!r}"
@@ -236,8 +248,14 @@ class DiLoCo:
     work in a worker thread and only the averaging in its event loop.
     """
 
-    def __init__(self, model: nn.Module, config: DiLoCoConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: DiLoCoConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.model = model
+        self._clock = clock
         self.config = config = config or DiLoCoConfig()
         self.names, self._params = trainable(model)
         self._shapes = [p.shape for p in self._params]
@@ -256,6 +274,8 @@ class DiLoCo:
         self.steps_since_sync = 0
         self.samples_since_sync = 0
         self._sync_due = config.inner_steps
+        #: When this round's first inner step began (None: not yet), for `inner_seconds`.
+        self._began: float | None = None
 
     # -- inner loop -------------------------------------------------------------------------
 
@@ -275,6 +295,8 @@ class DiLoCo:
     def inner_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         """One AdamW step on the local parameters; returns the batch loss."""
         self.config.lr_schedule.apply(self.inner_optimizer, self.config.inner_lr, self.progress)
+        if self._began is None:
+            self._began = self._clock()
         loss, samples = forward_step(
             self.forward, self._params, self.inner_optimizer, self.config.grad_clip, batch
         )
@@ -284,8 +306,12 @@ class DiLoCo:
 
     def should_sync(self) -> bool:
         """True once H inner steps (2H, ... after deferred rounds) have run since the last
-        update of the global parameters."""
-        return self.steps_since_sync >= self._sync_due
+        update of the global parameters, or `inner_seconds` have passed since the round's
+        (or a deferred round's) first step."""
+        if self.steps_since_sync >= self._sync_due:
+            return True
+        limit, began = self.config.inner_seconds, self._began
+        return limit > 0 and began is not None and self._clock() - began >= limit
 
     # -- outer step -------------------------------------------------------------------------
 
@@ -316,6 +342,7 @@ class DiLoCo:
         averaged, status, reason = read_average(result, self.numel)
         pg_norm = float(pseudo_grad.norm())
         weight, steps = self.weight(), self.steps_since_sync
+        self._began = None
         if averaged is None and self.config.on_failure == "defer":
             self._sync_due = self.steps_since_sync + self.config.inner_steps
             return OuterStepReport(self.round, "deferred", weight, steps, pg_norm, 0.0, reason)
@@ -347,6 +374,7 @@ class DiLoCo:
         # The run's clock (`progress`) moves on by the round, as for an applied one.
         self.steps_since_sync = max(0, steps - self._sync_due)
         self._sync_due = self.config.inner_steps
+        self._began = None
         norm = float(pseudo_grad.norm())
         return OuterStepReport(self.round, "carried", weight, steps, norm, 0.0, "no average")
 
@@ -387,6 +415,7 @@ class DiLoCo:
         self.steps_since_sync = 0
         self.samples_since_sync = 0
         self._sync_due = self.config.inner_steps
+        self._began = None
 
     # -- local state (what a restart restores; never shipped) -------------------------------
 

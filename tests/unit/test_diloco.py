@@ -398,3 +398,80 @@ def test_dependency_rule() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+class _Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_inner_seconds_end_a_round_before_h_and_weigh_it_by_its_samples() -> None:
+    """With `inner_seconds`, a slow peer's round ends on time with fewer than H steps, weighted
+    by the samples it trained; the next round's time counts from its own first step (not from
+    the outer step, however long the averaging took), and a deferred round gets its own."""
+    clock = _Clock()
+    config = DiLoCoConfig(inner_steps=50, inner_lr=3e-3, inner_seconds=10.0)
+    opt = DiLoCo(GPT(TINY_GPT, seed=0), config, clock=clock)
+    assert not opt.should_sync()  # no step yet: nothing to send, whatever the time
+    for b in tiny_batches(3, seed=40):
+        opt.inner_step(b)
+        clock.now += 4.0  # one step of a slow peer
+        assert opt.should_sync() == (opt.steps_since_sync == 3)
+    seen: list[float] = []
+
+    async def record(pg: torch.Tensor, weight: float) -> torch.Tensor:
+        seen.append(weight)
+        return pg
+
+    report = run_outer_step(opt, record)
+    assert report.inner_steps == 3 and seen == [3 * 4.0] and opt.round == 1  # 4 a batch
+    assert opt.progress == 50  # the run's clock moves by H a round, whatever the steps
+    clock.now += 60.0  # a long all-reduce, then the next round
+    assert not opt.should_sync()
+    opt.inner_step(tiny_batches(1, seed=41)[0])
+    clock.now += 9.0
+    assert not opt.should_sync()
+    clock.now += 1.0
+    assert opt.should_sync()
+
+    deferring = DiLoCo(
+        GPT(TINY_GPT, seed=0),
+        DiLoCoConfig(inner_steps=50, inner_seconds=10.0, on_failure="defer"),
+        clock=clock,
+    )
+    deferring.inner_step(tiny_batches(1, seed=42)[0])
+    clock.now += 10.0
+    assert deferring.should_sync()
+    assert run_outer_step(deferring, _fail).status == "deferred"
+    assert not deferring.should_sync()
+    deferring.inner_step(tiny_batches(1, seed=43)[0])
+    clock.now += 10.0
+    assert deferring.should_sync() and deferring.steps_since_sync == 2
+
+
+def test_a_fast_peer_still_ends_at_h_steps_and_a_downloaded_state_restarts_the_time() -> None:
+    clock = _Clock()
+    opt = DiLoCo(
+        GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=2, inner_seconds=10.0), clock=clock
+    )
+    opt.inner_step(tiny_batches(1, seed=44)[0])
+    assert not opt.should_sync()
+    opt.inner_step(tiny_batches(1, seed=45)[0])
+    assert opt.should_sync()  # H before the time is up
+    state = opt.state_dict()
+    clock.now += 30.0
+    opt.load_state_dict(state)  # a catch-up: this round's steps are dropped
+    assert not opt.should_sync()
+    opt.inner_step(tiny_batches(1, seed=46)[0])
+    assert not opt.should_sync()
+
+
+@pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan])
+def test_inner_seconds_must_be_a_finite_non_negative_time(seconds: float) -> None:
+    with pytest.raises(ValueError, match="inner_seconds"):
+        DiLoCoConfig(inner_seconds=seconds)

@@ -86,6 +86,14 @@ def test_other_version_is_refused_with_a_clear_message() -> None:
         ("total_steps = -36", "total_steps must be a non-negative integer, got -36"),
         ("inner_steps = 5\ntotal_steps = 12", r"total_steps \(12\) must be a multiple of inner_"),
         ('algo = "swarm"\ntotal_steps = 36', "total_steps needs a run clock"),
+        ("inner_seconds = -5", r"inner_seconds must be >= 0 \(0: none\), got -5"),
+        ("inner_seconds = inf", "inner_seconds must be >= 0"),
+        ('inner_seconds = "1m"', "inner_seconds must be a number of seconds, got '1m'"),
+        ("inner_seconds = true", "inner_seconds must be a number of seconds, got True"),
+        (
+            'algo = "streaming-diloco"\ninner_seconds = 60',
+            "inner_seconds bounds plain DiLoCo's rounds; streaming-diloco paces its own",
+        ),
     ],
 )
 def test_bad_run_files(tmp_path: Path, text: str, message: str) -> None:
@@ -156,3 +164,11 @@ def test_topk_codec_is_accepted_with_its_options(tmp_path: Path) -> None:
     config = RunConfig.from_toml(path, name="r")
     assert (config.codec, config.topk_density, config.topk_bits) == ("topk", 0.01, 4)
     assert RunConfig.from_json(config.to_json()) == config
+
+
+def test_inner_seconds_reach_the_diloco_optimiser(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("inner_steps = 2000\ninner_seconds = 90")
+    config = RunConfig.from_toml(path, name="r")
+    assert config.diloco_config().inner_seconds == 90.0
+    assert RunConfig(name="r").diloco_config().inner_seconds == 0.0

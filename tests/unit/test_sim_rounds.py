@@ -258,3 +258,24 @@ def test_a_grid_with_more_slots_than_peers_still_gives_the_exact_mean() -> None:
     assert [line.peers for line in grid.lines] == [10, 10], grid.lines
     assert all(line.spread < 1e-6 for line in grid.lines), grid.lines
     assert abs(grid.loss_ratio - 1) < 0.001, grid.loss_ratio
+
+
+def test_rounds_bounded_in_time_bring_slow_peers_to_the_grid_with_the_fast() -> None:
+    """Volunteers' speeds differ (σ 0.5: the slowest of 16 several times the fastest). With
+    rounds of H = 500 steps, each roll closes long before the slow peers come, and they sit
+    out (grid100 at H = 500: 10% of peer-rounds averaged). With `inner_s`, every peer trains
+    the same 50 virtual seconds (H = 2,000 only caps the fastest), the members that ended a
+    round together come to the next together, and each is weighted by the steps it ran: all
+    average, the time is useful, and the state is the exact weighted mean, at the loss of one
+    group of everybody that ran the same steps."""
+    mm = MatchmakingConfig(target_group_size=4)
+    common = dict(peers=16, rounds=3, speed_sigma=0.5, matchmaking=mm, grouping="grid")
+    by_steps = run_rounds(scenario(**common, inner_steps=500))
+    timed = run_rounds(scenario(**common, inner_steps=2000, inner_s=50.0))
+    assert by_steps.averaged_share < 0.6, by_steps.averaged_share
+    assert timed.averaged_share == 1.0, timed.averaged_share
+    assert timed.useful_ratio > 0.8 > by_steps.useful_ratio, (timed, by_steps)
+    assert all(line.spread < 1e-6 for line in timed.lines), timed.lines
+    assert abs(timed.loss_ratio - 1) < 0.001, timed.loss_ratio
+    trained = {r.train_s for r in timed.records}
+    assert max(trained) <= 50.0 and min(trained) > 49.0, trained

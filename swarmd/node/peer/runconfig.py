@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -83,6 +84,13 @@ class RunConfig:
     #: benchmarks/convergence.md: H=35 +13.1% over seeds 0-2 at 422x; H=36 so that streaming
     #: DiLoCo's default 2 fragments divide it). The former 8-bit codes at H=50: ~2.4x the bytes.
     inner_steps: int = 36
+    #: DiLoCo: a round also ends once this many seconds have passed since its first inner
+    #: step, 0 for none. For runs whose volunteers' GPUs differ: every peer trains the same
+    #: seconds, weighted by the samples it got through, so the slow ones come to the round's
+    #: group with the fast ones instead of after it has closed. inner_steps then caps a fast
+    #: peer's steps and stays the run clock's length of a round (lr schedule, total_steps):
+    #: set it above what the fastest peer runs in inner_seconds.
+    inner_seconds: float = 0.0
     inner_lr: float = 1e-3
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -263,6 +271,16 @@ class RunConfig:
         for flag in ("zstd", "drop_opposed"):
             if not isinstance(getattr(self, flag), bool):
                 raise RunConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        seconds = self.inner_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise RunConfigError(f"inner_seconds must be a number of seconds, got {seconds!r}")
+        if not (0 <= seconds < math.inf):
+            raise RunConfigError(f"inner_seconds must be >= 0 (0: none), got {seconds!r}")
+        if seconds and self.algo != "diloco":
+            raise RunConfigError(
+                f"inner_seconds bounds plain DiLoCo's rounds; {self.algo} paces its own "
+                "(streaming fragments by steps, DeMo every step, swarm by swarm_round_s)"
+            )
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
         if self.grouping not in ("grid", "flat"):
@@ -348,6 +366,7 @@ class RunConfig:
             # was (a round that failed for everyone keeps them all identical); plain DiLoCo
             # applies the peer's own pseudo-gradient, as it always has.
             on_failure="defer" if self.algo == "streaming-diloco" else "local",
+            inner_seconds=float(self.inner_seconds),
         )
 
     def streaming_config(self) -> StreamingConfig:

@@ -26,19 +26,32 @@ class RoundLine:
 
 class Lines:
     """Per round, online: the sum and squared norms of the honest peers' states after it
-    (their spread without keeping N states), and the sum of the contributors' optima (the
-    ideal run's pseudo-gradient: one group of everybody is the mean over its members)."""
+    (their spread without keeping N states), and what the ideal run's pseudo-gradient needs.
+
+    The ideal run is one group of everybody that took part, each with the inner steps it
+    ran: its pseudo-gradient is the weighted mean of g_i ⊙ (θ − c_i), with g_i the gain of
+    peer i's steps (Quadratic.gain), so Σ w g_i and Σ w g_i ⊙ c_i are kept. With every peer
+    at H steps this is g ⊙ (θ − mean c), the plain mean."""
 
     def __init__(self, rounds: int, dims: int) -> None:
         self.states = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
-        self.optima = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
+        self.gains = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
+        self.pulls = [torch.zeros(dims, dtype=torch.float64) for _ in range(rounds)]
+        self.weights = [0.0] * rounds
         self.squares = [0.0] * rounds
         self.count = [0] * rounds
 
-    def add(self, r: int, state: torch.Tensor, optimum: torch.Tensor) -> None:
+    def add(
+        self, r: int, state: torch.Tensor, optimum: torch.Tensor, gain: torch.Tensor,
+        weight: float = 1.0,
+    ) -> None:  # fmt: skip
+        """Peer's state after round r, and what it contributed: its optimum, the gain of its
+        inner steps and its weight."""
         s = state.to(torch.float64)
         self.states[r] += s
-        self.optima[r] += optimum
+        self.gains[r] += weight * gain
+        self.pulls[r] += weight * gain * optimum
+        self.weights[r] += weight
         self.squares[r] += float(s.dot(s))
         self.count[r] += 1
 
@@ -52,7 +65,9 @@ class Lines:
             mean = self.states[r] / n
             norm2 = float(mean.dot(mean))
             spread = math.sqrt(max(0.0, self.squares[r] / n - norm2) / max(norm2, 1e-300))
-            ideal.step(work.pseudo_gradient(ideal.values, self.optima[r] / n))
+            theta = ideal.values.to(torch.float64)
+            delta = (self.gains[r] * theta - self.pulls[r]) / self.weights[r]
+            ideal.step(delta.to(torch.float32))
             lines.append(RoundLine(r, n, spread, work.loss(ideal.values)))
         return tuple(lines)
 

@@ -36,9 +36,10 @@ from swarmd.node.averaging.config import AllReduceConfig
 from swarmd.node.averaging.gridround import GridConfig, on_roster, roll_call, roll_verdict
 from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
 from swarmd.node.averaging.reduction import Aggregation, ReductionConfig
-from swarmd.node.chaos.byzantine import LIES, WEIGHTFLIP
+from swarmd.node.chaos.byzantine import WEIGHTFLIP
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.sim.dht import DhtSwarm
+from swarmd.node.sim.faults import Fault
 from swarmd.node.sim.lines import Lines, RoundLine
 from swarmd.node.sim.network import NetworkConfig
 from swarmd.node.sim.virtual import run_virtual
@@ -46,7 +47,6 @@ from swarmd.node.sim.workload import Quadratic, QuadraticConfig
 from swarmd.optim.outer import FlatOuter
 from swarmd.protocol.identity import PeerId
 
-FaultKind = Literal["kill", "partition", "slow", "liar"]
 #: How a round's peers reach each other: one matchmaking under the round's key ("flat", what
 #: the daemon does), or issue 46's "grid" (averaging/grid.py: ⌈log_T N⌉ levels of groups
 #: whose cells the round's roster fixes before anyone arrives; every peer ends the round with
@@ -60,33 +60,6 @@ SIT_OUT_S = 120.0
 
 
 @dataclass(frozen=True)
-class Fault:
-    """One scheduled fault: when the run enters ``at_round``, ``share`` of the live peers
-    (drawn from the seed) are killed for good, cut off from the rest, slowed ``factor``
-    times, or lie (chaos/byzantine.py's lies: a declared weight of 1e9, an update x100 or
-    sign-flipped) for ``rounds`` rounds."""
-
-    at_round: int
-    kind: FaultKind
-    share: float
-    rounds: int = 1
-    factor: float = 4.0
-    lie: str = "weight"
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("kill", "partition", "slow", "liar"):
-            raise ValueError(f"fault kind {self.kind!r}: kill, partition, slow or liar")
-        if self.at_round < 1 or self.rounds < 1:
-            raise ValueError("a fault's at_round and rounds must be at least 1")
-        if not 0 < self.share < 1:
-            raise ValueError("a fault's share of the live peers is between 0 and 1")
-        if not self.factor >= 1:
-            raise ValueError("a slow fault's factor must be at least 1")
-        if self.lie not in LIES:
-            raise ValueError(f"lie {self.lie!r}: one of {', '.join(LIES)}")
-
-
-@dataclass(frozen=True)
 class RoundsScenario:
     peers: int = 100
     rounds: int = 5
@@ -96,6 +69,10 @@ class RoundsScenario:
     inner_steps: int = 50
     #: Virtual seconds one inner step takes on a speed-1 peer.
     step_s: float = 0.1
+    #: A round's inner phase ends after ``inner_steps`` or this many virtual seconds of
+    #: training, whichever comes first (the run's ``inner_seconds``; 0: H steps however long
+    #: they take). Each peer's pseudo-gradient is weighted by the steps it ran.
+    inner_s: float = 0.0
     #: Peer speeds are log-normal with this sigma (heterogeneous GPUs); 0: all equal.
     speed_sigma: float = 0.5
     #: Share of the live peers replaced each time the run enters a new round.
@@ -122,6 +99,8 @@ class RoundsScenario:
             raise ValueError("a rounds scenario needs 2+ peers, 1+ rounds, params, inner steps")
         if not (self.step_s > 0 and self.speed_sigma >= 0 and 0 <= self.churn < 1):
             raise ValueError("step_s > 0, speed_sigma >= 0 and 0 <= churn < 1 are required")
+        if not (self.inner_s >= 0 and math.isfinite(self.inner_s)):
+            raise ValueError("inner_s must be >= 0 (0: rounds of H steps, however long)")
         if self.stallers < 0:
             raise ValueError("stallers must be >= 0")
         if self.grouping not in ("flat", "grid"):
@@ -248,6 +227,14 @@ class _Run:
         self.outers.append(self.work.outer())
         self.attendance.append(Attendance())
 
+    def steps(self, i: int) -> int:
+        """Peer i's inner steps this round: H, or what fits in ``inner_s`` at its speed (at
+        least one)."""
+        h = self.s.inner_steps
+        if self.s.inner_s:
+            h = min(h, max(1, int(self.s.inner_s * self.speeds[i] / self.s.step_s)))
+        return h
+
     def live_ids(self) -> list[PeerId]:
         """Whose heartbeats a peer reads: the live peers and the stallers."""
         return [self.swarm.nodes[j].peer_id for j in self.alive] + self.stallers
@@ -269,19 +256,21 @@ class _Run:
             with self.scopes[i]:
                 for r in range(first_round, self.s.rounds):
                     self.round_of[i] = r
-                    train_s = self.s.inner_steps * self.s.step_s / self.speeds[i]
+                    steps = self.steps(i)
+                    train_s = steps * self.s.step_s / self.speeds[i]
                     await trio.sleep(train_s)
-                    delta = self.work.pseudo_gradient(outer.values, optimum)
+                    delta = self.work.pseudo_gradient(outer.values, optimum, steps)
+                    share = steps / self.s.inner_steps
                     t0 = trio.current_time()
                     lie, until = self.lying.get(i, ("", -1))
                     lie = lie if r <= until else ""
                     sent = delta * (100.0 if lie == "scale100" else -1.0) if lie else delta
-                    weight = {"weight": 1e9, "weightflip": WEIGHTFLIP}.get(lie, 1.0)
+                    weight = {"weight": 1e9, "weightflip": WEIGHTFLIP}.get(lie, share)
                     if self.s.grouping == "grid":
                         sat_out = await self._grid_round(i, r, me, sent, weight, lie, t0, train_s)
                         if sat_out or i in self.lying:
                             continue
-                        self.lines.add(r, outer.values, optimum)
+                        self.lines.add(r, outer.values, optimum, self.work.gain(steps), share)
                         self.finished(r).set()
                         continue
                     live = self.live_ids()
@@ -305,7 +294,7 @@ class _Run:
                         PeerRound(i, r, size, dropped, lie, t1 - t0, t2 - t1, train_s, loss)
                     )
                     if i not in self.lying:
-                        self.lines.add(r, outer.values, optimum)
+                        self.lines.add(r, outer.values, optimum, self.work.gain(steps), share)
         finally:
             self.alive_s[i] = trio.current_time() - began
             self.alive.discard(i)

@@ -63,8 +63,10 @@ class Quadratic:
         span = math.log(config.curvature_max / config.curvature_min)
         log_q = math.log(config.curvature_min) + span * torch.rand(dims, generator=gen)
         self.q = log_q.exp().to(torch.float64)
-        #: What H inner steps leave of a state's distance to the peer's optimum.
-        self.kept = (1 - config.inner_lr * self.q) ** inner_steps
+        self.inner_steps = inner_steps
+        #: What h inner steps leave of a state's distance to the peer's optimum, by h (a
+        #: time-bounded round runs fewer than H on a slow peer).
+        self._kept: dict[int, torch.Tensor] = {}
         self._floor = 0.5 * config.heterogeneity**2 * float(self.q.sum())
 
     def optimum(self, peer: int) -> torch.Tensor:
@@ -76,9 +78,21 @@ class Quadratic:
     def start(self) -> torch.Tensor:
         return torch.full((self.dims,), self.config.start, dtype=torch.float32)
 
-    def pseudo_gradient(self, state: torch.Tensor, optimum: torch.Tensor) -> torch.Tensor:
-        """θ_0 − θ_H after H inner steps from ``state`` (float32, as DiLoCo sends it)."""
-        return ((1 - self.kept) * (state.to(torch.float64) - optimum)).to(torch.float32)
+    def gain(self, steps: int | None = None) -> torch.Tensor:
+        """1 − (1 − ηq)^h: the share of a state's distance to a peer's optimum that h inner
+        steps (H if None) cover, per coordinate (float64)."""
+        h = self.inner_steps if steps is None else steps
+        if h not in self._kept:
+            self._kept[h] = (1 - self.config.inner_lr * self.q) ** h
+        return 1 - self._kept[h]
+
+    def pseudo_gradient(
+        self, state: torch.Tensor, optimum: torch.Tensor, steps: int | None = None
+    ) -> torch.Tensor:
+        """θ_0 − θ_h after h inner steps (H if None) from ``state`` (float32, as DiLoCo sends
+        it)."""
+        delta = self.gain(steps) * (state.to(torch.float64) - optimum)
+        return delta.to(torch.float32)
 
     def loss(self, state: torch.Tensor) -> float:
         """F(θ): the population's mean loss at ``state`` (θ* = 0)."""
