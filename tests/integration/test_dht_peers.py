@@ -106,10 +106,11 @@ def test_64_nodes_every_node_gets_what_any_stored_even_after_20_percent_die() ->
             for i in rng.sample(range(64), 24):
                 key, value = f"key/{i}", rng.randbytes(40)
                 replicas = await s.nodes[i].store(key, value, time.time() + TTL)
-                # k = 20 stores go out in parallel; on a loaded 2-core CI machine a few can miss
-                # their deadline (seen: 14 of 20 once). Republishing restores them; what must
-                # hold is a majority now, and every get below.
-                assert replicas >= 11
+                # The replicas' Stores go out in parallel; on a loaded 2-core CI machine a few
+                # can miss their deadline (seen: 14 of 20 once, when a store made 20).
+                # Republishing restores them; what must hold is a majority now, and every get
+                # below.
+                assert replicas > DHTConfig().replicas // 2
                 stored[key] = value
             keys = list(stored)
             # Every node reads some key another node stored.

@@ -152,9 +152,9 @@ def test_a_key_looked_up_lately_is_stored_and_read_from_its_neighbourhood() -> N
         return first, again, near_read, far_read
 
     first, again, near_read, far_read = run_virtual(main, seed=5)
-    k = DHTConfig().k
-    assert first > k  # a lookup, then a Store on each of the k closest
-    assert again <= k  # the Stores alone
+    replicas = DHTConfig().replicas
+    assert first > replicas  # a lookup, then a Store on each of the closest
+    assert again <= replicas  # the Stores alone
     # The quorum closest are asked first; a slow answer (RTTs up to 300 ms) adds an ask each.
     assert near_read <= 2 * DHTConfig().get_quorum
     assert far_read > near_read  # measured: 12 against 5

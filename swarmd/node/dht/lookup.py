@@ -2,9 +2,10 @@
 
 The lookup keeps a shortlist of the k closest nodes it has heard of, keeps α requests in
 flight to the closest it has not asked yet, and stops when the k closest have all answered
-(a node lookup, for stores) or, for gets, as soon as records were found and either the
-``quorum`` closest nodes have answered or ``quorum`` nodes returned records. Stores replicate
-to the k closest nodes, so the nodes nearest the key hold its newest version.
+(a node lookup; for a store's, k is its `replicas`) or, for gets, as soon as records were
+found and either the ``quorum`` closest nodes have answered or ``quorum`` nodes returned
+records. Stores replicate
+to the `replicas` closest nodes, so the nodes nearest the key hold its newest version.
 
 Slow and dead nodes cost little: a node that fails is dropped from the shortlist (and evicted
 from the routing table), and a reply that takes longer than twice the smoothed round trip

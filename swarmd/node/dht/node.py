@@ -225,9 +225,10 @@ class DHTNode:
         alpha: int | None = None,
         known: Sequence[bytes] = (),
         light: bool = False,
+        k: int | None = None,
     ) -> LookupResult:
         cfg = self.config
-        params = LookupParams(cfg.k, alpha or cfg.alpha, cfg.lookup_timeout_s, quorum, light)
+        params = LookupParams(k or cfg.k, alpha or cfg.alpha, cfg.lookup_timeout_s, quorum, light)
         near = self._replicator.near(target) if key is not None else ()
         limits, clock = cfg.storage.records, self._clock
         return await lookup(
@@ -235,8 +236,8 @@ class DHTNode:
             clock=clock, known=known, near=near,
         )  # fmt: skip
 
-    async def _find_nodes(self, target: int) -> LookupResult:
-        return await self._lookup(target, None, None)
+    async def _find_nodes(self, target: int, k: int) -> LookupResult:
+        return await self._lookup(target, None, None, k=k)
 
     async def store(
         self,
@@ -247,7 +248,8 @@ class DHTNode:
         *,
         republish: bool = True,
     ) -> int:
-        """Signs and stores ``value`` until ``expires``, on the k nodes closest to ``key``.
+        """Signs and stores ``value`` until ``expires``, on the `replicas` nodes closest to
+        ``key``.
 
         With ``subkey``, adds or updates one entry of the key's sub-key map (other owners'
         entries stay). Returns how many nodes (this one included) now hold it; 0 means nobody

@@ -1,4 +1,5 @@
-"""Where a store puts a record: on the k nodes closest to its key, one bulk Store per node.
+"""Where a store puts a record: on the `replicas` nodes closest to its key, one bulk Store
+per node.
 
 Kept apart from DHTNode, which decides what to store and when (a store, a re-publish), because
 placement has state of its own: the last lookup that found the whole network, which spares a
@@ -37,7 +38,8 @@ NEAR_KEPT = 256
 
 
 class Replicator:
-    """Stores records for one DHTNode; ``find_nodes`` is its node lookup (no key, no quorum)."""
+    """Stores records for one DHTNode; ``find_nodes(target, width)`` is its node lookup (no
+    key, no quorum) for the ``width`` closest nodes."""
 
     def __init__(
         self,
@@ -45,20 +47,22 @@ class Replicator:
         caller: Caller,
         table: RoutingTable,
         storage: Storage,
-        find_nodes: Callable[[int], Awaitable[LookupResult]],
+        find_nodes: Callable[[int, int], Awaitable[LookupResult]],
     ) -> None:
         self.config = config
+        #: How many nodes a record goes to (DHTConfig.replicas, at most k).
+        self.replicas = min(config.replicas, config.k)
         self.caller = caller
         self.table = table
         self.storage = storage
         self._find_nodes = find_nodes
         #: (when, nodes): the last node lookup that found fewer than k nodes, i.e. all of them.
         self._whole_network: tuple[float, frozenset[tuple[PeerId, str]]] | None = None
-        #: target -> (when, its k closest nodes, closest first), from recent node lookups.
-        self._near: dict[int, tuple[float, list[tuple[PeerId, str]]]] = {}
+        #: target -> (when, the lookup's width, the closest nodes it found, closest first).
+        self._near: dict[int, tuple[float, int, list[tuple[PeerId, str]]]] = {}
 
     def near(self, target: int) -> list[tuple[PeerId, str]]:
-        """The k closest nodes a node lookup found for ``target`` within NEAR_S (else []).
+        """The closest nodes a node lookup found for ``target`` within NEAR_S (else []).
 
         A matchmaking round stores an announcement under its key, reads the key a few times,
         and its leader stores again: each was a lookup from this node's own contacts, several
@@ -70,14 +74,14 @@ class Replicator:
         entry = self._near.get(target)
         if entry is None or trio.current_time() - entry[0] >= NEAR_S:
             return []
-        if self._outgrown(target, entry[1]):
+        if self._outgrown(target, entry[1], entry[2]):
             del self._near[target]
             return []
-        return entry[1]
+        return entry[2]
 
-    def _outgrown(self, target: int, nodes: list[tuple[PeerId, str]]) -> bool:
+    def _outgrown(self, target: int, width: int, nodes: list[tuple[PeerId, str]]) -> bool:
         """Whether the routing table holds a node nearer ``target`` than the farthest of
-        ``nodes`` (any node, while they are fewer than k) that they lack.
+        ``nodes`` (any node, while they are fewer than the lookup's ``width``) that they lack.
 
         A heartbeat is re-stored every ttl/3 (10 s) and used to go to the neighbourhood its
         first store found for NEAR_S (30 s): nodes that joined since held none of it, and a
@@ -85,51 +89,57 @@ class Replicator:
         a peer counted 4 of 5 live peers for two rounds). A joiner near the key shows here
         first: it looks itself up through its neighbours, who add it to their tables."""
         held = {peer for peer, _ in nodes}
-        full = len(nodes) >= self.config.k
+        full = len(nodes) >= width
         bound = node_id(nodes[-1][0]) ^ target if full and nodes else None
-        for contact in self.table.closest(target, self.config.k):
+        for contact in self.table.closest(target, width):
             if contact.peer_id not in held and (bound is None or contact.id ^ target < bound):
                 return True
         return False
 
-    def _remember(self, target: int, nodes: list[tuple[PeerId, str]]) -> None:
+    def _remember(self, target: int, width: int, nodes: list[tuple[PeerId, str]]) -> None:
         now = trio.current_time()
         if len(self._near) >= NEAR_KEPT:
             self._near = {t: e for t, e in self._near.items() if now - e[0] < NEAR_S}
             while len(self._near) >= NEAR_KEPT:
                 del self._near[next(iter(self._near))]
-        self._near[target] = (now, nodes)
+        self._near[target] = (now, width, nodes)
 
     async def closest_nodes(self, target: int) -> list[tuple[PeerId, str]]:
-        """The k nodes closest to ``target``, for a store.
+        """The `replicas` nodes closest to ``target``, for a store.
 
         A node lookup that finds fewer than k nodes, every one answering, has found the whole
-        network, and the k closest to any target are then all of it. In a small run (the usual
+        network, and the closest to any target are then among it. In a small run (the usual
         case: a handful of peers) every store used to repeat that lookup, asking every node
         for its contacts: with each peer storing an announcement, a group record and a state
         advert per round, that was about half of a streaming fragment sync's DHT bytes. For
         WHOLE_NETWORK_S after such a lookup, and only while the routing table holds exactly
         the nodes it found (a node that joined, left or moved shows there first), stores use
         that set instead.
+
+        A routing table of k contacts or more means a network larger than k: the lookup then
+        waits only for the `replicas` closest (on 64 processes, 18 ms against 33 for 20).
         """
+        replicas = self.replicas
         whole = self._whole_network
         if whole is not None:
             at, nodes = whole
             table = frozenset((c.peer_id, c.address) for c in self.table.contacts())
             if trio.current_time() - at < WHOLE_NETWORK_S and table == nodes:
-                return sorted(nodes, key=lambda node: node_id(node[0]) ^ target)
+                return sorted(nodes, key=lambda node: node_id(node[0]) ^ target)[:replicas]
         if near := self.near(target):
-            return near
-        result = await self._find_nodes(target)
+            return near[:replicas]
+        k = self.config.k
+        width = k if len(self.table) < k else replicas
+        result = await self._find_nodes(target, width)
         # Every node asked answered (none timed out or failed), and they were fewer than k.
-        complete = result.queried == len(result.closest) < self.config.k and not result.failed
+        complete = result.queried == len(result.closest) < width == k and not result.failed
         self._whole_network = (trio.current_time(), frozenset(result.closest)) if complete else None
-        if complete or len(result.closest) == self.config.k:
-            self._remember(target, result.closest)
-        return result.closest
+        if complete or len(result.closest) == width:
+            self._remember(target, width, result.closest)
+        return result.closest[:replicas]
 
     async def replicate(self, records: list[Record]) -> list[int]:
-        """Stores each record on its k closest nodes; one bulk Store per destination."""
+        """Stores each record on its `replicas` closest nodes; one bulk Store per destination."""
         keys = sorted({r.key for r in records})
         closest: dict[bytes, list[tuple[PeerId, str]]] = {}
 
@@ -145,8 +155,9 @@ class Replicator:
         for i, record in enumerate(records):
             target = key_id(record.key)
             nodes = closest[record.key]
-            # This node keeps a replica too if it is among the k closest.
-            if len(nodes) < self.config.k or (own_id ^ target) < (node_id(nodes[-1][0]) ^ target):
+            # This node keeps a replica too if it is among the closest.
+            near = len(nodes) < self.replicas or own_id ^ target < node_id(nodes[-1][0]) ^ target
+            if near:
                 try:
                     self.storage.put(record)
                     counts[i] += 1
