@@ -58,6 +58,13 @@ def main() -> None:
     parser.add_argument("--churn", type=float, default=0.05)
     parser.add_argument("--stallers", type=int, default=0, help="heartbeat, never join")
     parser.add_argument(
+        "--inner-steps", type=int, default=50, help="H (a cap on steps when --inner-s is set)"
+    )
+    parser.add_argument("--step-s", type=float, default=0.1, help="virtual s a step, speed 1")
+    parser.add_argument(
+        "--inner-s", type=float, default=0.0, help="virtual s of steps a round (0: H steps)"
+    )
+    parser.add_argument(
         "--grouping",
         choices=("flat", "grid"),
         default="flat",
@@ -87,13 +94,17 @@ def main() -> None:
             params=args.params,
             churn=args.churn,
             stallers=args.stallers,
+            inner_steps=args.inner_steps,
+            step_s=args.step_s,
+            inner_s=args.inner_s,
             grouping=args.grouping,
             matchmaking=MatchmakingConfig(target_group_size=args.target),
             seed=args.seed,
         )
         print(
             f"DiLoCo: {scenario.peers} peers, {scenario.rounds} rounds, target {args.target}, "
-            f"{args.grouping} groups"
+            f"{args.grouping} groups, H {args.inner_steps}"
+            + (f", rounds of {args.inner_s:g} virtual s" if args.inner_s else "")
         )
         r = run_rounds(scenario, progress)
         print(f"  {rounds_summary(r)}")

@@ -76,6 +76,37 @@ def test_three_peers_train_and_end_identical(
     assert full and all(len(hashes) == 1 for hashes in full.values()), full
 
 
+def test_rounds_bounded_in_time_end_before_h_and_the_peers_agree(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """`inner_seconds`: each round ends after 1 s of inner steps, long before H = 5,000, and
+    the run ends at total_steps (3 rounds on the run's clock); every round of the three
+    averages their different numbers of steps into one state."""
+    run = TINY_RUN.replace("min_group_size = 2", "min_group_size = 3").replace(
+        "inner_steps = 5", "inner_steps = 5000\ninner_seconds = 1.0\ntotal_steps = 15000"
+    )
+    (tmp_path / "run.toml").write_text(run)
+    boot = start_bootstrap(processes, tmp_path)
+    peers = processes.start_many(
+        [
+            join_cmd(tmp_path, "p0", boot, "--create-run", str(tmp_path / "run.toml"), steps=None),
+            join_cmd(tmp_path, "p1", boot, steps=None),
+            join_cmd(tmp_path, "p2", boot, steps=None),
+        ]
+    )
+    runs = [events_until_exit(p) for p in peers]
+    outer = [[e for e in events if e["event"] == "outer_step"] for events in runs]
+    assert all(p.process.returncode == 0 for p in peers), outer
+    hashes: dict[int, set[str]] = {}
+    for steps in outer:
+        assert steps and steps[-1]["round"] == 3, steps  # the run's end: 3 rounds of H
+        assert all(0 < e["inner_steps"] < 5000 for e in steps), steps
+        for e in steps:
+            if e["group_size"] == 3 and e["dropped"] == 0:
+                hashes.setdefault(e["round"], set()).add(e["state_hash"])
+    assert hashes and all(len(h) == 1 for h in hashes.values()), (hashes, outer)
+
+
 def test_demo_kills_a_peer_adds_one_and_survivors_agree(tmp_path: Path) -> None:
     """The README's first command, shortened: real processes, churn, and its own checks; its
     dashboard shows the run's peers while it runs."""

@@ -12,7 +12,7 @@ import trio
 
 from swarmd.node.algorithms.loop import Averaging, OuterLoopStrategy
 from swarmd.node.peer.runend import leave_on_one_state
-from swarmd.optim.diloco import DiLoCo
+from swarmd.optim.diloco import DiLoCo, OuterStepReport
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         held = self.peer.clock.held(t0)
         self.report_later()
         nursery.start_soon(
-            self._report, params, held, report.round, report.status, avg, live, waited,
-            sync_by_method, snap.state_hash.hex(),
+            self._report, params, held, report, avg, live, waited, sync_by_method,
+            snap.state_hash.hex(),
         )  # fmt: skip
         return False
 
@@ -114,8 +114,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         self,
         params: dict[str, torch.Tensor],
         held: float,
-        round_no: int,
-        status: str,
+        report: OuterStepReport,
         avg: Averaging,
         live: int,
         waited: float,
@@ -127,6 +126,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             await self.state.saved()  # an `outer_step` line means the round is on disk
         finally:
             self.report_done()
+        round_no, status = report.round, report.status
         self.peer.stats.outer_done(round_no, avg.group_size, status, val)
         size, dropped = avg.group_size, avg.dropped
         self.peer.out.event(
@@ -145,4 +145,6 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             sync_bytes=sum(sync_by_method.values()),
             sync_by_method=sync_by_method,
             seconds=round(held, 3),
+            # This peer's inner steps in the round: H, or fewer when inner_seconds ended it.
+            inner_steps=report.inner_steps,
         )
