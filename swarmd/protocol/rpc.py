@@ -26,6 +26,8 @@ Callers import from here (``from swarmd.protocol import rpc``), never from the p
 
 from __future__ import annotations
 
+from swarmd.protocol._pacing import paced as paced
+from swarmd.protocol._rate_limit import RateLimiter as RateLimiter
 from swarmd.protocol._rate_limit import RateLimits as RateLimits
 from swarmd.protocol._rpc_client import BULK_INFO_TIMEOUT_S as BULK_INFO_TIMEOUT_S
 from swarmd.protocol._rpc_client import BULK_INFO_TTL_S as BULK_INFO_TTL_S
@@ -53,3 +55,4 @@ from swarmd.protocol.calls import RpcObserver as RpcObserver
 from swarmd.protocol.calls import StatusCode as StatusCode
 from swarmd.protocol.calls import TensorCaller as TensorCaller
 from swarmd.protocol.calls import UnaryCaller as UnaryCaller
+from swarmd.protocol.calls import rate_limited as rate_limited

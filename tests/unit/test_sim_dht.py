@@ -5,6 +5,7 @@ the figures are the DHT's own: a read must still find every key past the dead no
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -104,6 +105,46 @@ def test_clocks_skewed_within_the_replay_window_work_and_beyond_it_are_refused()
 
 async def _pong(req: pb.PingRequest, ctx: rpc.CallContext) -> pb.PingResponse:
     return pb.PingResponse()
+
+
+def test_a_host_s_rate_limit_refuses_a_burst_and_the_caller_waits_its_named_wait() -> None:
+    """The simulator's servers keep the daemon's rate limits on virtual time: a caller past
+    its burst is refused with the wait its bucket needs, and an honest client calls again
+    after it (stretched by up to half), within its deadline; one that does not retry gets
+    the refusal (RESOURCE_EXHAUSTED) as a daemon's client would."""
+    rng = random.Random(5)
+    limits = rpc.RateLimits(per_peer_rate=2.0, per_peer_burst=2.0)
+    net = SimNetwork(NetworkConfig(rtt_min_s=0.01, rtt_max_s=0.01, rate_limits=limits), seed=5)
+    a, b = net.add_host(seeded_identity(rng)), net.add_host(seeded_identity(rng))
+    net.serve(b, [rpc.Service("t.v1.T", [rpc.unary("Ping", pb.PingRequest, _pong)])])
+    client = net.client(a)
+    path = rpc.method_path("t.v1.T", "Ping")
+
+    async def main() -> list[float]:
+        done = []
+        for _ in range(4):
+            await client.unary(b.address, path, pb.PingRequest(), pb.PingResponse, timeout=5)
+            done.append(trio.current_time())
+        client.transport = rpc.TransportConfig(rate_limit_retry=False)
+        with pytest.raises(rpc.RpcError) as err:
+            await client.unary(b.address, path, pb.PingRequest(), pb.PingResponse, timeout=5)
+        assert err.value.code is rpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry in" in err.value.details
+        return done
+
+    done = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # Two within the burst, one round trip each; then a token every 0.5 s, each waited for.
+    assert done[1] == pytest.approx(0.02)
+    assert all(
+        0.5 * 0.9 <= later - earlier <= 0.75 + 0.03
+        for earlier, later in itertools.pairwise(done[1:])
+    )
+    assert net.limited >= 3
+
+
+def test_a_rate_limit_table_in_a_scenario_s_network_is_read() -> None:
+    config = NetworkConfig(rate_limits={"per_peer_rate": 5.0, "per_peer_burst": 10.0})  # type: ignore[arg-type]
+    assert config.rate_limits == rpc.RateLimits(per_peer_rate=5.0, per_peer_burst=10.0)
 
 
 def test_scenarios_are_validated() -> None:

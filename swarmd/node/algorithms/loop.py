@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from abc import abstractmethod
 from collections.abc import Mapping
@@ -46,6 +47,8 @@ VALIDATION_BATCHES = 4
 ZSTD_LEVEL = 3
 
 Opt = TypeVar("Opt", DiLoCo, StreamingDiLoCo)
+
+log = logging.getLogger(__name__)
 
 
 def matchmaking_config(config: RunConfig) -> MatchmakingConfig:
@@ -144,6 +147,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         self._validating = trio.CapacityLimiter(1)
         self._reports_pending = 0
         self._reports_done = trio.Event()
+        #: Whether this peer has said why it sits rounds out (once a run is enough).
+        self._told_late = False
 
     # -- what the subclasses supply --------------------------------------------------------
 
@@ -394,6 +399,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         self.state.meet(gathered.announced)
         verdict = roll_verdict(roll, gathered, self.me.peer_id)
         if verdict == "sit_out":
+            self._tell_late(key)
             return Averaging(formed=True, sat_out=True, publishers=gathered.committed)
         if verdict == "alone" or roll is None:
             return Averaging(formed=roll is not None)
@@ -410,6 +416,24 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         # Its size: the peers it averaged with at any level, itself included.
         return Averaging(
             formed=True, group_size=len(got.met) + 1, dropped=got.dropped, mean=got.result
+        )
+
+    def _tell_late(self, key: str) -> None:
+        """Once a run: this peer came after a roll call had closed, so its round's inner
+        steps are dropped. A peer slower than the rest does so every round unless the run
+        bounds rounds in time; its user should know why it contributes nothing, and whom to
+        ask."""
+        if self._told_late:
+            return
+        self._told_late = True
+        hint = (
+            "; a peer slower than the others sits every round out unless the run sets "
+            "inner_seconds (ask the run's creator)"
+            if not self.peer.config.inner_seconds
+            else ""
+        )
+        log.warning(
+            "%s: came after the round's roll call closed; its steps are dropped%s", key, hint
         )
 
     async def took_group_state(self, step: int, t0: float, **fields: object) -> None:

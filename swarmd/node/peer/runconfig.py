@@ -271,16 +271,7 @@ class RunConfig:
         for flag in ("zstd", "drop_opposed"):
             if not isinstance(getattr(self, flag), bool):
                 raise RunConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        seconds = self.inner_seconds
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-            raise RunConfigError(f"inner_seconds must be a number of seconds, got {seconds!r}")
-        if not (0 <= seconds < math.inf):
-            raise RunConfigError(f"inner_seconds must be >= 0 (0: none), got {seconds!r}")
-        if seconds and self.algo != "diloco":
-            raise RunConfigError(
-                f"inner_seconds bounds plain DiLoCo's rounds; {self.algo} paces its own "
-                "(streaming fragments by steps, DeMo every step, swarm by swarm_round_s)"
-            )
+        self._check_inner_seconds()
         if not 1 <= self.min_group_size <= self.target_group_size:
             raise RunConfigError("need 1 <= min_group_size <= target_group_size")
         if self.grouping not in ("grid", "flat"):
@@ -301,6 +292,18 @@ class RunConfig:
         except ValueError as exc:
             raise RunConfigError(f"demo options: {exc}") from None
         self._check_swarm()
+
+    def _check_inner_seconds(self) -> None:
+        seconds = self.inner_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise RunConfigError(f"inner_seconds must be a number of seconds, got {seconds!r}")
+        if not (0 <= seconds < math.inf):
+            raise RunConfigError(f"inner_seconds must be >= 0 (0: none), got {seconds!r}")
+        if seconds and self.algo != "diloco":
+            raise RunConfigError(
+                f"inner_seconds bounds plain DiLoCo's rounds; {self.algo} paces its own "
+                "(streaming fragments by steps, DeMo every step, swarm by swarm_round_s)"
+            )
 
     def _check_total_steps(self) -> None:
         total = self.total_steps

@@ -8,8 +8,11 @@ and replay window with a real `ReplayGuard`, runs the service's own handler with
 `CallContext` gRPC would give it, and the answer is serialised back. What is left out, and
 why: the per-frame authentication tags (GMAC) of tensor streams and the bulk plane's
 socket protocol (tensor calls carry the real frames, header signed, through the real
-`iter_frames`/`assemble`); rate limits and receive budgets (a simulated stranger's flood is a
-scenario of its own).
+`iter_frames`/`assemble`); receive budgets (a simulated stranger's flood is a scenario of its
+own). Rate limits are the server's own (`RateLimiter` on virtual time, the address's bucket
+before the signature is checked and the peer's after, as `RpcServer` does), and a refused
+caller waits out the refusal's named wait and calls again (`rpc.paced`), as `RpcClient` does:
+a simulated run meets the limits a daemon would.
 
 Bandwidth: each host has an uplink and a downlink; a transfer occupies the sender's uplink and
 the receiver's downlink for ``nbytes / min(up, down)`` seconds, first come first served.
@@ -64,8 +67,12 @@ class NetworkConfig:
     #: Each host's wall clock is off by a draw from [-clock_skew_s, clock_skew_s] (per host
     #: and seed): request timestamps and record expiry read it, virtual time does not.
     clock_skew_s: float = 0.0
+    #: Every host's server-side rate limits (a daemon's defaults; a table in a scenario file).
+    rate_limits: rpc.RateLimits = field(default_factory=rpc.RateLimits)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rate_limits, dict):
+            object.__setattr__(self, "rate_limits", rpc.RateLimits(**self.rate_limits))
         if not 0 < self.rtt_min_s <= self.rtt_max_s:
             raise ValueError("NetworkConfig needs 0 < rtt_min_s <= rtt_max_s")
         if not 0 <= self.loss < 1:
@@ -99,6 +106,10 @@ class Host:
     down_free: float = 0.0
     #: How far this host's wall clock is off (NetworkConfig.clock_skew_s).
     skew_s: float = 0.0
+    #: Its server's rate limits, on virtual time.
+    limiter: rpc.RateLimiter = field(
+        default_factory=lambda: rpc.RateLimiter(rpc.RateLimits(), clock=trio.current_time)
+    )
 
 
 class SimNetwork:
@@ -112,6 +123,8 @@ class SimNetwork:
         #: Partition sides: a call between hosts on different sides is not delivered.
         self._side: dict[str, int] = {}
         self.calls = 0
+        #: Calls a host's rate limit refused (each made again after its wait, in time).
+        self.limited = 0
         #: Digest of every call delivered (virtual time, caller, callee, method, size): two runs
         #: of one seed must end with the same one.
         self.trace = hashlib.blake2b(digest_size=16)
@@ -147,6 +160,7 @@ class SimNetwork:
             up_bytes_s=cfg.up_bytes_s,
             down_bytes_s=cfg.down_bytes_s,
             skew_s=self._skew(address),
+            limiter=rpc.RateLimiter(cfg.rate_limits, clock=trio.current_time),
         )
         self.hosts[address] = host
         return host
@@ -225,6 +239,8 @@ class SimClient:
         self.host = host
         #: Who this client speaks as (RpcClient's attribute: a reducer signs its proofs).
         self.identity: Identity | None = host.identity
+        #: How a refusal by a rate limit is met (RpcClient's defaults).
+        self.transport = rpc.TransportConfig()
 
     async def unary(
         self,
@@ -240,11 +256,16 @@ class SimClient:
         deadline = net.config.default_deadline_s if timeout is None else timeout
         if deadline <= 0:
             raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "no time left for the call")
-        try:
-            with trio.fail_after(deadline):
-                raw = await self._deliver(address, path, request.SerializeToString(), recipient)
-        except trio.TooSlowError:
-            raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+        body = request.SerializeToString()
+
+        async def once(left: float) -> bytes:
+            try:
+                with trio.fail_after(left):
+                    return await self._deliver(address, path, body, recipient)
+            except trio.TooSlowError:
+                raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+
+        raw = await rpc.paced(deadline, self.transport, once)
         try:
             return response_type.FromString(raw)
         except DecodeError as exc:
@@ -272,7 +293,7 @@ class SimClient:
         if net.lost():
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss: connection lost")
         host.received_bytes += len(body)
-        raw = await _serve(host, me.address, path, body, signed)
+        raw = await _serve(net, host, me.address, path, body, signed)
         await trio.sleep(one_way)
         if not (me.up and net.same_side(address, me.address)):
             await trio.sleep_forever()  # the answer never arrives
@@ -336,63 +357,93 @@ class SimTensorClient(SimClient):
         timeout: float | None = None,
         max_bytes: int | None = None,
     ) -> bytes | tuple[TensorMeta, bytearray]:
+        deadline = self.network.config.default_deadline_s if timeout is None else timeout
+
+        async def once(left: float) -> bytes | tuple[TensorMeta, bytearray]:
+            try:
+                with trio.fail_after(left):
+                    return await self._tensor_once(
+                        address, path, signed_bytes, expect, kind, frames, max_bytes
+                    )
+            except trio.TooSlowError:
+                raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+
+        return await rpc.paced(deadline, self.transport, once)
+
+    async def _tensor_once(
+        self,
+        address: str,
+        path: str,
+        signed_bytes: bytes,
+        expect: PeerId | None,
+        kind: str,
+        frames: list[bytes],
+        max_bytes: int | None,
+    ) -> bytes | tuple[TensorMeta, bytearray]:
         net, me = self.network, self.host
-        deadline = net.config.default_deadline_s if timeout is None else timeout
-        try:
-            with trio.fail_after(deadline):
-                if not me.up or not net.reachable(me.address, address):
-                    await trio.sleep_forever()
-                host = net.hosts[address]
-                signed = me.identity.sign_request(
-                    path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall(me)
-                )
-                net.record(me.address, address, path, sum(map(len, frames)) or len(signed_bytes))
-                one_way = net.rtt(me.address, address) / 2
-                await trio.sleep(one_way)
-                if net.lost():
-                    raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss")
-                ctx = _authenticate(host, me.address, path, signed_bytes, signed)
-                method = host.methods.get(path)
-                if method is None or method.kind != f"tensor_{kind}":
-                    raise rpc.RpcError(rpc.StatusCode.UNIMPLEMENTED, f"no tensor method {path}")
-                if kind == "in":
-                    await net.transfer(me, host, sum(map(len, frames)))
-                    meta, data = assemble(frames, 2 << 30)
-                    if method.admit is not None:
-                        await method.admit(meta, ctx)
-                    response: Message = await method.handler(meta, data, ctx)
-                    await trio.sleep(one_way)
-                    return response.SerializeToString()
-                assert method.request_type is not None
-                request = method.request_type.FromString(signed_bytes)
-                meta, payload = await method.handler(request, ctx)
-                out = list(iter_frames(meta, payload_segments(payload), self.chunk_bytes))
-                await trio.sleep(one_way)
-                await net.transfer(host, me, sum(map(len, out)))
-                limit = (2 << 30) if max_bytes is None else max_bytes
-                return assemble(out, limit)
-        except trio.TooSlowError:
-            raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+        if not me.up or not net.reachable(me.address, address):
+            await trio.sleep_forever()
+        host = net.hosts[address]
+        signed = me.identity.sign_request(
+            path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall(me)
+        )
+        net.record(me.address, address, path, sum(map(len, frames)) or len(signed_bytes))
+        one_way = net.rtt(me.address, address) / 2
+        await trio.sleep(one_way)
+        if net.lost():
+            raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss")
+        ctx = _authenticate(net, host, me.address, path, signed_bytes, signed)
+        method = host.methods.get(path)
+        if method is None or method.kind != f"tensor_{kind}":
+            raise rpc.RpcError(rpc.StatusCode.UNIMPLEMENTED, f"no tensor method {path}")
+        if kind == "in":
+            await net.transfer(me, host, sum(map(len, frames)))
+            meta, data = assemble(frames, 2 << 30)
+            if method.admit is not None:
+                await method.admit(meta, ctx)
+            response: Message = await method.handler(meta, data, ctx)
+            await trio.sleep(one_way)
+            return response.SerializeToString()
+        assert method.request_type is not None
+        request = method.request_type.FromString(signed_bytes)
+        meta, payload = await method.handler(request, ctx)
+        out = list(iter_frames(meta, payload_segments(payload), self.chunk_bytes))
+        await trio.sleep(one_way)
+        await net.transfer(host, me, sum(map(len, out)))
+        limit = (2 << 30) if max_bytes is None else max_bytes
+        return assemble(out, limit)
 
 
 def _authenticate(
-    host: Host, caller: str, path: str, body: bytes, signed: SignedHeader
+    net: SimNetwork, host: Host, caller: str, path: str, body: bytes, signed: SignedHeader
 ) -> rpc.CallContext:
-    """What RpcServer checks before a handler runs: signature, recipient, replay, gate."""
+    """What RpcServer checks before a handler runs: the address's rate limit, signature,
+    recipient, replay, the peer's rate limit, gate."""
+    peer = f"ipv4:{caller}"
+    _check_rate(net, "address", host.limiter.address_wait(peer))
     try:
         peer_id = host.guard.verify(path, signed, body)
     except ProtocolError as exc:
         raise rpc.RpcError(rpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
-    ctx = rpc.CallContext(path, peer_id, f"ipv4:{caller}", signed.signature, signed.access)
+    _check_rate(net, "peer", host.limiter.peer_wait(str(peer_id)))
+    ctx = rpc.CallContext(path, peer_id, peer, signed.signature, signed.access)
     gate = host.gates.get(path)
     if gate is not None:
         gate(ctx)
     return ctx
 
 
-async def _serve(host: Host, caller: str, path: str, body: bytes, signed: SignedHeader) -> bytes:
+def _check_rate(net: SimNetwork, scope: str, wait: float) -> None:
+    if wait:
+        net.limited += 1
+        raise rpc.rate_limited(scope, wait)
+
+
+async def _serve(
+    net: SimNetwork, host: Host, caller: str, path: str, body: bytes, signed: SignedHeader
+) -> bytes:
     """The callee's side of a unary call: authenticate as RpcServer does, run the handler."""
-    ctx = _authenticate(host, caller, path, body, signed)
+    ctx = _authenticate(net, host, caller, path, body, signed)
     method = host.methods.get(path)
     if method is None or method.kind != "unary" or method.request_type is None:
         raise rpc.RpcError(rpc.StatusCode.UNIMPLEMENTED, f"no unary method {path}")

@@ -137,6 +137,8 @@ class RoundsReport:
     bytes_per_peer_round: float
     log_hash: str
     calls: int
+    #: Calls a host's rate limit refused (each made again after the wait it named).
+    limited: int
     virtual_s: float
     wall_s: float
     lines: tuple[RoundLine, ...]
@@ -475,6 +477,7 @@ async def _scenario(scenario: RoundsScenario, progress: Callable[[str], None]) -
         bytes_per_peer_round=sent / peer_rounds,
         log_hash=run.swarm.net.trace.hexdigest(),
         calls=run.swarm.net.calls,
+        limited=run.swarm.net.limited,
         virtual_s=trio.current_time() - t0,
         wall_s=time.monotonic() - wall0,
         lines=run.lines.finish(run.work),

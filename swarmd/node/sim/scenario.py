@@ -240,7 +240,8 @@ def rounds_summary(r: RoundsReport) -> str:
         f"groups formed in {r.median_form_s:.1f}s (median, virtual), states spread "
         f"{r.spread:.3g}, loss {r.loss_ratio:.4f}x one group's, {r.useful_ratio:.1%} of the "
         f"peers' time useful, {r.bytes_per_peer_round / 1e3:.0f} kB a peer-round, "
-        f"{r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
+        f"{r.calls} calls ({r.limited} refused by a rate limit, then made again), "
+        f"{r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
     )
 
 
@@ -257,6 +258,7 @@ def rounds_figures(r: RoundsReport) -> dict[str, str]:
         "diloco_bytes_per_peer_round": f"{r.bytes_per_peer_round:.0f}",
         "diloco_wall_s": f"{r.wall_s:.1f}",
         "diloco_bans": str(r.bans),
+        "diloco_rate_limited": str(r.limited),
     }
 
 
