@@ -5,7 +5,6 @@ the figures are the DHT's own: a read must still find every key past the dead no
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -132,14 +131,12 @@ def test_a_host_s_rate_limit_refuses_a_burst_and_the_caller_waits_its_named_wait
         assert "retry in" in err.value.details
         return done
 
-    done = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    # Two within the burst, one round trip each; then a token every 0.5 s, each waited for.
+    done = run_virtual(main, seed=5)
+    # Two within the burst, a round trip each; the next two need the bucket's 2 tokens at 2 a
+    # second (~1 s), their waits stretched by up to half.
     assert done[1] == pytest.approx(0.02)
-    assert all(
-        0.5 * 0.9 <= later - earlier <= 0.75 + 0.03
-        for earlier, later in itertools.pairwise(done[1:])
-    )
-    assert net.limited >= 3
+    assert 0.98 <= done[3] - done[1] <= 1.55, done
+    assert net.limited >= 2
 
 
 def test_a_rate_limit_table_in_a_scenario_s_network_is_read() -> None:

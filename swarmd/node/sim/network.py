@@ -26,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 from google.protobuf.message import DecodeError, Message
@@ -48,6 +49,8 @@ from swarmd.protocol.identity import Identity, PeerId, ReplayGuard, SignedHeader
 #: A simulated run's wall clock starts here (seconds since the epoch), so that record expiry and
 #: request timestamps read like today's, whatever the machine's clock says.
 SIM_EPOCH_S = 1.8e9
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -252,24 +255,28 @@ class SimClient:
         timeout: float | None = None,
         recipient: PeerId | None = None,
     ) -> M:
-        net = self.network
-        deadline = net.config.default_deadline_s if timeout is None else timeout
-        if deadline <= 0:
-            raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "no time left for the call")
         body = request.SerializeToString()
-
-        async def once(left: float) -> bytes:
-            try:
-                with trio.fail_after(left):
-                    return await self._deliver(address, path, body, recipient)
-            except trio.TooSlowError:
-                raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
-
-        raw = await rpc.paced(deadline, self.transport, once)
+        raw = await self._paced(timeout, lambda: self._deliver(address, path, body, recipient))
         try:
             return response_type.FromString(raw)
         except DecodeError as exc:
             raise rpc.RpcError(rpc.StatusCode.INTERNAL, f"bad response: {exc}") from None
+
+    async def _paced(self, timeout: float | None, call: Callable[[], Awaitable[T]]) -> T:
+        """``call`` within the call's one deadline (the network's default if None), made
+        again after each wait a rate limit names, as RpcClient's calls are (`rpc.paced`)."""
+        deadline = self.network.config.default_deadline_s if timeout is None else timeout
+        if deadline <= 0:
+            raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "no time left for the call")
+
+        async def once(left: float) -> T:
+            try:
+                with trio.fail_after(left):
+                    return await call()
+            except trio.TooSlowError:
+                raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
+
+        return await rpc.paced(deadline, self.transport, once)
 
     async def _deliver(
         self, address: str, path: str, body: bytes, recipient: PeerId | None
@@ -357,18 +364,10 @@ class SimTensorClient(SimClient):
         timeout: float | None = None,
         max_bytes: int | None = None,
     ) -> bytes | tuple[TensorMeta, bytearray]:
-        deadline = self.network.config.default_deadline_s if timeout is None else timeout
-
-        async def once(left: float) -> bytes | tuple[TensorMeta, bytearray]:
-            try:
-                with trio.fail_after(left):
-                    return await self._tensor_once(
-                        address, path, signed_bytes, expect, kind, frames, max_bytes
-                    )
-            except trio.TooSlowError:
-                raise rpc.RpcError(rpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed") from None
-
-        return await rpc.paced(deadline, self.transport, once)
+        return await self._paced(
+            timeout,
+            lambda: self._tensor_once(address, path, signed_bytes, expect, kind, frames, max_bytes),
+        )
 
     async def _tensor_once(
         self,
