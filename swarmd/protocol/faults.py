@@ -26,6 +26,9 @@ What each one does (see rpc.py for where it is consulted):
 - isolated: every outgoing call fails and every incoming call is refused: a host off the net.
 - clock_skew_s: this peer's wall clock is off by this much: its signed request timestamps and
   its replay guard's idea of "now" both move, so the receivers' skew bound is exercised.
+- step_delay_s: each of this peer's inner training steps takes this much longer, a slower GPU
+  (volunteers' speeds differ several times over; peers on one test machine do not). The
+  training loop (algorithms/loop.py) reads it, not the transport.
 
 This module imports no grpc: it decides, rpc.py enforces.
 """
@@ -60,6 +63,7 @@ _KEYS = {
     "isolated",
     "blocked",
     "clock_skew_s",
+    "step_delay_s",
 }
 
 
@@ -80,16 +84,17 @@ class FaultPlan:
     #: Addresses ("host:port", or a bare host for all its ports) this peer cannot reach.
     blocked: frozenset[str] = field(default_factory=frozenset)
     clock_skew_s: float = 0.0
+    step_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("latency_ms", "jitter_ms", "clock_skew_s", "loss"):
+        for name in ("latency_ms", "jitter_ms", "clock_skew_s", "loss", "step_delay_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise FaultPlanError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise FaultPlanError(f"{name} must be finite, got {value!r}")
-        if self.latency_ms < 0 or self.jitter_ms < 0:
-            raise FaultPlanError("latency_ms and jitter_ms must be >= 0")
+        if self.latency_ms < 0 or self.jitter_ms < 0 or self.step_delay_s < 0:
+            raise FaultPlanError("latency_ms, jitter_ms and step_delay_s must be >= 0")
         if self.jitter_ms > self.latency_ms:
             raise FaultPlanError("jitter_ms must not exceed latency_ms (no negative delays)")
         if not 0.0 <= self.loss <= 1.0:

@@ -37,6 +37,7 @@ from swarmd.node.runkeys import state_round_key
 from swarmd.optim.diloco import DiLoCo, trainable
 from swarmd.optim.statedicts import GLOBAL_PREFIX
 from swarmd.optim.streaming import StreamingDiLoCo
+from swarmd.protocol import faults
 from swarmd.protocol.identity import PeerId
 from swarmd.workloads import TokenSource, evaluate, load_source, shard_for_peer
 
@@ -149,6 +150,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         self._reports_done = trio.Event()
         #: Whether this peer has said why it sits rounds out (once a run is enough).
         self._told_late = False
+        #: A chaos plan's slower GPU (`step_delay_s`), if the process runs under one.
+        self._faults = faults.from_env()
 
     # -- what the subclasses supply --------------------------------------------------------
 
@@ -243,6 +246,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             self.peer.batch_index(step),
         )
         loss = await trio.to_thread.run_sync(self.opt.inner_step, batch)
+        if self._faults is not None and (delay := self._faults.plan().step_delay_s):
+            await trio.sleep(delay)
         stats = self.peer.stats
         stats.step, stats.loss = step + 1, loss
         stats.tokens += config.batch_size * config.block_size * self.opt.forward.world
