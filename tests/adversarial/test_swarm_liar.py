@@ -69,6 +69,11 @@ def _late_loss(events: list[dict[str, Any]]) -> float:
     return sum(losses[-3:]) / 3
 
 
+# Slow tier: two whole pipeline runs (honest, then with the liar), 86 s alone and 149 s beside
+# the other worker in a clean-clone rehearsal (2026-11-30), the longest test of the default
+# suite. The same audits against the same lie are checked in virtual time by
+# tests/unit/test_sim_swarm.py (`test_audits_catch_lying_servers_and_keep_their_answers_out`).
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_stage_server_answering_x_minus_20_is_caught_and_routed_around(
     processes: ProcessGroup, tmp_path: Path
