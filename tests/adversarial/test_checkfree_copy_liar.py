@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from swarmd.protocol.identity import Identity
 from tests.harness.join import stop_and_collect, wait_for
 from tests.harness.processes import ProcessGroup
@@ -65,6 +67,13 @@ def _run(processes: ProcessGroup, tmp: Path, lie: bool) -> tuple[str, dict[str, 
     return str(Identity.load(tmp / "s1c").peer_id), rec, losses
 
 
+# Slow tier: two whole pipeline runs with a stage lost and rebuilt (honest, then with the
+# liar), 101-110 s in clean-clone rehearsals (2026-11-30), the default suite's longest. The
+# rebuild's median of copies and its naming of the odd one are checked in-process by
+# tests/unit/test_checkfree_plus.py (`test_a_rebuild_installs_the_median_of_copies_and_names_
+# the_odd_one`, `test_two_copies_that_disagree_are_not_installed`), and a CheckFree+ rebuild
+# through real processes by tests/integration/test_checkfree_plus_join.py.
+@pytest.mark.slow
 def test_a_poisoned_embedding_copy_is_outvoted_and_named(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
