@@ -331,7 +331,10 @@ class SimTensorClient(SimClient):
         if sum(v.nbytes for v in segments) != meta.nbytes:
             raise FramingError(f"payload does not match its header's {meta.nbytes} B")
         frames = list(iter_frames(meta, segments, self.chunk_bytes))
-        raw = await self._tensor_call(address, path, frames[0], expect, "in", frames, timeout)
+        raw = await self._paced(
+            timeout,
+            lambda: self._tensor_once(address, path, frames[0], expect, "in", frames, None),
+        )
         assert isinstance(raw, bytes)
         try:
             return response_type.FromString(raw)
@@ -349,25 +352,11 @@ class SimTensorClient(SimClient):
         expect: PeerId | None = None,
     ) -> tuple[TensorMeta, bytearray]:
         body = request.SerializeToString()
-        got = await self._tensor_call(address, path, body, expect, "out", [], timeout, max_bytes)
+        got = await self._paced(
+            timeout, lambda: self._tensor_once(address, path, body, expect, "out", [], max_bytes)
+        )
         assert isinstance(got, tuple)
         return got
-
-    async def _tensor_call(
-        self,
-        address: str,
-        path: str,
-        signed_bytes: bytes,
-        expect: PeerId | None,
-        kind: str,
-        frames: list[bytes],
-        timeout: float | None = None,
-        max_bytes: int | None = None,
-    ) -> bytes | tuple[TensorMeta, bytearray]:
-        return await self._paced(
-            timeout,
-            lambda: self._tensor_once(address, path, signed_bytes, expect, kind, frames, max_bytes),
-        )
 
     async def _tensor_once(
         self,
