@@ -127,8 +127,8 @@ def test_an_excused_peer_that_comes_is_not_counted_twice_past_min_group_size() -
     """A run whose min_group_size is 3, two peers up and a joiner new in their second round:
     the joiner is excused (two waited for), yet min_group_size already raises the target to
     3. When the joiner comes the wait is for the 3 there are, not 4: counted from the
-    target, all three waited out the whole gather window (a process test: the round the
-    joiner was new in took 10.5 s of a 1 s round)."""
+    target, all three waited out the whole gather window (a process test: every second
+    round of 1 s took 10.5 s)."""
     att = Attendance()
     att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
     live = [ME, HONEST, LATE]

@@ -78,8 +78,8 @@ class Gathered:
 
         Counted from the peers waited for, not from the target: a target the run's
         min_group_size had raised already held room for the excused peer, and one more made
-        3 live peers of a min_group_size-3 run wait for 4 when a joiner came in the round
-        it was new in, until the whole gather window had passed (10 s of a 1 s round)."""
+        3 live peers of a min_group_size-3 run wait for 4, each round after a joiner's
+        first, until the whole gather window had passed (10 s of a 1 s round)."""
         came = len(self.excused.intersection(visible))
         if not came:
             return target
