@@ -121,21 +121,3 @@ def test_a_short_round_with_nobody_new_missing_does_not_put_the_absent_off_again
     assert att.absent == {STALLER}
     att.record(live, Gathered(announced={ME}, short=True))  # alone again, nobody new
     assert att.absent == set()
-
-
-def test_an_excused_peer_that_comes_is_not_counted_twice_past_min_group_size() -> None:
-    """A run whose min_group_size is 3, two peers up and a joiner new in their second round:
-    the joiner is excused (two waited for), yet min_group_size already raises the target to
-    3. When the joiner comes the wait is for the 3 there are, not 4: counted from the
-    target, all three waited out the whole gather window (a process test: every second
-    round of 1 s took 10.5 s)."""
-    att = Attendance()
-    att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
-    live = [ME, HONEST, LATE]
-    assert att.target(live, 3, 16) == 3 and att.expected(live) == 2
-    gathering = att.gathering(live, most=16)
-    assert gathering.excused == {LATE}
-    assert gathering.wanted(3, [ME, HONEST]) == 3
-    assert gathering.wanted(3, [ME, HONEST, LATE]) == 3
-    # Without min_group_size's raise the joiner that came still counts one more.
-    assert att.gathering(live, most=16).wanted(2, [ME, HONEST, LATE]) == 3

@@ -50,9 +50,6 @@ class Gathered:
     excused: frozenset[PeerId] = frozenset()
     #: The run's largest group (0: nothing excused, nothing to raise).
     most: int = 0
-    #: How many live peers the target was counted from (those not excused), before the
-    #: run's min_group_size raised it; None: not known (the target is that count).
-    waited: int | None = None
     #: The peers this gathering is for, when known in advance (a grid group, grid.py): it may
     #: stop as soon as each of them announced or is stood for by one that did.
     expected: frozenset[PeerId] | None = None
@@ -73,18 +70,9 @@ class Gathered:
 
     def wanted(self, target: int, visible: Collection[PeerId]) -> int:
         """The group size to gather for, given the target counted before the round and the
-        peers seen announcing: one more than the peers waited for for each excused peer among
-        them, up to ``most``, and never below the target.
-
-        Counted from the peers waited for, not from the target: a target the run's
-        min_group_size had raised already held room for the excused peer, and one more made
-        3 live peers of a min_group_size-3 run wait for 4, each round after a joiner's
-        first, until the whole gather window had passed (10 s of a 1 s round)."""
+        peers seen announcing: one more for each excused peer among them, up to ``most``."""
         came = len(self.excused.intersection(visible))
-        if not came:
-            return target
-        base = target if self.waited is None else min(target, self.waited)
-        return max(target, min(max(self.most, target), base + came))
+        return min(max(self.most, target), target + came) if came else target
 
 
 @dataclass
@@ -139,8 +127,7 @@ class Attendance:
         """What the coming round's gathering is told: whom of ``live`` it excuses, and the
         run's largest group."""
         self._note_new(live)
-        excused = frozenset(self.absent & set(live))
-        return Gathered(excused=excused, most=most, waited=len(set(live) - excused))
+        return Gathered(excused=frozenset(self.absent & set(live)), most=most)
 
     def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
         """Accounts one round; returns the peers newly not waited for."""
