@@ -121,3 +121,37 @@ def test_a_short_round_with_nobody_new_missing_does_not_put_the_absent_off_again
     assert att.absent == {STALLER}
     att.record(live, Gathered(announced={ME}, short=True))  # alone again, nobody new
     assert att.absent == set()
+
+
+def test_an_excused_peer_that_comes_raises_the_wait_no_further_than_the_live_peers() -> None:
+    """Two peers of a min_group_size-2 run, the joiner new in its first round: it is excused
+    (one waited for), yet min_group_size already raises the target to 2. When it comes the
+    wait is for the 2 there are, not 3 (all waited out the whole gather window: a 1 s round
+    took 10.5 s)."""
+    att = Attendance()
+    att.record([ME], Gathered(announced={ME}, short=False))
+    live = [ME, LATE]
+    assert att.target(live, 2, 16) == 2 and att.expected(live) == 1
+    gathering = att.gathering(live, most=16)
+    assert gathering.excused == {LATE}
+    assert gathering.wanted(2, [ME, LATE]) == 2
+    # The same with min_group_size 3 and three live, one of them new.
+    att = Attendance()
+    att.record([ME, HONEST], Gathered(announced={ME, HONEST}, short=False))
+    live = [ME, HONEST, LATE]
+    assert att.target(live, 3, 16) == 3
+    assert att.gathering(live, most=16).wanted(3, [ME, HONEST, LATE]) == 3
+
+
+def test_the_first_of_two_excused_peers_to_come_keeps_the_wait_for_the_second() -> None:
+    """Three live peers, two of them excused, min_group_size 2: when one excused peer comes
+    the round still waits for the other (3), else this peer and the first form a pair and
+    the second, a moment later, is left alone on a line of its own."""
+    att = Attendance()
+    att.record([ME], Gathered(announced={ME}, short=False))
+    live = [ME, HONEST, LATE]
+    assert att.target(live, 2, 16) == 2
+    gathering = att.gathering(live, most=16)
+    assert gathering.excused == {HONEST, LATE}
+    assert gathering.wanted(2, [ME, HONEST]) == 3
+    assert gathering.wanted(2, [ME, HONEST, LATE]) == 3

@@ -50,6 +50,9 @@ class Gathered:
     excused: frozenset[PeerId] = frozenset()
     #: The run's largest group (0: nothing excused, nothing to raise).
     most: int = 0
+    #: How many peers were live (this one included) when the round was counted; 0: not
+    #: known. No raise waits for more than there are.
+    live: int = 0
     #: The peers this gathering is for, when known in advance (a grid group, grid.py): it may
     #: stop as soon as each of them announced or is stood for by one that did.
     expected: frozenset[PeerId] | None = None
@@ -70,9 +73,21 @@ class Gathered:
 
     def wanted(self, target: int, visible: Collection[PeerId]) -> int:
         """The group size to gather for, given the target counted before the round and the
-        peers seen announcing: one more for each excused peer among them, up to ``most``."""
+        peers seen announcing: one more for each excused peer among them, up to ``most`` and
+        to the live peers, never below the target.
+
+        Capped at the live peers because a target min_group_size had raised already held
+        room for the excused peer: two live peers of a min-2 run, one a joiner in its first
+        round, waited for 3 when it came, the whole gather window (10 s of a 1 s round).
+        Still counted from the target, not from the peers waited for: with two excused of
+        three live, the first to come must keep the wait at 3, or it pairs with this peer and
+        leaves the third alone on a line of its own (`swarmd chaos`, round 26; a change
+        that counted from the peers waited for was reverted for it)."""
         came = len(self.excused.intersection(visible))
-        return min(max(self.most, target), target + came) if came else target
+        if not came:
+            return target
+        raised = min(max(self.most, target), target + came)
+        return max(target, min(raised, self.live)) if self.live else raised
 
 
 @dataclass
@@ -127,7 +142,8 @@ class Attendance:
         """What the coming round's gathering is told: whom of ``live`` it excuses, and the
         run's largest group."""
         self._note_new(live)
-        return Gathered(excused=frozenset(self.absent & set(live)), most=most)
+        alive = set(live)
+        return Gathered(excused=frozenset(self.absent & alive), most=most, live=len(alive))
 
     def record(self, live: Collection[PeerId], gathered: Gathered) -> set[PeerId]:
         """Accounts one round; returns the peers newly not waited for."""
