@@ -475,3 +475,22 @@ def test_a_fast_peer_still_ends_at_h_steps_and_a_downloaded_state_restarts_the_t
 def test_inner_seconds_must_be_a_finite_non_negative_time(seconds: float) -> None:
     with pytest.raises(ValueError, match="inner_seconds"):
         DiLoCoConfig(inner_seconds=seconds)
+
+
+def test_a_peer_at_h_before_the_rounds_time_is_told_how_long_to_wait() -> None:
+    """H caps a fast peer's steps, and the round's inner_seconds still set when it syncs: it
+    waits the rest out (ending at H, it reached the round's roll call ahead of everyone)."""
+    clock = _Clock()
+    opt = DiLoCo(
+        GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=2, inner_seconds=10.0), clock=clock
+    )
+    assert opt.time_left() == 0.0  # no step yet: the round's time has not begun
+    opt.inner_step(tiny_batches(1, seed=47)[0])
+    clock.now += 3.0
+    opt.inner_step(tiny_batches(1, seed=48)[0])
+    assert opt.should_sync() and opt.time_left() == pytest.approx(7.0)
+    clock.now += 8.0
+    assert opt.time_left() == 0.0
+    steps_only = DiLoCo(GPT(TINY_GPT, seed=0), DiLoCoConfig(inner_steps=1), clock=clock)
+    steps_only.inner_step(tiny_batches(1, seed=49)[0])
+    assert steps_only.should_sync() and steps_only.time_left() == 0.0

@@ -69,9 +69,9 @@ class RoundsScenario:
     inner_steps: int = 50
     #: Virtual seconds one inner step takes on a speed-1 peer.
     step_s: float = 0.1
-    #: A round's inner phase ends after ``inner_steps`` or this many virtual seconds of
-    #: training, whichever comes first (the run's ``inner_seconds``; 0: H steps however long
-    #: they take). Each peer's pseudo-gradient is weighted by the steps it ran.
+    #: A round's inner phase is this many virtual seconds, a peer training ``inner_steps``
+    #: at most in it (the run's ``inner_seconds``; 0: H steps however long they take). Each
+    #: peer's pseudo-gradient is weighted by the steps it ran.
     inner_s: float = 0.0
     #: Peer speeds are log-normal with this sigma (heterogeneous GPUs); 0: all equal.
     speed_sigma: float = 0.5
@@ -260,7 +260,8 @@ class _Run:
                     self.round_of[i] = r
                     steps = self.steps(i)
                     train_s = steps * self.s.step_s / self.speeds[i]
-                    await trio.sleep(train_s)
+                    # A peer capped at H waits the round's inner_s out (DiLoCo.time_left).
+                    await trio.sleep(max(train_s, self.s.inner_s))
                     delta = self.work.pseudo_gradient(outer.values, optimum, steps)
                     share = steps / self.s.inner_steps
                     t0 = trio.current_time()

@@ -31,6 +31,10 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             step += 1
             if not self.opt.should_sync():
                 continue
+            # H steps before the round's inner_seconds: wait them out, so this peer comes to
+            # the round's group with the others (DiLoCo.time_left).
+            with trio.move_on_after(self.opt.time_left()):
+                await self.peer.stopping.wait()
             dropped = self.opt.steps_since_sync
             if await self._outer_step(step, nursery):
                 # The round's inner steps were dropped for the group's state: they do not
