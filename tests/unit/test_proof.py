@@ -185,13 +185,17 @@ def test_each_member_checks_its_own_entry() -> None:
         # The run bounds what a member may declare (4 x H x batch x local ranks).
         bounded = ReductionConfig(max_weight=1e6)
         assert why in (check(bad, claim, 2, bounded) or ""), why
-    # Within the bound, the median rule is the reducer's alone: a second pass over the weights
-    # it kept ({1, 1, 5} after it dropped 21) must not refuse (nor ban) an honest reducer.
-    kept = {0: 1.0, 1: 1.0, 2: 5.0}
+    # Within the bound, a weight beyond 4 x the median counts as 4 x the median ({1, 1, 5}:
+    # 5 counts 4), and the member holds the reducer to that mean.
+    declared = {0: 1.0, 1: 1.0, 2: 5.0}
     used, _, _ = honest_part("fp32", weights=(1.0, 1.0, 5.0))
-    mean = weighted_mean([used[i] for i in sorted(used)], [kept[i] for i in sorted(used)])
-    proof5, claim5 = prove_and_claim(used, kept, mean, "fp32")
+    order = sorted(used)
+    clipped = weighted_mean([used[i] for i in order], [min(declared[i], 4.0) for i in order])
+    proof5, claim5 = prove_and_claim(used, declared, clipped, "fp32")
     assert check(proof5, claim5, 2, cfg) is None
+    unclipped = weighted_mean([used[i] for i in order], [declared[i] for i in order])
+    proof6, claim6 = prove_and_claim(used, declared, unclipped, "fp32")
+    assert "is not the mean" in (check(proof6, claim6, 2, cfg) or "")
     invented = apb.PartProof()
     invented.CopyFrom(proof)
     del invented.entries[1]

@@ -11,6 +11,7 @@ from swarmd.node.averaging.reduction import (
     ReductionConfig,
     aggregate,
     check_contribution,
+    clip_weights,
     norm_outliers,
     opposed_outliers,
     weight_outliers,
@@ -126,9 +127,19 @@ def test_declared_weights_are_bounded() -> None:
     config = ReductionConfig(max_weight=1000.0)
     assert weight_outliers({0: 400.0, 1: 400.0}, config) == {}
     assert set(weight_outliers({0: 400.0, 1: 1e9}, config)) == {1}  # a pair: the run's bound
-    loose = ReductionConfig()
-    assert set(weight_outliers({0: 400.0, 1: 380.0, 2: 1e9}, loose)) == {2}  # the median's
-    assert weight_outliers({0: 400.0, 1: 380.0, 2: 1500.0}, loose) == {}
+    assert weight_outliers({0: 400.0, 1: 380.0, 2: 1e9}, ReductionConfig()) == {}  # no bound
+
+
+def test_a_weight_far_above_the_median_counts_as_the_runs_multiple_of_it() -> None:
+    """Clipped, not dropped: with rounds bounded in time a fast honest peer declares several
+    times the median (a liar gains no more than 4 x the median either way)."""
+    config = ReductionConfig()
+    assert clip_weights({0: 400.0, 1: 380.0, 2: 1e9}, config) == {0: 400.0, 1: 380.0, 2: 1600.0}
+    assert clip_weights({0: 400.0, 1: 380.0, 2: 1500.0}, config)[2] == 1500.0
+    assert clip_weights({0: 1.0, 1: 1e9}, config) == {0: 1.0, 1: 1e9}  # a pair: no median
+    values = [torch.full((4,), 1.0), torch.full((4,), 1.0), torch.full((4,), 10.0)]
+    weights = list(clip_weights({0: 1.0, 1: 1.0, 2: 100.0}, config).values())
+    assert torch.allclose(aggregate(values, weights, config), torch.full((4,), 7.0))
 
 
 def test_a_contribution_opposed_to_most_others_is_dropped_only_with_a_majority() -> None:

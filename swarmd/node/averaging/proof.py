@@ -51,7 +51,12 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from swarmd.compression.int8 import SCALE_MIN
 from swarmd.node.averaging.commit import HASH_BYTES, Committed, Form, open_blocks, opened_values
-from swarmd.node.averaging.reduction import ReductionConfig, l2_norm, weight_outliers
+from swarmd.node.averaging.reduction import (
+    ReductionConfig,
+    clip_weights,
+    l2_norm,
+    weight_outliers,
+)
 from swarmd.node.bans import Rejection
 from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol.identity import Identity, PeerId, verify_signature
@@ -328,7 +333,9 @@ def _verdict(
                 return f"misstates {whose} contribution ({got:.6g}, not {want:.6g})"
     if reduction.aggregation != "mean" and len(entries) >= 3:
         return None  # a robust aggregate is not linear in the contributions
-    total = sum(e.weight for e in entries.values())
+    # The weights the reducer averaged with (clipped at the run's multiple of their median).
+    weights = clip_weights({m: e.weight for m, e in entries.items()}, reduction)
+    total = sum(weights.values())
     mine_norm = l2_norm(mine) if mine is not None else 0.0
     # How large the contributions can be against this member's own and the mean, for the
     # float slack of the mean: the run's relative bound, or (none: SWARM) the mean itself.
@@ -338,7 +345,7 @@ def _verdict(
     tolerance = SIGMAS * (bound + FLOAT_SLACK * scale)
     gaps = []
     for k in range(probes):
-        mean = sum(e.weight * e.projections[k] for e in entries.values()) / total
+        mean = sum(weights[m] * e.projections[k] for m, e in entries.items()) / total
         gaps.append(mean - projected[0][k])
         if not abs(gaps[-1]) <= tolerance:
             return (
@@ -414,9 +421,7 @@ def _check_form(
         return "opens a commitment other than the one it served with the part"
     if claim.me in entries and entries[claim.me].weight != claim.weight:
         return f"misstates this member's weight ({entries[claim.me].weight:.6g})"
-    # Only the run's bound: the median rule is the reducer's to apply, and a second pass over
-    # the weights it kept gives another answer ({1, 1, 5, 21}: it drops 21, then 5 > 4 x 1),
-    # which would refuse, and ban, an honest reducer.
+    # The run's bound (the median rule clips, and the mean above is checked with it).
     bad = weight_outliers({m: e.weight for m, e in entries.items()}, reduction)
     beyond = sorted(v for v in bad.values() if v.offence == "bad_weight")
     if beyond:

@@ -33,6 +33,7 @@ from swarmd.node.averaging.group import Group, part_bounds
 from swarmd.node.averaging.reduction import (
     ReductionConfig,
     aggregate,
+    clip_weights,
     norm_outliers,
     opposed_outliers,
     weight_outliers,
@@ -239,6 +240,7 @@ async def finish_reduction(
             why,
         )
     order = sorted(values)
+    weights = clip_weights({i: red.weights[i] for i in order}, config)
     if order:
         # fp32's encoding is a view of `reduced`, served to members after this peer's round
         # ends: it must not be the caller's result, and goes to a pooled buffer instead.
@@ -249,7 +251,7 @@ async def finish_reduction(
             functools.partial(
                 aggregate,
                 [values[i] for i in order],
-                [red.weights[i] for i in order],
+                [weights[i] for i in order],
                 config,
                 exact=rnd.codec_name == "fp32",
                 out=target,
