@@ -279,3 +279,17 @@ def test_rounds_bounded_in_time_bring_slow_peers_to_the_grid_with_the_fast() -> 
     assert abs(timed.loss_ratio - 1) < 0.001, timed.loss_ratio
     trained = {r.train_s for r in timed.records}
     assert max(trained) <= 50.0 and min(trained) > 49.0, trained
+
+
+def test_rounds_bounded_in_time_keep_the_peers_h_caps_with_the_rest() -> None:
+    """Speeds that differ more (σ 1.0) and H that caps a quarter of the peers (speed > 2): a
+    capped peer waits the round's time out. Syncing at H, the capped peers reached the roll
+    first and their early roll committed the round's one roster without the rest (12.5% of
+    peer-rounds averaged)."""
+    mm = MatchmakingConfig(target_group_size=4)
+    common = dict(peers=16, rounds=3, speed_sigma=1.0, matchmaking=mm, grouping="grid")
+    report = run_rounds(scenario(**common, inner_steps=1000, inner_s=50.0))
+    assert report.averaged_share == 1.0, report.averaged_share
+    assert all(line.spread < 1e-6 for line in report.lines), report.lines
+    assert abs(report.loss_ratio - 1) < 0.01, report.loss_ratio
+    assert any(r.train_s < 49.0 for r in report.records)  # capped peers idled
