@@ -278,7 +278,8 @@ def test_rounds_bounded_in_time_bring_slow_peers_to_the_grid_with_the_fast() -> 
     assert all(line.spread < 1e-6 for line in timed.lines), timed.lines
     assert abs(timed.loss_ratio - 1) < 0.001, timed.loss_ratio
     trained = {r.train_s for r in timed.records}
-    assert max(trained) <= 50.0 and min(trained) > 49.0, trained
+    # Each to the end of the step that crosses 50 s (a daemon checks the time after a step).
+    assert min(trained) >= 50.0 and max(trained) < 51.0, trained
 
 
 def test_rounds_bounded_in_time_keep_the_peers_h_caps_with_the_rest() -> None:

@@ -230,11 +230,11 @@ class _Run:
         self.attendance.append(Attendance())
 
     def steps(self, i: int) -> int:
-        """Peer i's inner steps this round: H, or what fits in ``inner_s`` at its speed (at
-        least one)."""
+        """Peer i's inner steps this round: H, or with ``inner_s`` the steps until the one
+        that ends at or after it (a daemon checks the time after each step), at most H."""
         h = self.s.inner_steps
         if self.s.inner_s:
-            h = min(h, max(1, int(self.s.inner_s * self.speeds[i] / self.s.step_s)))
+            h = min(h, max(1, math.ceil(self.s.inner_s * self.speeds[i] / self.s.step_s)))
         return h
 
     def live_ids(self) -> list[PeerId]:
