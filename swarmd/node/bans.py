@@ -57,8 +57,8 @@ class BanConfig:
     growth: float = 4.0
     max_s: float = 24 * 3600.0
     #: Outliers that make a ban within the window; 0 (the default): outliers never ban. An
-    #: honest peer can be a steady outlier (more local ranks than the rest: a heavier weight;
-    #: a late joiner: a tiny update next to which every part looks huge), and one round's
+    #: honest peer can be a steady outlier (a late joiner: a tiny update next to which every
+    #: part looks huge; a heavy weight is clipped, not an outlier), and one round's
     #: sub-groups would count it several times; until outliers are judged against robust
     #: statistics of the run (issue 28), only evidence bans.
     strikes: int = 0
