@@ -264,8 +264,11 @@ class Zygote:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._server: subprocess.Popen[str] | None = None
+        # Made on import, so removed at exit even where no test started a process (a worker
+        # that drew only unit tests, a benchmark): before, each left an empty directory.
         self._dir = tempfile.mkdtemp(prefix="swarmd-zygote-")
         self._path = os.path.join(self._dir, "sock")
+        atexit.register(self.close)
 
     def _ensure(self) -> None:
         with self._lock:
@@ -283,7 +286,6 @@ class Zygote:
             line = self._server.stdout.readline()
             if not line:
                 raise RuntimeError("the zygote server did not start")
-            atexit.register(self.close)
 
     def spawn(
         self,
@@ -343,11 +345,10 @@ class Zygote:
                 self._server.kill()
                 self._server.wait()
             self._server = None
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self._path)
+        with contextlib.suppress(OSError):
             os.rmdir(self._dir)
-        except OSError:
-            pass
 
 
 ZYGOTE = Zygote()

@@ -35,6 +35,14 @@ algo = "{algo}"
 DEMO_LR = {"demo": 0.0005}
 
 
+#: What a joiner's `training` line's origin means, for the demo's line about the newcomer.
+_ORIGINS = {
+    "group": "it downloaded the group's state",
+    "fresh": "the run was still at its seeded start, which it built itself",
+    "saved": "it resumed from a state it had saved",
+}
+
+
 def _spawn(name: str, args: list[str], log_dir: Path) -> EventChild:
     return EventChild.spawn(name, [sys.executable, "-m", "swarmd.node.cli", *args], log_dir)
 
@@ -105,15 +113,20 @@ def run_demo(
             _say(f"{peers} peers training; watching outer rounds...")
             victim = crew[1]
             victim.first("outer_step", duration_s / 2)
+            # The creator's first outer step too: its advert of a state past the seeded start
+            # is stored before that line (and a joiner follows the creator), so the newcomer
+            # downloads the group's state. A newcomer of a run still at round 0 builds that
+            # state itself, and the demo would show no state sync (a loaded CI machine).
+            first.first("outer_step", duration_s / 2)
             time.sleep(max(0.0, duration_s * 0.35 - (time.monotonic() - t0)))
             victim.process.send_signal(signal.SIGKILL)
             _say(f"[{time.monotonic() - t0:5.0f}s] killed {victim.name} (SIGKILL, no goodbye)")
             remaining = duration_s - (time.monotonic() - t0)
             newcomer = join(f"peer{peers}", [], max(30.0, remaining))
-            synced = newcomer.first("training", 120)
+            origin = newcomer.first("training", 120).get("origin")
             _say(
                 f"[{time.monotonic() - t0:5.0f}s] {newcomer.name} joined "
-                f"({synced.get('origin')} start: it downloaded the group's state)"
+                f"({origin} start: {_ORIGINS.get(str(origin), 'see its log')})"
             )
             survivors = [p for p in crew if p is not victim] + [newcomer]
             for p in survivors:
@@ -170,7 +183,9 @@ def _summary(
                 f"  {name}: {len(evs)} outer rounds, last round {evs[-1]['round']} "
                 f"(val {evs[-1]['val_loss']:.3f}, state {evs[-1]['state_hash'][:12]})"
             )
-    _say(f"peers left: {victim.name} (killed); joined: {newcomer.name} (state sync)")
+    origin = newcomer.last("training").get("origin")
+    how = "state sync" if origin == "group" else f"{origin} start"
+    _say(f"peers left: {victim.name} (killed); joined: {newcomer.name} ({how})")
     agree = bool(averaged) and all(len(hs) == 1 for hs in averaged.values())
     if not agree:
         for name, evs in rounds.items():
