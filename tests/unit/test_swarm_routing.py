@@ -298,3 +298,17 @@ def test_a_distrusted_server_is_never_picked_even_as_the_last_resort() -> None:
     assert router.pick(servers, now=1.5).peer == honest  # type: ignore[union-attr]
     assert router.pick({liar: servers[liar]}, now=2.0) is None  # a stage of liars: no server
     assert router.pick({liar: servers[liar]}, now=1801.0).peer == liar  # type: ignore[union-attr]
+
+
+def test_an_audit_s_opinion_is_drawn_at_random_not_by_speed() -> None:
+    """The second opinion of an audit is any open server of the stage, equally likely: by
+    speed, a fast liar's fast accomplice was asked for most of its hops and agreed with it."""
+    router = Router(random.Random(3))
+    fast, *slow = PEERS[:4]
+    servers = {fast: rec(0, 100.0), **{p: rec(0, 1.0) for p in slow}}
+    by_speed = [router.pick(servers).peer for _ in range(400)]  # type: ignore[union-attr]
+    drawn = [router.pick(servers, drawn=True).peer for _ in range(400)]  # type: ignore[union-attr]
+    assert by_speed.count(fast) > 380
+    assert all(60 < drawn.count(p) < 140 for p in servers), [drawn.count(p) for p in servers]
+    router.distrust(fast, 60.0)
+    assert fast not in {router.pick(servers, drawn=True).peer for _ in range(50)}  # type: ignore[union-attr]

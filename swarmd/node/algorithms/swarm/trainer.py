@@ -329,7 +329,7 @@ class SwarmTrainer:
             servers = await self.servers(stage, fresh=tries > 0)
             for peer in exclude:
                 servers.pop(peer, None)
-            choice = self.router.pick(servers)
+            choice = self.router.pick(servers, drawn=bool(exclude))
             if choice is None:
                 if exclude:
                     raise NoOtherServer(stage)
