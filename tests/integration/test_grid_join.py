@@ -29,6 +29,10 @@ def _outer(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "outer_step"]
 
 
+# Covered in the default suite by the creator-killed test below (after the kill: three peers
+# in groups of 2, every full round on one state, one averaging across rows, the run ending at
+# its total_steps on one state); 25 s here.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_peers_in_groups_of_two_average_on_the_grid(
     processes: ProcessGroup, tmp_path: Path
@@ -103,6 +107,8 @@ def test_the_creator_killed_mid_run_the_grid_peers_end_on_one_state(
     assert len(after) >= 8, rounds
     for r, es in after.items():
         assert len({e["state_hash"] for e in es}) == 1, (r, es)
+    # With groups of 2, a peer that met both others averaged across rows: on the grid.
+    assert any(max(e["group_size"] for e in es) == peers - 1 for es in after.values()), after
     last = [_outer(events)[-1] for events in runs]
     assert {e["round"] for e in last} == {STEPS // 5}, last
     assert len({e["state_hash"] for e in last}) == 1, last
