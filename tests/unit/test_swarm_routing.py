@@ -308,7 +308,7 @@ def test_an_audit_s_opinion_is_drawn_at_random_not_by_speed() -> None:
     servers = {fast: rec(0, 100.0), **{p: rec(0, 1.0) for p in slow}}
     by_speed = [router.pick(servers).peer for _ in range(400)]  # type: ignore[union-attr]
     drawn = [router.pick(servers, drawn=True).peer for _ in range(400)]  # type: ignore[union-attr]
-    assert by_speed.count(fast) > 380
+    assert by_speed.count(fast) >= 360  # all but the exploring calls (5%, ~15 of 400 elsewhere)
     assert all(60 < drawn.count(p) < 140 for p in servers), [drawn.count(p) for p in servers]
     router.distrust(fast, 60.0)
     assert fast not in {router.pick(servers, drawn=True).peer for _ in range(50)}  # type: ignore[union-attr]
