@@ -19,7 +19,8 @@ the mean); the final validation loss of each peer. `--kill-creator` kills the ru
 at the run's midpoint (its 15th outer step) in the grouped case.
 
 `--sim-peers K` adds the simulated case (sim/rounds.py, grid grouping, target 16, 5 % churn,
-10 stallers, 3 rounds) and its figures against one flat group of everybody.
+10 stallers, 3 rounds of 50 virtual s, speeds log-normal sigma 0.5) and its figures against
+one flat group of everybody.
 
 Last line: lone_rounds= wall_ratio= loss_ratio= states_per_round= loss_spread= wall_s=
 one_group_wall_s= [sim_spread= sim_useful_ratio= sim_loss_ratio= sim_wall_s=]
@@ -180,11 +181,20 @@ def simulated(peers: int) -> dict[str, str]:
     from swarmd.node.sim.rounds import RoundsScenario, run_rounds
     from swarmd.node.sim.scenario import rounds_figures, rounds_summary
 
+    # Rounds of 50 virtual s (the run's `inner_seconds`; H = 2,000 caps only the fastest), as
+    # deploy/sim/grid100.toml. Before 2026-11-30 rounds were H = 50 steps of 0.1 s: a roll
+    # window as long as the steps, and slower peers that came after it closed (grid100 at
+    # H = 50: 89% of peer-rounds averaged, 31% of the time useful).
     scenario = RoundsScenario(
         peers=peers, rounds=3, params=100_000, churn=0.05, stallers=10, grouping="grid",
         matchmaking=MatchmakingConfig(target_group_size=16),
+        inner_steps=2000, step_s=0.1, inner_s=50.0,
     )  # fmt: skip
-    print(f"simulated: {peers} peers, grid, target 16, 5% churn, 10 stallers", flush=True)
+    print(
+        f"simulated: {peers} peers (speeds sigma 0.5), grid, target 16, rounds of 50 virtual s,"
+        " 5% churn, 10 stallers",
+        flush=True,
+    )
     r = run_rounds(scenario, lambda line: print(f"  {line}", flush=True))
     print(f"  {rounds_summary(r)}", flush=True)
     f = rounds_figures(r)
