@@ -88,7 +88,7 @@ class Router:
         trusted. ``drawn``: any of the open ones at random, not the soonest: an audit's
         opinion. Picked by speed, a fast liar's accomplice, fast too, was the second opinion
         of most of its hops and vouched for its lies (the simulator, seed 6 of the audit
-        test: two liars of one stage's eight, 613 of 3,144 Last answers x(-20) let through)."""
+        test: two liars of one stage's eight, 613 of 3,143 Last answers kept were x(-20))."""
         now = self._clock() if now is None else now
         servers = {p: r for p, r in servers.items() if self._of(p).distrusted_until <= now}
         if not servers:
