@@ -252,9 +252,10 @@ class _Pipeline:
         if not server.up:
             await trio.sleep(CONNECT_S)
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "connect timed out")
-        await trio.sleep(rtt / 2)
         sent = 2 if kind == "backward" else 1
-        await self.net.transfer(caller, server.host, sent * self.scenario.activation_bytes)
+        await self.net.transfer(
+            caller, server.host, sent * self.scenario.activation_bytes, latency=rtt / 2
+        )
         await self._alive(server)
         if server.state != "serving" or server.stage != stage:
             await trio.sleep(rtt / 2)
@@ -276,10 +277,12 @@ class _Pipeline:
             server.waiting -= 1
         await self._alive(server)
         self.net.record(caller.address, server.host.address, kind, sent)
-        await trio.sleep(rtt / 2)
-        if answer:
-            await trio.sleep(rtt)
-            await self.net.transfer(server.host, caller, self.scenario.activation_bytes)
+        if not answer:
+            await trio.sleep(rtt / 2)  # the ack
+            return
+        # The ack back and the fetch there (a round trip), then the answer down.
+        answer_bytes = self.scenario.activation_bytes
+        await self.net.transfer(server.host, caller, answer_bytes, after=rtt, latency=rtt / 2)
 
     @staticmethod
     async def _alive(server: _Server) -> None:
