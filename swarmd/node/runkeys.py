@@ -65,10 +65,11 @@ def state_round_key(run: str, round_no: int, state_hash: bytes, fragment: int = 
     return f"{round_key(run, round_no, fragment)}/{state_hash.hex()[:16]}"
 
 
-def stage_round_key(run: str, stage: int, state_hash: bytes) -> str:
+def stage_round_key(run: str, stage: int, state_hash: bytes, boundary: int) -> str:
     """A SWARM stage's averaging round, among its servers that hold the same stage state (the
-    first 32 hex digits of its hash; algorithms/swarm/server_role.py)."""
-    return f"swarmd/{run}/stage{stage}/{state_hash.hex()[:32]}"
+    first 32 hex digits of its hash) at the same wall-clock boundary (periods since the
+    epoch: a state carried through a lone round keys the next round anew; server_role.py)."""
+    return f"swarmd/{run}/stage{stage}/{state_hash.hex()[:32]}/{boundary}"
 
 
 def recovery_key(run: str, stage: int) -> str:

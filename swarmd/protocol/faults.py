@@ -29,6 +29,9 @@ What each one does (see rpc.py for where it is consulted):
 - step_delay_s: each of this peer's inner training steps takes this much longer, a slower GPU
   (volunteers' speeds differ several times over; peers on one test machine do not). The
   training loop (algorithms/loop.py) reads it, not the transport.
+- round_overrun_s: each of this peer's SWARM stage rounds takes this much longer, a device
+  busy past its period (under load a server's round overruns, and it meets its stage a
+  boundary late). The stage server (algorithms/swarm/server_role.py) reads it.
 
 This module imports no grpc: it decides, rpc.py enforces.
 """
@@ -64,6 +67,7 @@ _KEYS = {
     "blocked",
     "clock_skew_s",
     "step_delay_s",
+    "round_overrun_s",
 }
 
 
@@ -85,16 +89,19 @@ class FaultPlan:
     blocked: frozenset[str] = field(default_factory=frozenset)
     clock_skew_s: float = 0.0
     step_delay_s: float = 0.0
+    round_overrun_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("latency_ms", "jitter_ms", "clock_skew_s", "loss", "step_delay_s"):
+        delays = ("step_delay_s", "round_overrun_s")
+        for name in ("latency_ms", "jitter_ms", "clock_skew_s", "loss", *delays):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise FaultPlanError(f"{name} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise FaultPlanError(f"{name} must be finite, got {value!r}")
-        if self.latency_ms < 0 or self.jitter_ms < 0 or self.step_delay_s < 0:
-            raise FaultPlanError("latency_ms, jitter_ms and step_delay_s must be >= 0")
+        for name in ("latency_ms", "jitter_ms", *delays):
+            if getattr(self, name) < 0:
+                raise FaultPlanError(f"{name} must be >= 0")
         if self.jitter_ms > self.latency_ms:
             raise FaultPlanError("jitter_ms must not exceed latency_ms (no negative delays)")
         if not 0.0 <= self.loss <= 1.0:

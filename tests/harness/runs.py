@@ -28,8 +28,10 @@ STREAMING_RUN = (
     + 'algo = "streaming-diloco"\nfragments = 2\noverlap_steps = 1\nmix_alpha = 0.5\n'
 )
 
+#: SWARM's stage round period in the runs below (seconds).
+SWARM_ROUND_S = 3.0
 #: SWARM, the pipeline: 3 layers on 3 stages, a stage round every 3 s, no rebalancing.
-SWARM_RUN = """\
+SWARM_RUN = f"""\
 n_layer = 3
 n_head = 2
 n_embd = 32
@@ -39,6 +41,6 @@ inner_lr = 0.003
 data_shards = 4
 algo = "swarm"
 swarm_stages = 3
-swarm_round_s = 3.0
+swarm_round_s = {SWARM_ROUND_S}
 swarm_rebalance_s = 0
 """

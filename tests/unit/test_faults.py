@@ -39,12 +39,13 @@ def test_plan_parses_every_field() -> None:
                 "blocked": ["127.0.0.1:7001", "127.0.0.2:7002"],
                 "clock_skew_s": -12.5,
                 "step_delay_s": 0.05,
+                "round_overrun_s": 2.5,
             }
         )
     )
     assert plan.latency_ms == 50 and plan.jitter_ms == 10 and plan.loss == 0.25
     assert plan.bandwidth_bytes_s == 1e6 and plan.isolated and plan.clock_skew_s == -12.5
-    assert plan.step_delay_s == 0.05
+    assert plan.step_delay_s == 0.05 and plan.round_overrun_s == 2.5
     assert plan.blocked == frozenset({"127.0.0.1:7001", "127.0.0.2:7002"})
     assert FaultPlan.from_dict(plan.to_dict()) == plan
     assert FaultPlan.from_json("{}").healthy and not plan.healthy
@@ -66,6 +67,7 @@ def test_plan_parses_every_field() -> None:
         ({"clock_skew_s": float("inf")}, "finite"),
         ({"step_delay_s": -0.1}, "step_delay_s must be >= 0"),
         ({"step_delay_s": "slow"}, "step_delay_s must be a number"),
+        ({"round_overrun_s": -1}, "round_overrun_s must be >= 0"),
     ],
 )
 def test_bad_plans_are_refused_with_the_field_named(data: object, words: str) -> None:

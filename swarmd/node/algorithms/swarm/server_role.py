@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 import trio
-from torch import nn
 
 from swarmd.node.algorithms.swarm import copies, directory, recovery
 from swarmd.node.algorithms.swarm.config import SwarmConfig
+from swarmd.node.algorithms.swarm.cut import cut_stages, probe_shape
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.follow import countable, state_to_follow
 from swarmd.node.algorithms.swarm.rebalance import (
@@ -32,16 +32,18 @@ from swarmd.node.algorithms.swarm.rebalance import (
     contest,
     least_served,
 )
+from swarmd.node.algorithms.swarm.stage_clock import next_boundary, stage_matchmaking
 from swarmd.node.algorithms.swarm.stage_service import StageHost, StageJob, StageShape
 from swarmd.node.averaging.allreduce import Member
 from swarmd.node.averaging.codecs import CodecName
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, form_group
+from swarmd.node.averaging.matchmaking import form_group
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.model import build_model
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.runkeys import stage_round_key
 from swarmd.optim.stage import StageTrainer
+from swarmd.protocol import faults
 from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.swarm")
@@ -49,32 +51,10 @@ log = logging.getLogger("swarmd.swarm")
 #: How long a contested mover waits for its rival to yield (its read and publish, a DHT
 #: round trip each) before reading again.
 CONTEST_WAIT_S = 2.0
-
-
-def cut_stages(model: nn.Module, count: int) -> list[nn.Module]:
-    """The model's `count` pipeline stages: the built-in GPT's `stages`, or a user model's
-    own `stages(count)` (its last stage returns logits)."""
-    stages = getattr(model, "stages", None)
-    if not callable(stages):
-        raise JoinError("algo swarm needs a model that declares its stages: stages(n) -> modules")
-    try:
-        out = list(stages(count))
-    except ValueError as exc:
-        raise JoinError(f"cannot cut the model into {count} stages: {exc}") from None
-    if len(out) != count or not all(isinstance(m, nn.Module) for m in out):
-        raise JoinError(f"the model's stages({count}) did not return {count} modules")
-    return out
-
-
-def probe_shape(stages: list[nn.Module], batch: int, block: int) -> StageShape:
-    """The hidden width and vocabulary, from one token through the whole pipeline."""
-    with torch.no_grad():
-        h = torch.zeros(1, 1, dtype=torch.int64)
-        widths = []
-        for s in stages:
-            h = s(h)
-            widths.append(h.shape[-1])
-    return StageShape(batch=batch, block=block, width=widths[0], vocab=widths[-1])
+#: Lone rounds in a row a server carries before it steps alone (`StageServer._round`): the
+#: others that did not come are late a boundary or two, or (past this) not coming to its
+#: state at all: a server stuck on another state must not stop its stage's training.
+MAX_CARRIED = 2
 
 
 class StageServer:
@@ -99,6 +79,8 @@ class StageServer:
         #: whole round with every server of the stage, or it just joined and the stage may
         #: have stepped since its download): it looks at the stage's until sure.
         self._unsure = True
+        #: Lone rounds carried in a row (MAX_CARRIED), and the boundary of this round.
+        self._carried = self._boundary = 0
         self._me = str(peer.identity.peer_id)
         self._nursery: trio.Nursery | None = None
         self._audit = audit
@@ -109,6 +91,8 @@ class StageServer:
         self._looks = Looks()
         #: CheckFree+: the copies of a neighbouring end stage's edge layers this one keeps.
         self._copies = copies.Keeper(peer, swarm.stages)
+        #: A test's fault plan (`round_overrun_s`), if the process runs under one.
+        self._faults = faults.from_env()
 
     async def start(self) -> None:
         """Takes the first stage (--stage, or the least served) and serves it."""
@@ -242,8 +226,8 @@ class StageServer:
             await trio.sleep(directory.REFRESH_S)
 
     async def serve(self) -> None:
-        """Stage rounds on the wall clock's `round_s` boundaries (`_next_boundary`: a round
-        that overran by much skips a boundary)."""
+        """Stage rounds on the wall clock's `round_s` boundaries (`next_boundary`: a round that
+        overran by much skips a boundary)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._publish_records)
@@ -253,8 +237,9 @@ class StageServer:
             next_look = time.monotonic() + self._look_after() + 0.5 * self.swarm.rebalance_s
             period, last = self.swarm.round_s, -1
             while True:
-                r = self._next_boundary(period, last)
-                last = r
+                gather = stage_matchmaking(period, 2).gather_s
+                r = next_boundary(time.time(), period, last, gather)
+                last = self._boundary = r
                 await trio.sleep(max(0.0, r * period - time.time()))
                 if self._unsure:
                     # At the boundary, before this round's matchmaking: the stage's servers
@@ -263,23 +248,13 @@ class StageServer:
                     with trio.move_on_after(period):
                         await self._guarded(self._follow_stage)
                 await self._guarded(self._round)
+                if self._faults is not None and (overrun := self._faults.plan().round_overrun_s):
+                    await trio.sleep(overrun)  # a test's overrunning round (faults.py)
                 if self.swarm.swap > 0 and self.job is not None:
                     self._copies.after_round(self._nursery, self.job.index, self._directory)
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
                     await self._guarded(self._maybe_move)
                     next_look = time.monotonic() + self._look_after()
-
-    def _next_boundary(self, period: float, last: int) -> int:
-        """The boundary (in periods since the epoch) of this server's next round: the one
-        just passed if it passed less than a third of the gather ago (a round that overran
-        its period by a little still meets the others, whose gather waits for it; measured:
-        under load, rounds that overran split 2-server stages for a round each), else the
-        next one; never a boundary already used."""
-        now = time.time()
-        r = math.floor(now / period)
-        if now - r * period > self._mm(2).gather_s / 3:
-            r += 1
-        return max(r, last + 1)
 
     async def _guarded(self, step: Callable[[], Awaitable[object]]) -> None:
         """One step of the loop; what fails in it is said, and the server goes on (unsure of
@@ -299,16 +274,6 @@ class StageServer:
     def _look_after(self) -> float:
         return self.swarm.rebalance_s * random.uniform(0.5, 1.5)
 
-    def _mm(self, target: int) -> MatchmakingConfig:
-        gather = min(5.0, max(0.5, self.swarm.round_s / 2))
-        return MatchmakingConfig(
-            target_group_size=target,
-            min_group_size=1,
-            gather_s=gather,
-            commit_wait_s=gather + 2.0,
-            ttl_s=60.0,
-        )
-
     def _stage_peers(self) -> dict[str, StageRecord]:
         """The stage's serving servers, as last read (REFRESH_S ago at most)."""
         assert self.job is not None
@@ -321,32 +286,41 @@ class StageServer:
     async def _round(self) -> None:
         """One stage round: take, average with the stage's servers, step, publish.
 
-        The matchmaking key is the stage's state hash alone: servers holding the same state
-        meet whenever each starts its round (one that started late is waited for up to the
-        gather time), and every round makes a new state (an idle one moves the round counter
-        only), so no key is used twice."""
+        The matchmaking key is the stage's state hash and the round's boundary: servers
+        holding the same state meet at each boundary (one that started late is waited for up
+        to the gather time). A round nobody else came to is carried (`_carry`). The boundary
+        keeps a carried state's next round off the lone round's key, whose group of one
+        would read to a late server as a group formed without it."""
         job, state, host = self.job, self.state, self.host
         assert job is not None and state is not None and state.last_hash is not None
         t0 = time.monotonic()
-        grad, count = await host.compute("take", job.trainer.take, job)
         peers = self._stage_peers()
         target = len(set(peers) | {self._me})
-        key = stage_round_key(self.peer.config.name, job.index, state.last_hash)
-        group_size, dropped, avg, whole = 1, 0, grad, True
+        key = stage_round_key(self.peer.config.name, job.index, state.last_hash, self._boundary)
+        group = None
         if target > 1:
-            group = await form_group(self.peer.dht, key, self.me, self._mm(target))
-            if group is not None and len(group.members) > 1:
-                result = await self.peer.averager.allreduce(
-                    group,
-                    grad,
-                    StageTrainer.weight(count),
-                    key=f"stage{job.index}",
-                    codec=self._codec(),
-                )
-                avg, group_size, dropped = result.tensor, len(group.members), len(result.dropped)
-                whole = result.ok and not dropped
-                state.meet(m.peer_id for m in group.members if m.peer_id not in result.dropped)
-                state.averaged("averaged", group_size, dropped)
+            mm = stage_matchmaking(self.swarm.round_s, target)
+            group = await form_group(self.peer.dht, key, self.me, mm)
+            if (group is None or len(group.members) < 2) and self._carried < MAX_CARRIED:
+                self._carry(target)
+                return
+        # Taken once the group is known: the gathering's micro-batches count in this round,
+        # and a carried round leaves them where they are.
+        grad, count = await host.compute("take", job.trainer.take, job)
+        self._carried = 0
+        group_size, dropped, avg, whole = 1, 0, grad, True
+        if group is not None and len(group.members) > 1:
+            result = await self.peer.averager.allreduce(
+                group,
+                grad,
+                StageTrainer.weight(count),
+                key=f"stage{job.index}",
+                codec=self._codec(),
+            )
+            avg, group_size, dropped = result.tensor, len(group.members), len(result.dropped)
+            whole = result.ok and not dropped
+            state.meet(m.peer_id for m in group.members if m.peer_id not in result.dropped)
+            state.averaged("averaged", group_size, dropped)
         if not bool(avg.any()):
             # Nobody of the group had a micro-batch (an idle pipeline): no step, only the
             # round moves on. Every member sees the same average: the same decision.
@@ -362,6 +336,14 @@ class StageServer:
         # otherwise this server may hold a state of its own now.
         # A dropped member or a part that failed leaves members with their own values there.
         self._unsure = not (whole and group_size == target)
+        self._report(count, group_size, dropped, snap.state_hash, time.monotonic() - t0)
+
+    def _report(
+        self, count: int, group_size: int, dropped: int, state_hash: bytes, seconds: float
+    ) -> None:
+        """Counts a stepped round and says it (`stage_round`)."""
+        job = self.job
+        assert job is not None
         self.rounds += 1
         self.peer.stats.round = job.trainer.round
         loss = job.trainer.taken_loss
@@ -384,11 +366,27 @@ class StageServer:
             group_size=group_size,
             dropped=dropped,
             rate=round(job.rate, 3),
-            state_hash=snap.state_hash.hex(),
-            seconds=round(time.monotonic() - t0, 3),
+            state_hash=state_hash.hex(),
+            seconds=round(seconds, 3),
             # After a rebuild: seconds from the lost stage's detection to its first step.
             **({"recovery_s": recovery_s} if recovery_s is not None else {}),
             left_out=job.trainer.taken_left_out,  # of the sum, per caller (grad_bound.py)
+        )
+
+    def _carry(self, target: int) -> None:
+        """A round nobody else of the stage came to: no step, the gradients keep
+        accumulating and the state stays, so a server a boundary late meets this one at the
+        next (stepped alone, the two stepped apart in turn: docs/architecture.md, SWARM)."""
+        assert self.job is not None
+        self._carried += 1
+        self._unsure = True
+        self.peer.out.event(
+            "stage_carried",
+            f"stage {self.job.index} round {self.job.trainer.round}: none of the stage's "
+            f"{target - 1} other servers came; no step, the gradients carry to the next round",
+            stage=self.job.index,
+            round=self.job.trainer.round,
+            carried=self._carried,
         )
 
     def _codec(self) -> CodecName:
