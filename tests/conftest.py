@@ -5,8 +5,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tests.harness.processes import ProcessGroup
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread in the test process, as in every peer process (`run_join`). Two
+    workers share the two cores; a second intra-op thread only spins against the other
+    worker: the 48-peer grid simulation took 56 s with two threads beside another process
+    and 36 s with one. Four modules each set it in a fixture, so whether a worker's later
+    tests ran on one thread or two depended on which tests it had run before."""
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from swarmd.optim import DiLoCo, DiLoCoConfig
@@ -14,11 +13,6 @@ from tests.harness.diloco import (
     run_outer_step,
     tiny_batches,
 )
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
 
 
 def test_inner_sgd_h1_outer_lr1_no_momentum_is_data_parallel_sgd() -> None:

@@ -38,11 +38,6 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 Average = Callable[[FragmentRound], Awaitable[torch.Tensor | None]]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def _batches(n: int, seed: int, batch: int = 2, block: int = 16) -> list[Batch]:
     return random_batches(n, seed, batch, block)
 

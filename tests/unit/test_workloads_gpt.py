@@ -13,11 +13,6 @@ from swarmd.workloads import GPT, GPTConfig, lm_loss
 TINY = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-
-
 def test_forward_backward_shapes() -> None:
     model = GPT(TINY, seed=0)
     idx = torch.randint(0, 256, (4, 16))

@@ -10,6 +10,7 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import TypeVar, TypeVarTuple
 
+import torch
 import trio
 import trio.testing
 
@@ -35,13 +36,19 @@ def seed_process(seed: int) -> None:
 def run_virtual(main: Callable[[*Ts], Awaitable[T]], *args: *Ts, seed: int) -> T:
     """``main(*args)`` in its own trio run under MockClock (autojump: time leaps to the next
     deadline whenever every task waits), seeded, with offloaded CPU work run inline
-    (runtime/offload.py: a thread's work would let the clock jump past deadlines)."""
+    (runtime/offload.py: a thread's work would let the clock jump past deadlines), and torch
+    on one thread: the simulation's small tensors gained nothing from a second thread but
+    its spinning against other work (a 48-peer grid run beside another process: 56 s of
+    wall time on two threads, 36 s on one; the same report)."""
     saved = random.getstate(), trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING
+    threads = torch.get_num_threads()
     seed_process(seed)
     offload.run_inline(True)
+    torch.set_num_threads(1)
     try:
         return trio.run(main, *args, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
+        torch.set_num_threads(threads)
         offload.run_inline(False)
         _restore(*saved)
 
