@@ -23,10 +23,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`, docs/architecture.md "Tiers") the
     multi-host tests share one worker and run one at a time: they make namespaces, bridges
     and compose projects on the machine itself, and each sizes its shaped links for a
-    machine that is not also running another host test."""
+    machine that is not also running another host test.
+
+    The simulator's tests go first. xdist hands out tests in this order as workers free up,
+    and in collection order `tests/unit/test_sim_*.py` (CPU-bound, up to a minute each)
+    came near the end, where one worker ran them while the other had nothing left."""
     for item in items:
         if "tests/multinode/" in item.nodeid:
             item.add_marker(pytest.mark.xdist_group("hosts"))
+    items.sort(key=lambda item: "/test_sim_" not in item.nodeid)
 
 
 @pytest.fixture
