@@ -249,7 +249,9 @@ class StageServer:
                         await self._guarded(self._follow_stage)
                 await self._guarded(self._round)
                 if self._faults is not None and (overrun := self._faults.plan().round_overrun_s):
-                    await trio.sleep(overrun)  # a test's overrunning round (faults.py)
+                    said = f"the fault plan holds this server {overrun:.1f} s past its round"
+                    self.peer.out.event("stage_overrun", said, seconds=overrun)
+                    await trio.sleep(overrun)
                 if self.swarm.swap > 0 and self.job is not None:
                     self._copies.after_round(self._nursery, self.job.index, self._directory)
                 if self.swarm.rebalance_s > 0 and time.monotonic() >= next_look:
@@ -380,14 +382,9 @@ class StageServer:
         assert self.job is not None
         self._carried += 1
         self._unsure = True
-        self.peer.out.event(
-            "stage_carried",
-            f"stage {self.job.index} round {self.job.trainer.round}: none of the stage's "
-            f"{target - 1} other servers came; no step, the gradients carry to the next round",
-            stage=self.job.index,
-            round=self.job.trainer.round,
-            carried=self._carried,
-        )
+        job, n = self.job, self._carried
+        said = f"stage {job.index} round {job.trainer.round}: none of {target - 1} others came"
+        self.peer.out.event("stage_carried", said, stage=job.index, round=job.trainer.round, n=n)
 
     def _codec(self) -> CodecName:
         """The run's codec for stage gradients (topk and lowrank are for DiLoCo's
