@@ -236,8 +236,8 @@ class StageServer:
             # not the warm-up's alone.
             next_look = time.monotonic() + self._look_after() + 0.5 * self.swarm.rebalance_s
             period, last = self.swarm.round_s, -1
+            gather = stage_matchmaking(period, 2).gather_s
             while True:
-                gather = stage_matchmaking(period, 2).gather_s
                 r = next_boundary(time.time(), period, last, gather)
                 last = self._boundary = r
                 await trio.sleep(max(0.0, r * period - time.time()))
@@ -379,12 +379,14 @@ class StageServer:
         """A round nobody else of the stage came to: no step, the gradients keep
         accumulating and the state stays, so a server a boundary late meets this one at the
         next (stepped alone, the two stepped apart in turn: docs/architecture.md, SWARM)."""
-        assert self.job is not None
+        job = self.job
+        assert job is not None
         self._carried += 1
         self._unsure = True
-        job, n = self.job, self._carried
         said = f"stage {job.index} round {job.trainer.round}: none of {target - 1} others came"
-        self.peer.out.event("stage_carried", said, stage=job.index, round=job.trainer.round, n=n)
+        self.peer.out.event(
+            "stage_carried", said, stage=job.index, round=job.trainer.round, n=self._carried
+        )
 
     def _codec(self) -> CodecName:
         """The run's codec for stage gradients (topk and lowrank are for DiLoCo's
