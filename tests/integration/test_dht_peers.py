@@ -335,7 +335,8 @@ def test_dead_nodes_are_routed_around_and_evicted() -> None:
 
 def test_find_answers_many_targets_in_one_call() -> None:
     async def main() -> None:
-        async with dht_peers(6) as s:
+        # Six replicas: node 0, whose answer is checked, keeps one of its own record.
+        async with dht_peers(6, config=DHTConfig(replicas=6)) as s:
             await s.nodes[0].store("a", b"1", time.time() + 60)
             client = rpc.RpcClient(Identity.generate())
             try:
@@ -357,10 +358,11 @@ def test_find_answers_many_targets_in_one_call() -> None:
 
 def test_find_leaves_out_records_the_caller_lists_as_known() -> None:
     async def main() -> None:
-        async with dht_peers(6) as s:
-            # Node 0 must hold all three (what is measured is its answer). A store that timed
-            # out on a loaded machine is redone, as its owner's republishing would (seen in
-            # CI: 2 of 3, a join's rebootstrap timed out under load).
+        # Every node keeps a replica of every record (the default's 5 replicas are fewer
+        # than the 6 nodes): node 0 must hold all three, since what is measured is its answer.
+        async with dht_peers(6, config=DHTConfig(replicas=6)) as s:
+            # A store that timed out on a loaded machine is redone, as its owner's
+            # republishing would (seen in CI: 2 of 3, a join's rebootstrap timed out under load).
             with trio.fail_after(20):
                 while len(held := s.nodes[0].storage.get(b"round")) < 3:
                     mine = {r.subkey for r in held}
@@ -464,7 +466,9 @@ def test_config_is_validated() -> None:
 
 def test_own_records_are_republished_before_they_expire() -> None:
     async def main() -> None:
-        async with dht_peers(8) as s:
+        # Seven replicas: every node but the owner keeps one (what is checked is that all
+        # of them have it back).
+        async with dht_peers(8, config=DHTConfig(replicas=7)) as s:
             owner = s.nodes[0]
             # 16 s of life: the first republish is due at about 7 s, and a slow replica (a
             # loaded CI machine: 8 s of life left 3.5 s of slack and failed once) is retried at
@@ -544,7 +548,8 @@ def test_stores_in_a_small_network_skip_the_node_lookup_until_the_network_change
     them; a node that joins shows in the routing table and brings the lookup back."""
 
     async def main() -> None:
-        async with dht_peers(6) as s:
+        # Eight replicas, more than the nodes: every store reaches all of them.
+        async with dht_peers(6, config=DHTConfig(replicas=8)) as s:
             writer = s.nodes[0]
             lookups: list[bytes | None] = []
             lookup = writer._lookup

@@ -15,12 +15,14 @@ class DHTConfig:
     #: Bucket size, and how many nodes a read's lookup keeps in its shortlist.
     k: int = 20
     #: How many of the nodes closest to a key a store puts a record on (and its node lookup
-    #: waits to hear from, in a network larger than k). It was k: a store on 64 processes of
-    #: this 2-core machine took 61 ms (a 33 ms lookup of 20 nodes, then 20 Stores); with 8,
-    #: 29 ms, against hivemind's 24 ms for its 5 (`benchmarks/dht.py`). 1,000 simulated
-    #: nodes with 30% killed at once still found 999 and 1,000 of 1,000 keys (seeds 0, 1;
-    #: with 20: 1,000), with a quarter fewer calls. At most k (a larger value stores on k).
-    replicas: int = 8
+    #: waits to hear from, in a network larger than k). A store waits for the slowest of them
+    #: twice (its lookup, then its Stores), so on a loaded machine its time follows this
+    #: count: on 64 processes of this 2-core machine, 20 replicas took 61 ms, 8 took 52-64 ms
+    #: against hivemind's 47-55 ms for its 5 in the same hour, and 5 took 35 ms
+    #: (`benchmarks/dht.py`, 2026-11-30). Five, as hivemind: 1,000 simulated nodes with 30%
+    #: killed at once still found 999 and 996 of 1,000 keys (seeds 0, 1; with 8: 999 and
+    #: 1,000), with 8% fewer calls. At most k (a larger value stores on k).
+    replicas: int = 5
     #: Requests in flight per lookup.
     alpha: int = 3
     #: A get may stop once this many of the closest nodes answered and records were found.
