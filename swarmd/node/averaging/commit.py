@@ -145,9 +145,34 @@ def commit(
     if residual is not None:
         torch.sub(own, values, out=residual)
     c = Committed(values, form, block, payload, scales, [])
-    leaves = [_leaf(*c.block_views(b)) for b in range(-(-own.numel() // block))]
-    c.levels = _tree(leaves or [_PAD])
+    c.levels = _tree(_leaves(c) or [_PAD])
     return c
+
+
+def _leaves(c: Committed) -> list[bytes]:
+    """Every sample block's leaf, as `_leaf(*c.block_views(b))` hashes it, sliced from one
+    byte view of the payload (and of the scales): taking each block's views through torch
+    cost 2.5x the hashing itself (25 M fp32 values: 0.14 CPU-s a commitment, every reducer
+    every round)."""
+    count = -(-c.values.numel() // c.block)
+    payload = c.payload.numpy().data.cast("B")
+    width = c.payload.element_size() * c.block
+    head = blake3(_LEAF)
+    leaves = []
+    if c.scales is None:
+        for b in range(count):
+            h = head.copy()
+            h.update(payload[b * width : (b + 1) * width])
+            leaves.append(h.digest())
+        return leaves
+    scales = c.scales.numpy().data.cast("B")
+    per = 4 * (c.block // c.form.int8_block)  # float32 scales of the block's int8 blocks
+    for b in range(count):
+        h = head.copy()
+        h.update(scales[b * per : (b + 1) * per])
+        h.update(payload[b * width : (b + 1) * width])
+        leaves.append(h.digest())
+    return leaves
 
 
 def leaves_of(numel: int, block: int, ranges: list[tuple[int, int]]) -> list[int]:
