@@ -18,10 +18,11 @@ class DHTConfig:
     #: waits to hear from, in a network larger than k). A store waits for the slowest of them
     #: twice (its lookup, then its Stores), so on a loaded machine its time follows this
     #: count: on 64 processes of this 2-core machine, 20 replicas took 61 ms, 8 took 52-64 ms
-    #: against hivemind's 47-55 ms for its 5 in the same hour, and 5 took 35 ms
-    #: (`benchmarks/dht.py`, 2026-11-30). Five, as hivemind: 1,000 simulated nodes with 30%
-    #: killed at once still found 999 and 996 of 1,000 keys (seeds 0, 1; with 8: 999 and
-    #: 1,000), with 8% fewer calls. At most k (a larger value stores on k).
+    #: against hivemind's 47-55 ms for its 5, and 5 took 38-41 ms against hivemind's 66-76 ms
+    #: alternating later that hour (`benchmarks/dht.py`, 2026-11-30; the VM's speed drifts
+    #: within an hour, so only alternating runs compare). Five, as hivemind: 1,000 simulated
+    #: nodes with 30% killed at once still found 999 and 996 of 1,000 keys (seeds 0, 1; with
+    #: 8: 999 and 1,000), with 8% fewer calls. At most k (a larger value stores on k).
     replicas: int = 5
     #: Requests in flight per lookup.
     alpha: int = 3
