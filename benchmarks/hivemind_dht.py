@@ -10,7 +10,8 @@ bootstrapped from the first. M random keys are stored, each from a random node; 
 random nodes are shut down; then M gets of random stored keys are issued from random surviving
 nodes, one at a time. Each operation is timed inside the node's own process (as dht.py times
 its nodes'), so the figures are the DHT's, not the driver's pipe to it. A get succeeds if it
-returns exactly the stored value. hivemind's defaults: 5 replicas a key (swarmd: k = 20).
+returns exactly the stored value. hivemind's defaults: 5 replicas a key (swarmd's too since
+2026-11-30, `DHTConfig.replicas`).
 
 Last line: nodes=… mode=hivemind ops=… kill_fraction=… store_p50_ms=… get_p50_ms=…
 get_p99_ms=… success=…
