@@ -155,22 +155,17 @@ def _leaves(c: Committed) -> list[bytes]:
     cost 2.5x the hashing itself (25 M fp32 values: 0.14 CPU-s a commitment, every reducer
     every round)."""
     count = -(-c.values.numel() // c.block)
-    payload = c.payload.numpy().data.cast("B")
-    width = c.payload.element_size() * c.block
+    # (bytes of every block, bytes a block): int8 blocks hash their scales, then their codes.
+    spans = [(c.payload.numpy().data.cast("B"), c.payload.element_size() * c.block)]
+    if c.scales is not None:
+        per = 4 * (c.block // c.form.int8_block)  # the float32 scales of its int8 blocks
+        spans.insert(0, (c.scales.numpy().data.cast("B"), per))
     head = blake3(_LEAF)
     leaves = []
-    if c.scales is None:
-        for b in range(count):
-            h = head.copy()
-            h.update(payload[b * width : (b + 1) * width])
-            leaves.append(h.digest())
-        return leaves
-    scales = c.scales.numpy().data.cast("B")
-    per = 4 * (c.block // c.form.int8_block)  # float32 scales of the block's int8 blocks
     for b in range(count):
         h = head.copy()
-        h.update(scales[b * per : (b + 1) * per])
-        h.update(payload[b * width : (b + 1) * width])
+        for data, width in spans:
+            h.update(data[b * width : (b + 1) * width])
         leaves.append(h.digest())
     return leaves
 

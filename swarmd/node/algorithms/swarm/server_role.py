@@ -384,9 +384,8 @@ class StageServer:
         self._carried += 1
         self._unsure = True
         said = f"stage {job.index} round {job.trainer.round}: none of {target - 1} others came"
-        self.peer.out.event(
-            "stage_carried", said, stage=job.index, round=job.trainer.round, n=self._carried
-        )
+        n, r = self._carried, job.trainer.round
+        self.peer.out.event("stage_carried", said, stage=job.index, round=r, carried=n)
 
     def _codec(self) -> CodecName:
         """The run's codec for stage gradients (topk and lowrank are for DiLoCo's
