@@ -292,7 +292,10 @@ def test_forged_oversized_and_replayed_stores_are_refused() -> None:
 
 def test_getters_ignore_forged_records_served_by_malicious_nodes() -> None:
     async def main() -> None:
-        async with dht_peers(7) as s:
+        # Seven replicas: every node keeps one, node 0 (whose honest copy the others must
+        # find) among them; with the default 5 of 7, node 0 kept its own record only when its
+        # id was among the key's closest (a CI rehearsal: no copy to read, IndexError).
+        async with dht_peers(7, config=DHTConfig(replicas=7)) as s:
             await s.nodes[0].store("cfg", b"honest", time.time() + 60)
             honest = s.nodes[0].storage.get(b"cfg")[0]
             forged = dataclasses.replace(honest, value=b"evil", expires_ms=honest.expires_ms + 5000)
