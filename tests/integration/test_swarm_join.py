@@ -350,4 +350,4 @@ def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_pat
     assert all(t.process.returncode == 0 for t in [trainer]), trainer.stderr_tail
     # Only one server moved (the move read above; no other after it).
     later = [e for events in runs for e in events if e["event"] == "rebalance"]
-    assert not later, later
+    assert not later, [(e["source"], e["target"], e["before"], e["after"]) for e in later]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import types
 from collections.abc import Generator
+from typing import cast
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from swarmd.node.algorithms.swarm import audit
 from swarmd.node.algorithms.swarm.directory import StageRecord, by_stage
 from swarmd.node.algorithms.swarm.rebalance import choose_move, contest, stage_rates
 from swarmd.node.algorithms.swarm.router import MAX_BAN_S, Router
+from swarmd.node.algorithms.swarm.stage_service import RATE_WINDOW_S, StageJob, StageShape
+from swarmd.optim.stage import StageTrainer
 from swarmd.protocol.identity import Identity, PeerId
 
 PEERS = [Identity.generate().peer_id for _ in range(6)]
@@ -312,3 +316,30 @@ def test_an_audit_s_opinion_is_drawn_at_random_not_by_speed() -> None:
     assert all(60 < drawn.count(p) < 140 for p in servers), [drawn.count(p) for p in servers]
     router.distrust(fast, 60.0)
     assert fast not in {router.pick(servers, drawn=True).peer for _ in range(50)}  # type: ignore[union-attr]
+
+
+def _job() -> StageJob:
+    shape = StageShape(batch=1, block=1, width=1, vocab=1)
+    # Only the rate is read: of a last stage, whose one call is `last`.
+    return StageJob(cast(StageTrainer, types.SimpleNamespace(last_stage=True)), shape)
+
+
+def test_a_server_s_rate_is_its_recent_compute_not_its_last_few_calls() -> None:
+    """Servers move by their published rates: a few slow calls on a busy host must not make
+    a server look twice as slow (CI: with a 5-call average, equal servers read 28-99/s and a
+    second server left a stage one move had balanced)."""
+    job = _job()
+    job.observe("last", 0.03)  # the warm-up: averaged in, not kept
+    job.observe("last", 0.01)
+    assert job.seconds["last"] == pytest.approx(0.02)
+    for _ in range(1000):
+        job.observe("last", 0.02)
+    steady = job.rate
+    assert steady == pytest.approx(50, rel=1e-3)
+    for _ in range(5):  # a moment of contention: five calls three times as slow
+        job.observe("last", 0.06)
+    # 0.3 s of 5 s: ~10% slower (an average of the last 5 calls read 21/s, 0.43x).
+    assert job.rate > 0.85 * steady
+    for _ in range(int(3 * RATE_WINDOW_S / 0.04)):  # the device now is slower for good
+        job.observe("last", 0.04)
+    assert job.rate == pytest.approx(25, rel=0.05)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,8 +54,8 @@ CHECK_LAST = rpc.method_path(STAGE_SERVICE, "CheckLast")
 MAX_WAITING = 64
 OUTBOX_TTL_S = 60.0
 OUTBOX_BYTES = 256 << 20
-#: Smoothing of the measured seconds per call (new sample's share).
-EMA_ALPHA = 0.2
+#: Seconds of compute a call's measured time is averaged over (see `StageJob.observe`).
+RATE_WINDOW_S = 5.0
 MAX_CALL_ID = 64
 
 T = TypeVar("T")
@@ -84,8 +85,10 @@ class StageJob:
     #: (benchmarks emulate unequal GPUs on a few CPU cores this way; a fixed time, not a
     #: multiple of each compute's own, so contention on the real cores is not amplified).
     slowdown: float = 1.0
-    #: Seconds per call of each kind (EMA), once measured.
+    #: Seconds per call of each kind (a moving average, see `observe`), once measured.
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Calls of each kind measured so far.
+    samples: dict[str, int] = field(default_factory=dict)
     #: The fastest each kind of compute took (what `slowdown` multiplies).
     fastest: dict[str, float] = field(default_factory=dict)
     #: Called with each applied micro-batch's call id (--swarm-audit: tests check exactly-once).
@@ -104,8 +107,15 @@ class StageJob:
         return self.trainer.index
 
     def observe(self, kind: str, seconds: float) -> None:
-        old = self.seconds.get(kind)
-        self.seconds[kind] = seconds if old is None else old + EMA_ALPHA * (seconds - old)
+        """Averages call times over the last ~RATE_WINDOW_S of compute (the mean of all of
+        them until then). Servers move by these rates (rebalance.py), and a per-call average
+        (the last ~5 calls, 0.1 s at 50 calls/s) swung 3x between equal servers on a busy
+        2-core host (28-99 micro-batches/s): the move rule's 1.25 margin was noise, a second
+        server left a stage that one move had balanced (CI)."""
+        n = self.samples[kind] = self.samples.get(kind, 0) + 1
+        old = self.seconds.get(kind, seconds)
+        share = max(1.0 / n, -math.expm1(-seconds / RATE_WINDOW_S))
+        self.seconds[kind] = old + share * (seconds - old)
 
     def emulated_s(self, kind: str, took: float) -> float:
         """How long this compute holds the device (see `slowdown`)."""
