@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from swarmd.node.dht import open_dht
-from swarmd.node.peer.membership import HEARTBEAT_TTL_S
+from swarmd.node.peer.membership import MembershipTimings
 from swarmd.node.runkeys import peers_key
 from swarmd.protocol.identity import Identity
 
@@ -21,7 +21,7 @@ async def _stall(boot: str, run: str, key_dir: Path, task_status: trio.TaskStatu
     identity = Identity.load_or_create(key_dir)
     async with open_dht(identity, bootstrap=[boot]) as (node, server):
         address = f"127.0.0.1:{server.address.port}".encode()
-        async with node.announce(peers_key(run), address, ttl=HEARTBEAT_TTL_S):
+        async with node.announce(peers_key(run), address, ttl=MembershipTimings().heartbeat_ttl_s):
             task_status.started()
             await trio.sleep_forever()
 

@@ -22,7 +22,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from swarmd.node.peer.membership import HEARTBEAT_TTL_S
+from swarmd.node.peer.membership import MembershipTimings
 from tests.harness.hostile_publisher import SCRIPT, XSS
 from tests.harness.processes import HARNESS, ProcessGroup, swarmd_cmd
 from tests.harness.runs import TINY_RUN
@@ -118,7 +118,11 @@ def test_live_run_in_a_browser(
     updates = browser.execute_script("return window.swarmdDashboard.updates;")
     os.kill(peers[2].pid, signal.SIGKILL)
     killed = time.monotonic()
-    until(lambda: rows(browser).get(ids[2]) == "peer gone", HEARTBEAT_TTL_S + 15, "marked gone")
+    until(
+        lambda: rows(browser).get(ids[2]) == "peer gone",
+        MembershipTimings().heartbeat_ttl_s + 15,
+        "marked gone",
+    )
     gone_after = time.monotonic() - killed
     assert [rows(browser)[i] for i in ids[:2]] == ["peer live"] * 2
     assert browser.execute_script("return window.__notReloaded === true;")

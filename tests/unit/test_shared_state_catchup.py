@@ -7,15 +7,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 import trio
 import trio.testing
 
+from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.bans import Bans
 from swarmd.node.dht.values import Value
 from swarmd.node.peer.context import PeerContext
+from swarmd.node.peer.membership import MembershipTimings
 from swarmd.node.peer.sharedstate import SharedState, SyncedState
+from swarmd.node.peer.state_timings import StateTimings
 from swarmd.node.statesync.donor import StateAdvert
 from swarmd.node.statesync.snapshot import HASH_BYTES
+from swarmd.node.timing import TimingProfile
 from swarmd.protocol.identity import Identity, PeerId
 
 
@@ -36,6 +41,7 @@ def shared_state(
     adverts: dict[PeerId, StateAdvert],
     creator: PeerId,
     live: set[PeerId] | None = None,
+    timings: TimingProfile | None = None,
 ) -> tuple[SharedState, list[list[StateAdvert]]]:
     """``live``: the peers whose heartbeats are live (default: every advert's owner)."""
     alive = set(adverts) if live is None else live
@@ -54,6 +60,7 @@ def shared_state(
         config=SimpleNamespace(name="r", hash="h"),
         dht=FakeDHT(adverts),
         averager=SimpleNamespace(bans=Bans()),  # whom the peer refuses: nobody here
+        timings=timings or TimingProfile(),
     )
     opt = SimpleNamespace(age=5)
     state = SharedState(cast(PeerContext, peer), cast(SyncedState, opt))
@@ -119,6 +126,39 @@ def test_a_peer_whose_met_peers_all_left_follows_what_several_others_hold(
     # The creator still heartbeats (killed less than 30 s ago, or alive): strangers ignored.
     state, synced = shared_state(tmp_path, adverts, creator, live={creator, *joiners})
     state.met, state.shared_round = {str(creator)}, 3
-    # It waits out LONE_WAIT_S for the creator's advert of the round: in virtual time.
+    # It waits out `lone_wait_s` for the creator's advert of the round: in virtual time.
     assert not trio.run(state.catch_up, clock=trio.testing.MockClock(autojump_threshold=0))
     assert synced == []
+
+
+def test_a_lone_peer_waits_as_long_as_its_timing_profile_says() -> None:
+    """The wait for the others' adverts is the profile's `lone_wait_s`, not a constant: a
+    simulated or tuned run changes it in one place (node/timing.py)."""
+    creator, joiner = Identity.generate().peer_id, Identity.generate().peer_id
+    adverts = {joiner: StateAdvert(5, h("g"), "127.0.0.1:1", 10)}
+    waited = []
+    for lone_wait_s in (2.0, 6.0):
+        timings = TimingProfile(state=StateTimings(lone_wait_s=lone_wait_s, lone_poll_s=0.5))
+        state, synced = shared_state(
+            Path("/nonexistent"), adverts, creator, live={creator, joiner}, timings=timings
+        )
+        state.met, state.shared_round = {str(creator)}, 3
+
+        async def main(state: SharedState = state) -> None:
+            t0 = trio.current_time()
+            assert not await state.catch_up()
+            waited.append(trio.current_time() - t0)
+
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        assert synced == []
+    assert waited == [pytest.approx(2.0, abs=0.5), pytest.approx(6.0, abs=0.5)]
+
+
+def test_timings_that_contradict_each_other_fail_when_the_profile_is_made() -> None:
+    TimingProfile()  # the defaults hold
+    with pytest.raises(ValueError, match="heartbeat"):
+        MembershipTimings(live_max_age_s=45.0)  # counts peers whose heartbeats lapsed
+    with pytest.raises(ValueError, match="end_wait_s"):
+        StateTimings(lone_wait_s=40.0)  # the run's end gives up before a lone peer settles
+    with pytest.raises(ValueError, match="outlast"):
+        TimingProfile(matchmaking=MatchmakingConfig(gather_s=10.0, ttl_s=15.0))

@@ -34,6 +34,7 @@ from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.peer.strategy import LocalTarget, Strategy
 from swarmd.node.runkeys import state_round_key
+from swarmd.node.timing import TimingProfile
 from swarmd.optim.diloco import DiLoCo, trainable
 from swarmd.optim.statedicts import GLOBAL_PREFIX
 from swarmd.optim.streaming import StreamingDiLoCo
@@ -52,12 +53,13 @@ Opt = TypeVar("Opt", DiLoCo, StreamingDiLoCo)
 log = logging.getLogger(__name__)
 
 
-def matchmaking_config(config: RunConfig) -> MatchmakingConfig:
-    """How a run's peers form groups (every strategy that matchmakes through the DHT)."""
-    return MatchmakingConfig(
+def matchmaking_config(config: RunConfig, timings: TimingProfile) -> MatchmakingConfig:
+    """How a run's peers form groups (every strategy that matchmakes through the DHT): the
+    profile's timings, the run's group sizes."""
+    return dataclasses.replace(
+        timings.matchmaking,
         target_group_size=config.target_group_size,
         min_group_size=config.min_group_size,
-        gather_s=10.0,
     )
 
 
@@ -139,7 +141,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             peer.identity.peer_id, peer.address, peer.opts.bandwidth, client=peer.client_mode
         )
         config = peer.config
-        self.mm = matchmaking_config(config)
+        self.mm = matchmaking_config(config, peer.timings)
         #: codec lowrank's state: warm-started Q and error feedback per tensor.
         self.powersgd = PowerSGD(PowerSGDConfig(rank=config.lowrank_rank, seed=config.seed))
         #: A copy of the model that validations run on (in their own thread, while the

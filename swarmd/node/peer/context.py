@@ -24,6 +24,7 @@ from swarmd.node.peer.options import JoinOptions
 from swarmd.node.peer.progress import Progress, TrainStats
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.statesync.donor import StateDonor
+from swarmd.node.timing import TimingProfile
 from swarmd.protocol import rpc
 from swarmd.protocol.identity import Identity, PeerId
 
@@ -84,6 +85,8 @@ class PeerContext:
     client_mode: bool = False
     #: This peer's other local ranks (--local-workers N > 1), once started.
     ranks: LocalRanks | None = None
+    #: Every protocol timing its components read (node/timing.py).
+    timings: TimingProfile = field(default_factory=TimingProfile)
 
     def host(self, algo: str, kind: type[H]) -> H:
         """The service ``algo``'s strategy hosts on this peer (made by its `host`)."""

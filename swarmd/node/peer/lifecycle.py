@@ -45,6 +45,7 @@ from swarmd.node.peer.strategy import HostParts, Strategies, Strategy, strategy_
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.runtime.heap import settle_heap
 from swarmd.node.statesync.donor import StateDonor
+from swarmd.node.timing import TimingProfile
 from swarmd.protocol import rpc
 from swarmd.protocol.address import parse_address
 from swarmd.protocol.errors import ProtocolError
@@ -73,7 +74,9 @@ class Peer:
             rate_limits=options.rate_limits,
         )
         self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
-        self.dht = DHTNode(self.identity, self.client)
+        #: Every protocol timing (node/timing.py): the defaults, in a daemon.
+        self.timings = TimingProfile()
+        self.dht = DHTNode(self.identity, self.client, self.timings.dht)
         #: Whom this peer refuses for what they sent (bans.py): the averager and
         #: state sync share it; each ban is a `peer_banned` event with its evidence.
         self.bans = Bans(observer=self.metrics, on_ban=self._banned, own=self.identity.peer_id)
@@ -352,7 +355,8 @@ class Peer:
             hosts=self.hosts,
             metrics=self.metrics,
             out=self.out,
-            live=LivePeers(self.dht, config),
+            live=LivePeers(self.dht, config, self.timings.membership),
+            timings=self.timings,
             stopping=self.stopping,
             creator=creator,
             client_mode=self.reach.client_mode,
@@ -410,7 +414,9 @@ class Peer:
     async def _trained(self, peer: PeerContext, strategy: Strategy, nursery: trio.Nursery) -> None:
         config = peer.config
         self.metrics.watch_training(lambda: peer.stats.figures(peer.clock.wait_s))
-        nursery.start_soon(heartbeat, self.dht, config, self.address, peer.client_mode)
+        nursery.start_soon(
+            heartbeat, self.dht, config, self.address, peer.client_mode, peer.timings.membership
+        )
         nursery.start_soon(
             report_progress, self.out, peer.stats, self.metrics, self.opts.progress_interval_s
         )

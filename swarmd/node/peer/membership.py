@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import trio
 
@@ -21,26 +22,48 @@ from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger(__name__)
 
-#: How stale the count of live peers may be once it reaches the run's target group size.
-LIVE_PEERS_MAX_AGE_S = 10.0
-#: A heartbeat record's lifetime: a peer that stops refreshing it is gone after this long.
-HEARTBEAT_TTL_S = 30.0
+
+@dataclass(frozen=True)
+class MembershipTimings:
+    """The heartbeat's timings (part of node/timing.py's profile)."""
+
+    #: A heartbeat record's lifetime: a peer that stops refreshing it is gone after this long.
+    heartbeat_ttl_s: float = 30.0
+    #: How stale the count of live peers may be once it reaches the run's target group size.
+    live_max_age_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.live_max_age_s < self.heartbeat_ttl_s:
+            raise ValueError(
+                "need 0 < live_max_age_s < heartbeat_ttl_s: a count older than a heartbeat's "
+                f"life counts peers gone since (got {self.live_max_age_s}, "
+                f"{self.heartbeat_ttl_s})"
+            )
 
 
-async def heartbeat(dht: DHTNode, config: RunConfig, address: str, client: bool = False) -> None:
+async def heartbeat(
+    dht: DHTNode,
+    config: RunConfig,
+    address: str,
+    client: bool = False,
+    timings: MembershipTimings = MembershipTimings(),
+) -> None:
     """Announces this peer under the run's peers key until cancelled (the record then lapses).
     A client-mode peer says so: others cannot probe it, and must not take it for dead."""
     value = address + CLIENT_MARK * client
-    async with dht.announce(peers_key(config.name), value.encode(), ttl=HEARTBEAT_TTL_S):
+    async with dht.announce(peers_key(config.name), value.encode(), ttl=timings.heartbeat_ttl_s):
         await trio.sleep_forever()
 
 
 class LivePeers:
     """The count of the run's live heartbeats, re-read only when it could matter."""
 
-    def __init__(self, dht: DHTNode, config: RunConfig) -> None:
+    def __init__(
+        self, dht: DHTNode, config: RunConfig, timings: MembershipTimings = MembershipTimings()
+    ) -> None:
         self._dht = dht
         self._config = config
+        self._timings = timings
         #: (trio time, live peer -> the address its heartbeat names) at the last read.
         self._last: tuple[float, dict[PeerId, str]] = (-math.inf, {})
         self._reader: KeyReader | None = None
@@ -56,7 +79,7 @@ class LivePeers:
         client-mode peer's). Their count is the group size a round waits for.
 
         Read before every round while it is below the run's target group size (a joiner must
-        be waited for at once), but at most every LIVE_PEERS_MAX_AGE_S once it reaches it:
+        be waited for at once), but at most every `live_max_age_s` once it reaches it:
         more peers cannot raise the target then, and a departure shows within the heartbeat's
         30 s anyway. Each read is a few KB (every heartbeat record, from three nodes), paid
         in every streaming fragment round's peak otherwise. ``fresh``: read now whatever
@@ -66,7 +89,7 @@ class LivePeers:
         at, ids = self._last
         # trio's clock, not the OS's: under the simulator's virtual time the count ages as
         # the simulated run does.
-        recent = trio.current_time() - at < LIVE_PEERS_MAX_AGE_S
+        recent = trio.current_time() - at < self._timings.live_max_age_s
         if fresh or not (recent and len(ids) >= self._config.target_group_size):
             if self._reader is None:
                 # Re-reads transfer only heartbeats (refreshes, withdrawals) not read before.

@@ -7,7 +7,8 @@ states (seen: 6 peers in groups of 2, one averaged and five carried, final losse
 apart). Before it leaves, a peer waits until every live peer advertises a state of the last
 round (every live peer it met: a staller advertises nothing); while they differ, the one
 more peers hold is taken (`SharedState.catch_up`, the rule every peer applies alike), and a
-peer stays, serving its state, until all of them advertise one state, at most END_WAIT_S."""
+peer stays, serving its state, until all of them advertise one state, at most `end_wait_s`
+(StateTimings)."""
 
 from __future__ import annotations
 
@@ -16,26 +17,21 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from swarmd.node.peer.sharedstate import LONE_POLL_S, SharedState
+from swarmd.node.peer.sharedstate import SharedState
 
 log = logging.getLogger("swarmd.daemon")
-
-#: Longest a peer at the run's end waits for the others to end on its state: a sat-out peer's
-#: last round waits up to LONE_WAIT_S for the roster's adverts before it settles, and a peer
-#: that then takes the majority's state downloads it from peers that must still be there.
-END_WAIT_S = 30.0
 
 
 async def leave_on_one_state(state: SharedState, took: Callable[[], Awaitable[None]]) -> bool:
     """Waits until every live peer advertises one state of this peer's round, taking the
     majority's state if this one's differs (then ``took()`` publishes and reports it); True
-    if all did within END_WAIT_S."""
+    if all did within `end_wait_s`."""
     me = str(state.peer.identity.peer_id)
-    age = state.opt.age
-    with trio.move_on_after(END_WAIT_S):
+    age, timings = state.opt.age, state.timings
+    with trio.move_on_after(timings.end_wait_s):
         while True:
             # Of the live peers, those it met: an identity that heartbeats and never joins
-            # (a staller) advertises no state, and would hold every peer here END_WAIT_S.
+            # (a staller) advertises no state, and would hold every peer here `end_wait_s`.
             live = {str(p) for p in await state.peer.live.addresses()} & state.met - {me}
             final = {a.owner: a.state_hash for a in await state.adverts() if a.round >= age}
             if live <= final.keys():
@@ -44,9 +40,11 @@ async def leave_on_one_state(state: SharedState, took: Callable[[], Awaitable[No
                 if await state.catch_up():
                     log.info("the run's end: took the state most of its peers hold")
                     await took()
-            await trio.sleep(LONE_POLL_S)
-    log.warning("the run's end: its peers did not all advertise one state within %ss", END_WAIT_S)
+            await trio.sleep(timings.lone_poll_s)
+    log.warning(
+        "the run's end: its peers did not all advertise one state within %ss", timings.end_wait_s
+    )
     return False
 
 
-__all__ = ["END_WAIT_S", "leave_on_one_state"]
+__all__ = ["leave_on_one_state"]

@@ -43,17 +43,8 @@ from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.daemon")
 
-#: How long a state advert lives in the DHT without a newer round refreshing it.
-ADVERT_TTL_S = 120.0
-#: The whole download of a group's state, from every donor together.
-SYNC_DEADLINE_S = 120.0
-#: How long a peer whose last round was its own waits for the other live peers' adverts of
-#: that round before it decides whose state to follow (see `_await_adverts_of`), and how
-#: often it looks.
-LONE_WAIT_S = 10.0
 #: States a joiner refuses (unloadable) before it settles for its own; each costs a download.
 MAX_REFUSED_TRIES = 3
-LONE_POLL_S = 0.2
 #: How many of its own past state hashes a peer remembers (32 B each).
 PAST_STATES = 1024
 
@@ -99,6 +90,7 @@ class SharedState:
     ) -> None:
         self.peer = peer
         self.opt = opt
+        self.timings = peer.timings.state
         #: What part of the run's state this is ("": all of it; SWARM: one stage's, "stage2"):
         #: its adverts and its file are its own, so a stage's joiner finds that stage's donors.
         self.key = advert_key(peer.config.name, scope)
@@ -181,7 +173,7 @@ class SharedState:
         await peer.dht.store(
             self.key,
             StateAdvert.of(snap, peer.address, shared=shared, client=peer.client_mode).to_bytes(),
-            peer.dht.now() + ADVERT_TTL_S,
+            peer.dht.now() + self.timings.advert_ttl_s,
             subkey=str(peer.identity.peer_id),
         )
         await self.saved()
@@ -268,7 +260,7 @@ class SharedState:
             snap = await download_state(
                 self.peer.client,
                 donors,
-                deadline_s=SYNC_DEADLINE_S,
+                deadline_s=self.timings.sync_deadline_s,
                 want_hash=want,
                 expect=layout_of(self.opt.state_dict()),
                 peer_ids=peer_ids,
@@ -381,7 +373,7 @@ class SharedState:
     async def catch_up(self, publishers: Collection[PeerId] = frozenset()) -> bool:
         """A peer that missed a round (no group, a late join) holds a state nobody else has;
         it takes the group's instead of drifting apart forever. True if it did. A peer whose
-        last round was its own first waits (at most LONE_WAIT_S) for the others' states of
+        last round was its own first waits (at most `lone_wait_s`) for the others' states of
         that round: those of ``publishers`` (a grid round's roster, which it carried) if
         given, else of every live peer.
 
@@ -440,11 +432,11 @@ class SharedState:
         publishers: Collection[PeerId] = (),
         known_only: bool = True,
     ) -> list[StateAdvert]:
-        """Waits (at most LONE_WAIT_S) until every other live peer (of ``publishers``, if
+        """Waits (at most `lone_wait_s`) until every other live peer (of ``publishers``, if
         given) advertises a state of `age` or newer; returns the adverts then.
 
         Waiting for every live peer, two peers that came late to a grid round's roll call
-        waited for each other, each sitting the round out: both waited all of LONE_WAIT_S,
+        waited for each other, each sitting the round out: both waited all of `lone_wait_s`,
         and the next round's roll call waited for them (10 s stalls at the start of 6-peer
         runs). The roster's members are the ones that publish the round's state.
 
@@ -458,7 +450,7 @@ class SharedState:
         adverts are in it takes the group's state and meets the group's next round under the
         group's key. If the whole group failed the round, their adverts show this peer's very
         state and it keeps it."""
-        deadline = trio.current_time() + LONE_WAIT_S
+        deadline = trio.current_time() + self.timings.lone_wait_s
         while trio.current_time() < deadline:
             if publishers:
                 live = {str(p) for p in await self.peer.live.addresses()} & {
@@ -468,7 +460,7 @@ class SharedState:
                     break
             elif sum(a.round >= age for a in adverts) >= await self.peer.live.count() - 1:
                 break
-            await trio.sleep(LONE_POLL_S)
+            await trio.sleep(self.timings.lone_poll_s)
             adverts = await self.adverts(known_only=known_only)
         return adverts
 

@@ -139,7 +139,7 @@ class DeMoStrategy(Strategy):
         #: Members whose payloads this peer applied in its last step (1: alone, 0: none yet):
         #: a boundary's `outer_step` reports the round that just ended.
         self.last_size = 0
-        self.mm = matchmaking_config(peer.config)
+        self.mm = matchmaking_config(peer.config, peer.timings)
 
     @property
     def run(self) -> DeMoRun:

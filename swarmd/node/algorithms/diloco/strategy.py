@@ -79,7 +79,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             # (a block dropped above the rows is dropped in every column alike), all carry
             # and stay on one state; applying each its own pseudo-gradient made a state
             # apiece. Waiting for an averaged state before carrying, every member waited all
-            # of LONE_WAIT_S for states nobody would publish (12 peers in groups of 4: a
+            # of `lone_wait_s` for states nobody would publish (12 peers in groups of 4: a
             # third of the run's time).
             report = self.opt.carry(pg)
             snap = await self.state.publish(step)
