@@ -1,12 +1,12 @@
 """Who serves which stage: each stage server's signed record in the DHT, and reading them.
 
 A server refreshes its record every few seconds with what it measured: micro-batches per
-second its stage computes (`rate`, an EMA of its own compute, sleeps of a slowed device
-included) and how many calls wait for its compute (`queue`). Trainers route by it; servers
-rebalance by it. The record's sub-key is its signer's peer id, so nobody can speak for
-another server; everything read is checked and a malformed record is skipped, not trusted.
-A record lapses `RECORD_TTL_S` after its last refresh: a dead server leaves the directory
-then (trainers learn sooner, when its calls fail).
+second its stage computes (`rate`, from its call times over its last ~5 s of compute, sleeps
+of a slowed device included) and how many calls wait for its compute (`queue`). Trainers
+route by it; servers rebalance by it. The record's sub-key is its signer's peer id, so nobody
+can speak for another server; everything read is checked and a malformed record is skipped,
+not trusted. A record lapses `RECORD_TTL_S` after its last refresh: a dead server leaves the
+directory then (trainers learn sooner, when its calls fail).
 """
 
 from __future__ import annotations
