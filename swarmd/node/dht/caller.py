@@ -70,12 +70,21 @@ class TimeoutPolicy:
     alpha: float = 0.125
     #: RTT assumed before anything has been measured.
     initial_s: float = 0.05
+    #: The least timeout of a call to a node this one has no round trip of yet (RFC 6298's
+    #: initial RTO): the node-wide estimate is an average over links of 10-300 ms, and a
+    #: node at the far end timed out under it, was evicted and barred, and missed every
+    #: store and republish while barred (the simulator: 1 of 7 replicas, seed 2).
+    unmeasured_s: float = 1.0
+    #: Nodes whose own round-trip estimate is kept (least recently used dropped).
+    per_node: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 < self.min_s <= self.max_s:
             raise ValueError("TimeoutPolicy needs 0 < min_s <= max_s")
         if self.multiplier < 1 or not 0 < self.alpha <= 1 or self.initial_s <= 0:
             raise ValueError("TimeoutPolicy: multiplier >= 1, 0 < alpha <= 1, initial_s > 0")
+        if not 0 < self.unmeasured_s <= self.max_s or self.per_node < 1:
+            raise ValueError("TimeoutPolicy: 0 < unmeasured_s <= max_s, per_node >= 1")
 
 
 class RttEstimator:
@@ -84,10 +93,11 @@ class RttEstimator:
     lookups (a store reached 14 of 20 replicas in CI); the deviation term widens it exactly
     when round trips become erratic, and shrinks back when they settle."""
 
-    def __init__(self, policy: TimeoutPolicy) -> None:
+    def __init__(self, policy: TimeoutPolicy, first: float | None = None) -> None:
         self.policy = policy
-        self.srtt = policy.initial_s
-        self.rttvar = policy.initial_s / 2
+        # RFC 6298: the first measurement R sets SRTT = R and RTTVAR = R/2.
+        self.srtt = policy.initial_s if first is None else first
+        self.rttvar = self.srtt / 2
 
     def sample(self, rtt: float) -> None:
         a = self.policy.alpha
@@ -117,7 +127,11 @@ class Caller:
         self.identity = identity
         self.client = client
         self.table = table
+        #: This node's round trips to anyone: what a lookup's stall timer waits.
         self.rtt = RttEstimator(policy)
+        #: Each node's own round trips (a link's RTT, not the average over links): what a
+        #: call's timeout is made of.
+        self._rtts: OrderedDict[PeerId, RttEstimator] = OrderedDict()
         #: The port we listen on, told to callees; 0 = not reachable (client-only node).
         self.port = 0
         self._verified: OrderedDict[tuple[PeerId, str], None] = OrderedDict()
@@ -144,14 +158,32 @@ class Caller:
         start = trio.current_time()
         response = await self.client.unary(
             address, path, request, response_type,
-            timeout=self.rtt.timeout() if timeout is None else timeout,
+            timeout=self.timeout(peer_id) if timeout is None else timeout,
             recipient=peer_id,  # known: no need to ask the server who it is first
         )  # fmt: skip
         # An answer is a measurement even under a longer deadline: the bootstrap ping's is the
         # first one, and without it the join's self-lookup ran on the initial estimate (its
         # slow stall timer left some nodes of a 64-node swarm with 5 contacts instead of 10+).
-        self.rtt.sample(trio.current_time() - start)
+        rtt = trio.current_time() - start
+        self.rtt.sample(rtt)
+        if peer_id is not None:
+            own = self._rtts.get(peer_id)
+            if own is None:
+                own = self._rtts[peer_id] = RttEstimator(self.rtt.policy, first=rtt)
+                while len(self._rtts) > self.rtt.policy.per_node:
+                    self._rtts.popitem(last=False)
+            else:
+                own.sample(rtt)
+                self._rtts.move_to_end(peer_id)
         return response
+
+    def timeout(self, peer_id: PeerId | None) -> float:
+        """A call's deadline: from the node's own round trips once measured, else the larger
+        of the node-wide estimate's and `unmeasured_s`."""
+        own = self._rtts.get(peer_id) if peer_id is not None else None
+        if own is not None:
+            return own.timeout()
+        return max(self.rtt.timeout(), self.rtt.policy.unmeasured_s)
 
     def _accept(
         self,
