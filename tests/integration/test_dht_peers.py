@@ -467,36 +467,6 @@ def test_config_is_validated() -> None:
         DHTConfig(refresh_interval_s=0)
 
 
-def test_own_records_are_republished_before_they_expire() -> None:
-    async def main() -> None:
-        # Seven replicas: every node but the owner keeps one (what is checked is that all
-        # of them have it back).
-        async with dht_peers(8, config=DHTConfig(replicas=7)) as s:
-            owner = s.nodes[0]
-            # 16 s of life: the first republish is due at about 7 s, and a slow replica (a
-            # loaded CI machine: 8 s of life left 3.5 s of slack and failed once) is retried at
-            # half of what remains, twice more before the deadline.
-            expires = time.time() + 16
-            await owner.store("lease", b"v", expires)
-            # Stored once (a matchmaking round's record): never put back.
-            await owner.store("once", b"v", expires, republish=False)
-            holders = [n for n in s.nodes[1:] if n.storage.get(b"lease")]
-            assert len(holders) == 7
-            assert all(n.storage.get(b"once") for n in holders)
-            for node in holders:  # every replica is lost (say, its nodes restarted)
-                node.storage._plain.pop(b"lease")
-                node.storage._plain.pop(b"once")
-            # The owner puts it back at about half its remaining life (~7 s from now); what
-            # the test requires is the contract itself: back everywhere before it expires.
-            with trio.fail_after(expires - time.time() - 0.5):
-                while sum(1 for n in s.nodes[1:] if n.storage.get(b"lease")) < 7:
-                    await trio.sleep(0.1)
-            await trio.sleep(1.0)  # a republish of both would have sent them together
-            assert not any(n.storage.get(b"once") for n in s.nodes[1:])
-
-    run(main)
-
-
 def test_periodic_refresh_evicts_dead_contacts_without_any_lookup() -> None:
     # Contacts go stale after 0.2 s, so live ones are pinged all the time: with the default
     # 250 ms timeout floor, one slow answer on a loaded CI machine evicted a live node before
