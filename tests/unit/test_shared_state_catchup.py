@@ -131,7 +131,7 @@ def test_a_peer_whose_met_peers_all_left_follows_what_several_others_hold(
     assert synced == []
 
 
-def test_a_lone_peer_waits_as_long_as_its_timing_profile_says() -> None:
+def test_a_lone_peer_waits_as_long_as_its_timing_profile_says(tmp_path: Path) -> None:
     """The wait for the others' adverts is the profile's `lone_wait_s`, not a constant: a
     simulated or tuned run changes it in one place (node/timing.py)."""
     creator, joiner = Identity.generate().peer_id, Identity.generate().peer_id
@@ -140,7 +140,7 @@ def test_a_lone_peer_waits_as_long_as_its_timing_profile_says() -> None:
     for lone_wait_s in (2.0, 6.0):
         timings = TimingProfile(state=StateTimings(lone_wait_s=lone_wait_s, lone_poll_s=0.5))
         state, synced = shared_state(
-            Path("/nonexistent"), adverts, creator, live={creator, joiner}, timings=timings
+            tmp_path, adverts, creator, live={creator, joiner}, timings=timings
         )
         state.met, state.shared_round = {str(creator)}, 3
 
