@@ -87,6 +87,7 @@ def collect(procs: list[Proc], events: list[list[Event]], until: float) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # 80 s; tests/unit/test_sim_peers.py runs the same peers in virtual time
 @pytest.mark.timeout(240)
 def test_groups_that_formed_apart_merge_on_the_creators_state(
     processes: ProcessGroup, tmp_path: Path

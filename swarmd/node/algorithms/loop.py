@@ -34,6 +34,7 @@ from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.peer.strategy import LocalTarget, Strategy
 from swarmd.node.runkeys import state_round_key
+from swarmd.node.runtime import offload
 from swarmd.node.timing import TimingProfile
 from swarmd.optim.diloco import DiLoCo, trainable
 from swarmd.optim.statedicts import GLOBAL_PREFIX
@@ -194,7 +195,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
 
     async def join(self) -> None:
         self.shard = choose_shard(self.peer)
-        opt, self._source = await trio.to_thread.run_sync(self._build)
+        opt, self._source = await offload.run_sync(self._build)
         self._opt, self._state = opt, SharedState(self.peer, opt, self.judge)
         self.origin, self.first_step = await self._state.take_initial()
         config, averager = self.peer.config, self.peer.averager
@@ -230,7 +231,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         )
         await self.state.publish(self.first_step)
         start = time.monotonic()
-        first_val = await trio.to_thread.run_sync(self.validate)
+        first_val = await offload.run_sync(self.validate)
         self.peer.stats.val_loss, self.peer.stats.params = first_val, opt.numel
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=opt.round, val_loss=first_val
@@ -247,9 +248,11 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             config.seed,
             self.peer.batch_index(step),
         )
-        loss = await trio.to_thread.run_sync(self.opt.inner_step, batch)
+        loss = await offload.run_sync(self.opt.inner_step, batch)
         if self._faults is not None and (delay := self._faults.plan().step_delay_s):
             await trio.sleep(delay)
+        if self.peer.step_s:
+            await trio.sleep(self.peer.step_s)
         stats = self.peer.stats
         stats.step, stats.loss = step + 1, loss
         stats.tokens += config.batch_size * config.block_size * self.opt.forward.world
@@ -280,7 +283,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
                 self._twin = copy.deepcopy(self.opt.model)
             return validation_loss(self._twin, self.source, self.peer.config, params)
 
-        return await trio.to_thread.run_sync(run, limiter=self._validating)
+        return await offload.run_sync(run, limiter=self._validating)
 
     def report_later(self) -> None:
         """Counts a report task about to start in the background (see `reports_drained`)."""
@@ -457,7 +460,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             status="synced",
             group_size=0,
             dropped=0,
-            val_loss=await trio.to_thread.run_sync(self.validate),
+            val_loss=await offload.run_sync(self.validate),
             state_hash=snap.state_hash.hex(),
             wait_s=round(waited, 3),
             seconds=round(self.peer.clock.held(t0), 3),

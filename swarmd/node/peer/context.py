@@ -64,7 +64,7 @@ class PeerContext:
     identity: Identity
     #: The address other peers reach this one at (host:port of its gRPC server).
     address: str
-    client: rpc.RpcClient
+    client: rpc.TensorCaller
     dht: DHTNode
     averager: Averager
     donor: StateDonor
@@ -87,6 +87,8 @@ class PeerContext:
     ranks: LocalRanks | None = None
     #: Every protocol timing its components read (node/timing.py).
     timings: TimingProfile = field(default_factory=TimingProfile)
+    #: Virtual seconds an inner step is charged (the simulator's device; 0 in a daemon).
+    step_s: float = 0.0
 
     def host(self, algo: str, kind: type[H]) -> H:
         """The service ``algo``'s strategy hosts on this peer (made by its `host`)."""

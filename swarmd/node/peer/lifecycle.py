@@ -27,14 +27,14 @@ from swarmd.node.access import AccessError, AccessMode, RunAccess, publish_list
 from swarmd.node.averaging.allreduce import AllReduceConfig, Averager
 from swarmd.node.averaging.reduction import Aggregation
 from swarmd.node.bans import Bans, Rejection
-from swarmd.node.dht import BootstrapError, DHTNode
+from swarmd.node.dht import BootstrapError
 from swarmd.node.dht.dialback import Reachability, reachability_of
 from swarmd.node.metrics import Metrics, MetricsServer
-from swarmd.node.peer.advertise import advertised_address
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.local.attach import attach_local
 from swarmd.node.peer.local.ranks import LocalRankError
 from swarmd.node.peer.membership import LivePeers, heartbeat
+from swarmd.node.peer.net import PeerNet, Served, SocketNet
 from swarmd.node.peer.options import JoinError, JoinOptions
 from swarmd.node.peer.progress import Progress, report_progress
 from swarmd.node.peer.progress_publish import PeerFacts, publish_progress
@@ -42,6 +42,7 @@ from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 from swarmd.node.peer.runrecord import choose, claims, publish_config
 from swarmd.node.peer.service import Scratch, announce, peer_service
 from swarmd.node.peer.strategy import HostParts, Strategies, Strategy, strategy_for
+from swarmd.node.runtime import offload
 from swarmd.node.runtime.errors import innermost
 from swarmd.node.runtime.heap import settle_heap
 from swarmd.node.statesync.donor import StateDonor
@@ -49,7 +50,7 @@ from swarmd.node.timing import TimingProfile
 from swarmd.protocol import rpc
 from swarmd.protocol.address import parse_address
 from swarmd.protocol.errors import ProtocolError
-from swarmd.protocol.identity import Identity, PeerId
+from swarmd.protocol.identity import PeerId
 from swarmd.workloads import AllowedWorkloads, WorkloadNotAllowed, resolve_device
 
 log = logging.getLogger("swarmd.join")
@@ -61,11 +62,19 @@ ACCESS_REFRESH_S = 5.0
 class Peer:
     """The training peer; `run()` is the whole lifecycle."""
 
-    def __init__(self, options: JoinOptions, strategies: Strategies) -> None:
+    def __init__(
+        self,
+        options: JoinOptions,
+        strategies: Strategies,
+        net: PeerNet | None = None,
+        timings: TimingProfile | None = None,
+    ) -> None:
         self.opts = options
         self.strategies = strategies
+        #: Sockets in a daemon; the simulator's in-memory network in `swarmd sim` (net.py).
+        self.net: PeerNet = net or SocketNet()
         self.out = Progress(options.log_format)
-        self.identity = Identity.load_or_create(options.state_dir)
+        self.identity = self.net.identity(options.state_dir)
         self.metrics = Metrics()
         self.transport = rpc.TransportConfig(
             max_concurrent_rpcs=32,
@@ -73,10 +82,10 @@ class Peer:
             bulk_port=options.bulk_port or 0,
             rate_limits=options.rate_limits,
         )
-        self.client = rpc.RpcClient(self.identity, self.transport, self.metrics)
-        #: Every protocol timing (node/timing.py): the defaults, in a daemon.
-        self.timings = TimingProfile()
-        self.dht = DHTNode(self.identity, self.client, self.timings.dht)
+        self.client = self.net.client(self.identity, self.transport, self.metrics)
+        #: Every protocol timing (node/timing.py): the defaults in a daemon.
+        self.timings = timings or TimingProfile()
+        self.dht = self.net.dht(self.identity, self.client, self.timings.dht)
         #: Whom this peer refuses for what they sent (bans.py): the averager and
         #: state sync share it; each ban is a `peer_banned` event with its evidence.
         self.bans = Bans(observer=self.metrics, on_ban=self._banned, own=self.identity.peer_id)
@@ -84,7 +93,7 @@ class Peer:
         self.averager = Averager(
             self.client, self.identity.peer_id, AllReduceConfig(), self.metrics, bans=self.bans
         )
-        self.donor = StateDonor()
+        self.donor = StateDonor(clock=self.net.monotonic)
         #: What each algorithm serves on every peer (DeMo's all-gather, SWARM's stage calls):
         #: the run's algorithm is not known until its config is read.
         parts = HostParts(self.client, self.identity.peer_id, self.metrics, self.bans)
@@ -139,27 +148,20 @@ class Peer:
         )
         try:
             async with (
-                rpc.serve(
-                    self._services(),
-                    opts.listen.host,
-                    opts.listen.port,
-                    config=self.transport,
-                    observer=self.metrics,
-                    identity=self.identity,
+                self.net.serve(
+                    self._services(), opts.listen, self.transport, self.metrics, self.identity
                 ) as server,
                 trio.open_nursery() as nursery,
             ):
-                address = await trio.to_thread.run_sync(
-                    advertised_address, server.address, opts.peers
-                )
-                self.address = str(address)
+                self.address = str(await self.net.advertised(server, opts.peers))
                 announce(
                     "listening",
                     address=self.address,
                     peer_id=str(self.identity.peer_id),
                     metrics_port=metrics_server.port if metrics_server else None,
                 )
-                nursery.start_soon(self._stop_on_signal)
+                if self.net.signals:
+                    nursery.start_soon(self._stop_on_signal)
                 await self._check_reachable(server)
                 # A client-mode peer's DHT node says no port: others leave it out of their
                 # tables (they could not dial it) and it only calls out.
@@ -244,7 +246,7 @@ class Peer:
                 except (rpc.RpcError, ProtocolError, OSError) as exc:  # the next one may do
                     log.warning("could not re-read run %r's access list: %s", access.run, exc)
 
-    async def _check_reachable(self, server: rpc.RpcServer) -> None:
+    async def _check_reachable(self, server: Served) -> None:
         """Whether others can dial this peer (dialback.py); unreachable: client mode."""
         self.reach = reach = await reachability_of(
             self.opts.reachable,
@@ -357,6 +359,7 @@ class Peer:
             out=self.out,
             live=LivePeers(self.dht, config, self.timings.membership),
             timings=self.timings,
+            step_s=self.net.step_s,
             stopping=self.stopping,
             creator=creator,
             client_mode=self.reach.client_mode,
@@ -378,7 +381,7 @@ class Peer:
         finally:
             if peer.ranks is not None:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(peer.ranks.close)
+                    await offload.run_sync(peer.ranks.close)
 
     async def _start_local(self, peer: PeerContext, strategy: Strategy) -> None:
         """The strategy's inner steps on this machine's ranks, precision and compiler."""
@@ -393,7 +396,7 @@ class Peer:
             if local.workers > 1:
                 raise JoinError(f"--local-workers: {peer.config.algo} trains in one process only")
             return
-        peer.ranks = await trio.to_thread.run_sync(
+        peer.ranks = await offload.run_sync(
             attach_local, target, local, peer.config, self.opts.state_dir
         )
         if local.workers > 1 or local.precision != "fp32" or local.compile:

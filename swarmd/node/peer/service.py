@@ -20,6 +20,7 @@ import trio
 
 import swarmd
 from swarmd.node.metrics import Metrics, MetricsServer
+from swarmd.node.runtime import offload
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
 from swarmd.protocol.address import Address
@@ -97,7 +98,7 @@ def peer_service(identity: Identity, scratch: Scratch) -> rpc.Service:
 
     async def put_tensor(meta: TensorMeta, data: bytearray, ctx: rpc.CallContext) -> pb.TensorAck:
         # Hashing hundreds of MB takes a while: keep it off the event loop.
-        d = await trio.to_thread.run_sync(digest, data)
+        d = await offload.run_sync(digest, data)
         scratch.put(meta, data)
         return pb.TensorAck(received_bytes=len(data), digest=d)
 

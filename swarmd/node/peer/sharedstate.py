@@ -28,6 +28,7 @@ from swarmd.node.peer.localstate import (
     remove_stale_temps,
     save_state,
 )
+from swarmd.node.runtime import offload
 from swarmd.node.statesync.catchup import state_to_take
 from swarmd.node.statesync.donor import StateAdvert, advert_key, choose_donors
 from swarmd.node.statesync.download import (
@@ -162,8 +163,8 @@ class SharedState:
         peer = self.peer
         # One copy of the global state serves both the snapshot (which copies it into its own
         # buffer) and the save: two state_dict() calls copied 1 GB twice at 126M parameters.
-        global_state = await trio.to_thread.run_sync(self.opt.state_dict)
-        snap = await trio.to_thread.run_sync(self.snapshot, global_state)
+        global_state = await offload.run_sync(self.opt.state_dict)
+        snap = await offload.run_sync(self.snapshot, global_state)
         self.last_hash = snap.state_hash
         self.past[snap.state_hash] = None
         while len(self.past) > PAST_STATES:
@@ -182,7 +183,7 @@ class SharedState:
             # `swarmd export --state-dir` reads the model's shape from it.
             "config": peer.config.to_json().decode(),
             "global": global_state,
-            "local": await trio.to_thread.run_sync(self.opt.local_state_dict),
+            "local": await offload.run_sync(self.opt.local_state_dict),
             "step": step,
         }
         if background is None:
@@ -204,7 +205,7 @@ class SharedState:
 
     async def _save(self, state: dict[str, Any]) -> None:
         try:
-            await trio.to_thread.run_sync(save_state, self.path, state)
+            await offload.run_sync(save_state, self.path, state)
         except SaveError as exc:
             # Training goes on: the state lives in memory and in the group; a restart resumes
             # from the last good file (or the group's newer state).
@@ -281,11 +282,11 @@ class SharedState:
             self._refuse(want, donors, "it belongs to another run config")
             return False
         state = snap.to_state_dict()
-        why = await trio.to_thread.run_sync(self._unusable, state)
+        why = await offload.run_sync(self._unusable, state)
         if why is not None:
             self._refuse(want, donors, why)
             return False
-        await trio.to_thread.run_sync(self.opt.load_state_dict, state)
+        await offload.run_sync(self.opt.load_state_dict, state)
         self.shared_round = self.opt.age
         self.proven = True
         self.met.update(a.owner for a in adverts if a.state_hash == want and a.owner)
@@ -345,7 +346,7 @@ class SharedState:
             # first peers would otherwise each download the whole state (parameters and
             # momentum, 8 bytes a parameter) for nothing. The hash proves it is the same.
             want, _ = choose_donors(adverts)
-            mine = await trio.to_thread.run_sync(self.snapshot)
+            mine = await offload.run_sync(self.snapshot)
             if mine.state_hash == want:
                 return self._started("fresh", 0)
         for _ in range(MAX_REFUSED_TRIES):
@@ -357,7 +358,7 @@ class SharedState:
                 break  # the network failed, not the state: go on with this peer's own
             adverts = [a for a in adverts if a.state_hash not in self.refused]
         if saved is not None:
-            await trio.to_thread.run_sync(self.opt.load_state_dict, saved["global"])
+            await offload.run_sync(self.opt.load_state_dict, saved["global"])
             self.opt.load_local_state_dict(saved["local"])
             self.peer.out.event(
                 "resumed", f"resumed from saved state (round {saved_round})", round=saved_round

@@ -65,7 +65,7 @@ class LocalTarget:
 class HostParts:
     """What the lifecycle has when it makes the algorithms' hosts, before any run is known."""
 
-    client: rpc.RpcClient
+    client: rpc.TensorCaller
     peer_id: PeerId
     metrics: Metrics
     bans: Bans

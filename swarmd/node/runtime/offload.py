@@ -27,9 +27,12 @@ def run_inline(inline: bool) -> None:
     _inline = inline
 
 
-async def run_sync(fn: Callable[[*Ts], T], *args: *Ts) -> T:
-    """``fn(*args)`` in a worker thread (or inline, see `run_inline`)."""
+async def run_sync(
+    fn: Callable[[*Ts], T], *args: *Ts, limiter: trio.CapacityLimiter | None = None
+) -> T:
+    """``fn(*args)`` in a worker thread, at most ``limiter``'s share at once (or inline, see
+    `run_inline`, where the loop runs one at a time anyway)."""
     if _inline:
         await trio.lowlevel.checkpoint()
         return fn(*args)
-    return await trio.to_thread.run_sync(fn, *args)
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)

@@ -23,6 +23,7 @@ vanished home router does); a lost message fails its call after the one-way dela
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -125,6 +126,8 @@ class SimNetwork:
         self.hosts: dict[str, Host] = {}
         #: Partition sides: a call between hosts on different sides is not delivered.
         self._side: dict[str, int] = {}
+        #: Cut sides (`cut`): calls between two of them are not delivered.
+        self._cut: dict[str, int] = {}
         self.calls = 0
         #: Calls a host's rate limit refused (each made again after its wait, in time).
         self.limited = 0
@@ -188,8 +191,14 @@ class SimNetwork:
         """Cuts the network into ``sides`` (addresses); hosts on no side are on side 0."""
         self._side = {a: i + 1 for i, side in enumerate(sides) for a in side}
 
+    def cut(self, sides: Iterable[Iterable[str]]) -> None:
+        """Cuts calls between ``sides`` (addresses) only: hosts on no side still reach and
+        are reached by every host (a bootstrap node both halves of a split can see)."""
+        self._cut = {a: i for i, side in enumerate(sides) for a in side}
+
     def heal(self) -> None:
         self._side = {}
+        self._cut = {}
 
     def rtt(self, a: str, b: str) -> float:
         """The link's round trip, the same both ways and on every run of this seed."""
@@ -199,7 +208,10 @@ class SimNetwork:
         return math.exp(math.log(cfg.rtt_min_s) + u * math.log(cfg.rtt_max_s / cfg.rtt_min_s))
 
     def same_side(self, a: str, b: str) -> bool:
-        return self._side.get(a, 0) == self._side.get(b, 0)
+        if self._side.get(a, 0) != self._side.get(b, 0):
+            return False
+        cut_a, cut_b = self._cut.get(a), self._cut.get(b)
+        return cut_a is None or cut_b is None or cut_a == cut_b
 
     def reachable(self, src: str, dst: str) -> bool:
         """Whether a call from ``src`` reaches ``dst``: up, dialable, same side."""
@@ -251,6 +263,20 @@ class SimClient:
         self.identity: Identity | None = host.identity
         #: How a refusal by a rate limit is met (RpcClient's defaults).
         self.transport = rpc.TransportConfig()
+        #: RpcClient's: tags each request with the run's access proof (access.py).
+        self.access_tag: Callable[[str, bytes], bytes] | None = None
+
+    def close(self) -> None:
+        """RpcClient's: nothing is held open here."""
+
+    def _sign(self, path: str, body: bytes, recipient: PeerId) -> SignedHeader:
+        """The request's signed header, as RpcClient makes it (with the access tag)."""
+        signed = self.host.identity.sign_request(
+            path, body, recipient=recipient, now=self.network.wall(self.host)
+        )
+        if self.access_tag is not None and (tag := self.access_tag(path, signed.signature)):
+            signed = dataclasses.replace(signed, access=tag)
+        return signed
 
     async def unary(
         self,
@@ -298,7 +324,7 @@ class SimClient:
         if recipient is None:
             # RpcClient first asks who listens there (its signed hello, cached per address).
             recipient = host.identity.peer_id
-        signed = me.identity.sign_request(path, body, recipient=recipient, now=net.wall(me))
+        signed = self._sign(path, body, recipient)
         net.record(me.address, address, path, len(body))
         me.sent_bytes += len(body) + len(signed.signature) + len(path)
         await trio.sleep(one_way)
@@ -379,9 +405,7 @@ class SimTensorClient(SimClient):
         if not me.up or not net.reachable(me.address, address):
             await trio.sleep_forever()
         host = net.hosts[address]
-        signed = me.identity.sign_request(
-            path, signed_bytes, recipient=expect or host.identity.peer_id, now=net.wall(me)
-        )
+        signed = self._sign(path, signed_bytes, expect or host.identity.peer_id)
         net.record(me.address, address, path, sum(map(len, frames)) or len(signed_bytes))
         one_way = net.rtt(me.address, address) / 2
         await trio.sleep(one_way)

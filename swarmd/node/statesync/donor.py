@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -67,8 +67,13 @@ class StateDonor:
     threads (when a stream's payload is dropped), hence the lock around the slot table.
     """
 
-    def __init__(self, config: DonorConfig | None = None) -> None:
+    def __init__(
+        self, config: DonorConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config or DonorConfig()
+        #: Seconds, for how long a replaced state and a chunk's slot are kept (virtual time in
+        #: the simulator).
+        self.clock = clock
         self.stats = DonorStats()
         self._lock = threading.Lock()
         self._slots: dict[int, float] = {}
@@ -84,7 +89,7 @@ class StateDonor:
         """Makes ``snapshot`` the state served from now on; build it off the event loop."""
         if self._current is not None and self._current.state_hash == snapshot.state_hash:
             return
-        self._previous, self._previous_used = self._current, time.monotonic()
+        self._previous, self._previous_used = self._current, self.clock()
         self._current = snapshot
         self._current_response = pb.GetManifestResponse(
             manifest=snapshot.manifest.to_proto(), state_hash=snapshot.state_hash
@@ -117,7 +122,7 @@ class StateDonor:
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "this peer holds no state yet")
         if not state_hash or state_hash == current.state_hash:
             return current
-        now = time.monotonic()
+        now = self.clock()
         if previous is not None and now - self._previous_used > self.config.retain_previous_s:
             self._previous = previous = None
         if previous is not None and state_hash == previous.state_hash:
@@ -132,7 +137,7 @@ class StateDonor:
     # -- slots --------------------------------------------------------------------------------
 
     def _acquire(self) -> int:
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             if len(self._slots) >= self.config.max_concurrent_chunks:
                 stale = [s for s, t in self._slots.items() if now - t > self.config.slot_lease_s]

@@ -12,7 +12,7 @@ the download (hivemind's state download could hang on a donor that stopped answe
 Daemon usage::
 
     donor = StateDonor()                       # its service() goes into rpc.serve([...])
-    snap = await trio.to_thread.run_sync(      # after each outer step
+    snap = await offload.run_sync(      # after each outer step
         lambda: StateSnapshot.build(named_tensors, round=r, meta={"config": cfg_hash}))
     donor.publish(snap)
     dht.store(advert_key(run), donor.advert(my_address).to_bytes(), subkey=str(peer_id))
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from swarmd.node.runtime import offload
 from swarmd.node.statesync.config import SyncConfig
 from swarmd.node.statesync.donor import (
     DONOR_SERVICE,
@@ -137,7 +138,7 @@ class _Abort(Exception):
 class _Download:
     def __init__(
         self,
-        client: rpc.RpcClient,
+        client: rpc.TensorCaller,
         addresses: Sequence[str],
         parallel: int,
         config: SyncConfig,
@@ -307,7 +308,7 @@ class _Download:
             self._failed(donor, index, f"sent {len(data)} B of {meta.dtype}", drop=True)
             return False
         elapsed = trio.current_time() - began
-        if not await trio.to_thread.run_sync(self._verify_and_store, index, data):
+        if not await offload.run_sync(self._verify_and_store, index, data):
             self.stats.corrupt_chunks += 1
             log.warning(
                 "state sync: chunk %d from %s does not match the manifest's hash; refetching it "
@@ -413,7 +414,7 @@ class _Download:
 
 
 async def download_state(
-    client: rpc.RpcClient,
+    client: rpc.TensorCaller,
     donors: Sequence[str],
     *,
     deadline_s: float,

@@ -49,6 +49,7 @@ from swarmd.node.peer.model import build_model
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.peer.strategy import HostParts, LocalTarget, Strategy
 from swarmd.node.runkeys import is_client, state_round_key
+from swarmd.node.runtime import offload
 from swarmd.node.statesync.snapshot import StateSnapshot
 from swarmd.optim.demo_state import DeMoRun
 from swarmd.optim.diloco import trainable
@@ -170,7 +171,7 @@ class DeMoStrategy(Strategy):
 
     async def join(self) -> None:
         self.shard = choose_shard(self.peer)
-        self._run, self._source = await trio.to_thread.run_sync(self._build)
+        self._run, self._source = await offload.run_sync(self._build)
         self._state = SharedState(self.peer, self.run, self.judge)
         self.origin, _ = await self._state.take_initial()
 
@@ -189,7 +190,7 @@ class DeMoStrategy(Strategy):
             origin=self.origin,
             algo=config.algo,
         )
-        first_val = await trio.to_thread.run_sync(self.validate)
+        first_val = await offload.run_sync(self.validate)
         self.peer.stats.val_loss, self.peer.stats.params = first_val, run.numel
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=self.round, val_loss=first_val
@@ -224,7 +225,7 @@ class DeMoStrategy(Strategy):
         taking the group's newer state as it appears)."""
         t0 = time.monotonic()
         snap = await self._sync_and_publish()
-        val = await trio.to_thread.run_sync(self.validate)
+        val = await offload.run_sync(self.validate)
         live = await self._form(nursery, snap, self.mm.gather_s)
         # Others are alive but no group formed (they were still downloading the state this
         # peer kept, or saw another set of peers): come round again, taking the group's
@@ -340,14 +341,14 @@ class DeMoStrategy(Strategy):
             config.seed,
             self.peer.batch_index(run.step),
         )
-        loss = await trio.to_thread.run_sync(run.gradients, batch)
-        mine = await trio.to_thread.run_sync(run.prepare)
+        loss = await offload.run_sync(run.gradients, batch)
+        mine = await offload.run_sync(run.prepare)
         senders: list[PeerId] = []
         if self.group is None:
             gathered, shared = [mine], False
         else:
             senders, gathered, shared = await self._exchange(mine)
-        left_out = await trio.to_thread.run_sync(run.apply, gathered)
+        left_out = await offload.run_sync(run.apply, gathered)
         if left_out and shared:
             log.info(
                 "step %d: left out of the mean, opposed to the others: %s",
@@ -368,14 +369,14 @@ class DeMoStrategy(Strategy):
         the bytes that travelled (this peer's own too: the others see its rounding), their
         senders, and whether the step was shared with others."""
         run = self.run
-        payload = await trio.to_thread.run_sync(encode_sparse, mine, run.opt.config.value_dtype)
+        payload = await offload.run_sync(encode_sparse, mine, run.opt.config.value_dtype)
         check = run.step % HASH_EVERY == 0
-        state_hash = await trio.to_thread.run_sync(run.param_hash) if check else b""
+        state_hash = await offload.run_sync(run.param_hash) if check else b""
         t0 = time.monotonic()
         result = await self.gatherer.gather(payload, state_hash)
         self.peer.clock.wait_s += time.monotonic() - t0
         self.gone.update(dict.fromkeys(result.dropped, time.monotonic()))
-        decoded = await trio.to_thread.run_sync(self._decode_all, result)
+        decoded = await offload.run_sync(self._decode_all, result)
         senders, gathered = [p for p, _ in decoded], [u for _, u in decoded]
         if result.agree(self.peer.identity.peer_id) is False:
             log.warning(

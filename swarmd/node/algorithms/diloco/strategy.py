@@ -12,6 +12,7 @@ import trio
 
 from swarmd.node.algorithms.loop import Averaging, OuterLoopStrategy
 from swarmd.node.peer.runend import leave_on_one_state
+from swarmd.node.runtime import offload
 from swarmd.optim.diloco import DiLoCo, OuterStepReport
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             await self.took_group_state(step, t0)
             return True
         sent0 = dict(self.peer.metrics.sent_by_method)
-        pg = await trio.to_thread.run_sync(self.opt.pseudo_gradient)
+        pg = await offload.run_sync(self.opt.pseudo_gradient)
         # Wait for as many peers as are alive in the run (their heartbeats), not for the
         # configured maximum: a small run should not sit out the whole gather deadline.
         # On the grid, whether this round is gridded is read afresh too: a peer that counted
@@ -98,14 +99,12 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
         self.peer.clock.wait_s += waited
         result = avg.mean if avg.mean is not None else avg.result
         if not avg.sat_out:
-            report = await trio.to_thread.run_sync(self.opt.apply_outer, pg, result)
+            report = await offload.run_sync(self.opt.apply_outer, pg, result)
             self.state.averaged(report.status, avg.group_size, avg.dropped)
             snap = await self.state.publish(step, background=nursery)
         # The new global parameters are validated (and the state saved) beside the next inner
         # steps, not before them; the round's `outer_step` line follows when both are done.
-        params = await trio.to_thread.run_sync(
-            self.global_params if avg.sat_out else self.params_now
-        )
+        params = await offload.run_sync(self.global_params if avg.sat_out else self.params_now)
         held = self.peer.clock.held(t0)
         self.report_later()
         nursery.start_soon(

@@ -16,6 +16,7 @@ from swarmd.node.algorithms.loop import OuterLoopStrategy
 from swarmd.node.averaging.allreduce import AllReduceResult
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.runend import leave_on_one_state
+from swarmd.node.runtime import offload
 from swarmd.optim.streaming import FragmentReport, FragmentRound, StreamingDiLoCo
 
 log = logging.getLogger("swarmd.daemon")
@@ -131,7 +132,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
             await self.took_group_state(step, t0, fragment=None, turn=self.opt.turn)
             return "synced"
         self.peer.clock.wait_s += time.monotonic() - t0
-        rnd = await trio.to_thread.run_sync(self.opt.begin_round)
+        rnd = await offload.run_sync(self.opt.begin_round)
         self._flight = _Flight(rnd)
         self.peer.stats.in_flight = rnd.fragment
         nursery.start_soon(
@@ -166,7 +167,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         flight = self._flight
         assert flight is not None
         if self.opt.config.eager and not flight.done.is_set():
-            report = await trio.to_thread.run_sync(self.opt.apply_stand_in)
+            report = await offload.run_sync(self.opt.apply_stand_in)
             self.peer.out.event(
                 "eager_step",
                 f"fragment {report.fragment}: average not here yet, applied this "
@@ -240,14 +241,12 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         self._flight = None
         self.peer.stats.in_flight = None
         t0 = time.monotonic()
-        report = await trio.to_thread.run_sync(self.opt.finish_round, flight.result)
+        report = await offload.run_sync(self.opt.finish_round, flight.result)
         self.state.averaged(report.status, flight.group_size, flight.dropped)
         snap = await self.state.publish(step)
         # Validate once per H steps (after the last fragment's turn), as plain DiLoCo does.
         val = (
-            await trio.to_thread.run_sync(self.validate)
-            if report.turn % self.opt.fragments == 0
-            else None
+            await offload.run_sync(self.validate) if report.turn % self.opt.fragments == 0 else None
         )
         self.peer.stats.outer_done(self.opt.round, flight.group_size, report.status, val)
         self._report(report, flight, snap.state_hash.hex(), val, waited, self.peer.clock.held(t0))

@@ -35,6 +35,7 @@ from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.runkeys import recovery_key
+from swarmd.node.runtime import offload
 from swarmd.optim.checkfree import (
     LR_SCALE,
     LayoutMismatch,
@@ -161,7 +162,7 @@ async def rebuild(
         except (LayoutMismatch, ValueError) as exc:
             raise RecoveryFailed(str(exc)) from None
 
-    recovery = await trio.to_thread.run_sync(average)
+    recovery = await offload.run_sync(average)
     target.set_lr_scale(LR_SCALE)
     target.round = max(n.round for n in neighbours)
     return Rebuilt(recovery, (neighbours[0].round, neighbours[1].round))
@@ -232,7 +233,7 @@ async def rebuild_end(
         except LayoutMismatch as exc:
             raise RecoveryFailed(str(exc)) from None
 
-    await trio.to_thread.run_sync(apply)
+    await offload.run_sync(apply)
     target.set_lr_scale(LR_SCALE)
     # The copy's round is its server's word: the partner's state (its servers' shared one)
     # says where the run is.

@@ -42,6 +42,7 @@ from swarmd.node.peer.model import build_model
 from swarmd.node.peer.options import JoinError
 from swarmd.node.peer.sharedstate import SharedState
 from swarmd.node.runkeys import stage_round_key
+from swarmd.node.runtime import offload
 from swarmd.optim.stage import StageTrainer
 from swarmd.protocol import faults
 from swarmd.protocol.identity import PeerId
@@ -121,7 +122,7 @@ class StageServer:
     async def _take_stage(self, stage: int) -> tuple[StageJob, SharedState]:
         """Builds `stage`, takes its servers' state (or rebuilds it if it was lost, or the
         seeded one at the run's start), publishes it."""
-        trainers, shape = await trio.to_thread.run_sync(self._build_stages)
+        trainers, shape = await offload.run_sync(self._build_stages)
         trainer = trainers[stage]
         state = SharedState(self.peer, trainer, scope=f"stage{stage}")
         t0 = time.monotonic()

@@ -33,6 +33,7 @@ import torch
 import trio
 
 from swarmd.node.algorithms.swarm import route, wire
+from swarmd.node.runtime import offload
 from swarmd.optim.stage import StageTrainer
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -183,7 +184,7 @@ class StageHost:
         job = job or self.job
         async with self._device:
             t0 = time.perf_counter()
-            out = await trio.to_thread.run_sync(fn)
+            out = await offload.run_sync(fn)
             took = time.perf_counter() - t0
             if then is not None:
                 then(out)
@@ -435,7 +436,7 @@ class StageHost:
         self._part_calls += 1
         try:
             async with self._part_limiter:
-                answer = await trio.to_thread.run_sync(build)
+                answer = await offload.run_sync(build)
         except KeyError:  # the copy went meanwhile (the server moved)
             raise RpcError(StatusCode.NOT_FOUND, f"this server holds no {name[:16]!r}") from None
         finally:

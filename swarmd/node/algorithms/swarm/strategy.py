@@ -33,6 +33,7 @@ from swarmd.node.algorithms.swarm.trainer import MicroBatchFailed, SwarmTrainer
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.options import JoinOptions
 from swarmd.node.peer.strategy import HostParts, Strategy
+from swarmd.node.runtime import offload
 from swarmd.workloads import TokenSource, load_source
 
 #: How long a trainer's in-flight micro-batches may take to finish once the peer is told to
@@ -101,7 +102,7 @@ class SwarmStrategy(Strategy):
         config = self.peer.config
         if self.training:
             self.shard = choose_shard(self.peer)
-            self._source = await trio.to_thread.run_sync(load_source, config.data)
+            self._source = await offload.run_sync(load_source, config.data)
             self.trainer = SwarmTrainer(
                 self.peer.client,
                 functools.partial(directory.read, self.peer.dht, config.name, self.swarm.stages),

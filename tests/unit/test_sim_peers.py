@@ -1,0 +1,184 @@
+"""Real peers (`swarmd join`'s lifecycle, the DiLoCo strategy with the tiny model, state sync)
+on the simulated network in virtual time (swarmd/node/sim/peers.py): what the process tests
+check with wall-clock deadlines, keyed to virtual time, one seed replaying the whole run."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from swarmd.node.peer.runconfig import RunConfig
+from swarmd.node.sim.peers import Event, SimPeer, SimPeers
+from swarmd.node.sim.virtual import run_virtual
+from tests.harness.runs import TINY_RUN
+
+#: Virtual seconds a tiny model's inner step is charged.
+STEP_S = 0.1
+
+
+def tiny_run(name: str) -> RunConfig:
+    return RunConfig.from_mapping(tomllib.loads(TINY_RUN), name=name)
+
+
+def outer_steps(peer: SimPeer, since: int = 0) -> list[Event]:
+    return [e for e in peer.out.events[since:] if e["event"] == "outer_step"]
+
+
+def timeline(peers: list[SimPeer]) -> str:
+    return "\n".join(
+        f"{p.name}: "
+        + ", ".join(
+            f"r{e['round']}:{e['status']}:g{e['group_size']}:{e['state_hash'][:8]}@{e['t']:.1f}"
+            for e in outer_steps(p)
+        )
+        for p in peers
+    )
+
+
+async def wait_until(ready: Callable[[], bool], limit_s: float, why: Callable[[], str]) -> None:
+    """Polls ``ready`` each virtual second; fails with ``why()`` after ``limit_s``."""
+    try:
+        with trio.fail_after(limit_s):
+            while not ready():
+                await trio.sleep(1.0)
+    except trio.TooSlowError:
+        raise AssertionError(why()) from None
+
+
+def three_peers(root: Path, seed: int) -> tuple[SimPeers, list[SimPeer]]:
+    """A creator and two joiners, 25 inner steps each (5 rounds of the tiny run's H = 5)."""
+
+    async def main() -> SimPeers:
+        sim = SimPeers(root, seed=seed)
+        async with trio.open_nursery() as nursery:
+            boot = await sim.bootstrap(nursery)
+            peers = [
+                sim.add(
+                    f"p{i}",
+                    run="sim",
+                    peers=[boot],
+                    create_run=tiny_run("sim") if i == 0 else None,
+                    max_steps=25,
+                    step_s=STEP_S,
+                )
+                for i in range(3)
+            ]
+            for peer in peers:
+                nursery.start_soon(sim.run, peer)
+            with trio.fail_after(300):
+                for peer in peers:
+                    await peer.done.wait()
+            nursery.cancel_scope.cancel()
+        return sim
+
+    sim = run_virtual(main, seed=seed)
+    return sim, sim.peers
+
+
+def test_real_peers_train_one_state_and_a_late_joiner_downloads_it(tmp_path: Path) -> None:
+    _, peers = three_peers(tmp_path, seed=0)
+    assert [p.error for p in peers] == [None] * 3
+    by_round = [{e["round"]: e for e in outer_steps(p)} for p in peers]
+    # Every peer ends round 5 of the run on one state, averaged by all three.
+    last = [r[5] for r in by_round]
+    assert {e["state_hash"] for e in last} == {last[0]["state_hash"]}, timeline(peers)
+    assert all(e["status"] == "averaged" and e["group_size"] == 3 for e in last), timeline(peers)
+    # Whoever came after round 1 had formed took the group's state by a download (state sync
+    # over the simulated tensor calls), not its own first inner steps.
+    late = [p for p, r in zip(peers, by_round, strict=True) if r[1]["status"] == "synced"]
+    assert late, timeline(peers)
+    assert all(p.out.of("state_synced") for p in late)
+    assert all(p.out.of("stopped") for p in peers)
+
+
+def test_one_seed_replays_the_same_run_of_real_peers(tmp_path: Path) -> None:
+    runs = [three_peers(tmp_path / str(i), seed=3) for i in range(2)]
+    (a, peers_a), (b, peers_b) = runs
+    assert a.net.calls == b.net.calls
+    assert a.net.trace.hexdigest() == b.net.trace.hexdigest()
+    assert [[e["state_hash"] for e in outer_steps(p)] for p in peers_a] == [
+        [e["state_hash"] for e in outer_steps(p)] for p in peers_b
+    ]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_groups_that_formed_apart_merge_on_one_state_once_they_reach_each_other(
+    tmp_path: Path, seed: int
+) -> None:
+    """tests/integration/test_split_heal.py in virtual time (that test is in the slow tier):
+    each pair's calls to the other pair fail, the DHT's bootstrap node is reachable by all;
+    each side trains on its own line, and after the heal all four average together on one
+    state, one line given up for the other by a download."""
+
+    async def main() -> list[SimPeer]:
+        sim = SimPeers(tmp_path, seed=seed)
+        async with trio.open_nursery() as nursery:
+            boot = await sim.bootstrap(nursery)
+            peers = [
+                sim.add(
+                    f"p{i}",
+                    run="split",
+                    peers=[boot],
+                    create_run=tiny_run("split") if i == 0 else None,
+                    step_s=STEP_S,
+                )
+                for i in range(4)
+            ]
+            sides = [[p.address for p in peers[:2]], [p.address for p in peers[2:]]]
+            sim.net.cut(sides)
+            for peer in peers:
+                nursery.start_soon(sim.run, peer)
+
+            # 1. Apart: each side trains on its own line.
+            await wait_until(
+                lambda: all(len(outer_steps(p)) >= 4 for p in peers),
+                300,
+                lambda: f"the sides did not train apart:\n{timeline(peers)}",
+            )
+            assert not any(e["group_size"] == 4 for p in peers for e in outer_steps(p))
+            lines = [{e["state_hash"] for p in side for e in outer_steps(p)} for side in (
+                peers[:2], peers[2:])]  # fmt: skip
+            assert not lines[0] & lines[1], timeline(peers)
+
+            # 2. Healed: all four average together, holding one state.
+            healed = [len(p.out.events) for p in peers]
+            sim.net.heal()
+
+            def fours() -> list[dict[int, str]]:
+                return [
+                    {
+                        e["round"]: e["state_hash"]
+                        for e in outer_steps(p, since)
+                        if e["status"] == "averaged" and e["group_size"] == 4 and not e["dropped"]
+                    }
+                    for p, since in zip(peers, healed, strict=True)
+                ]
+
+            await wait_until(
+                lambda: bool(set.intersection(*(set(r) for r in fours()))),
+                120,
+                lambda: f"the two groups never averaged together:\n{timeline(peers)}",
+            )
+            rounds = fours()
+            last = max(set.intersection(*(set(r) for r in rounds)))
+            assert len({r[last] for r in rounds}) == 1, rounds
+            # One line was given up for the other by a download.
+            assert any(
+                e["event"] == "state_synced" or e.get("status") == "synced"
+                for p, since in zip(peers, healed, strict=True)
+                for e in p.out.events[since:]
+            ), timeline(peers)
+            for peer in peers:
+                sim.stop(peer)
+            with trio.fail_after(120):
+                for peer in peers:
+                    await peer.done.wait()
+            assert [p.error for p in peers] == [None] * 4
+            nursery.cancel_scope.cancel()
+        return peers
+
+    run_virtual(main, seed=seed)
