@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import trio
 
+from swarmd.node.algorithms.demo.gather import PUT_GATHER
+from swarmd.node.averaging.exchange import PUT_PART
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.sim.peers import Event, SimPeer, SimPeers
 from swarmd.node.sim.virtual import run_virtual
-from tests.harness.runs import TINY_RUN
+from tests.harness.runs import DEMO_RUN, TINY_RUN
 
 #: Virtual seconds a tiny model's inner step is charged.
 STEP_S = 0.1
@@ -29,12 +31,14 @@ def outer_steps(peer: SimPeer, since: int = 0) -> list[Event]:
 
 
 def timeline(peers: list[SimPeer]) -> str:
+    """Each peer's rounds (round:status:group:state@virtual time), then its last warnings."""
     return "\n".join(
         f"{p.name}: "
         + ", ".join(
             f"r{e['round']}:{e['status']}:g{e['group_size']}:{e['state_hash'][:8]}@{e['t']:.1f}"
             for e in outer_steps(p)
         )
+        + "".join(f"\n    {line}" for line in p.logs[-8:])
         for p in peers
     )
 
@@ -182,3 +186,68 @@ def test_groups_that_formed_apart_merge_on_one_state_once_they_reach_each_other(
         return peers
 
     run_virtual(main, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("run", "sends"),
+    [(TINY_RUN, PUT_PART), (DEMO_RUN, PUT_GATHER)],
+    ids=["diloco", "demo"],
+)
+def test_a_member_killed_as_it_sends_its_update_is_left_out_and_a_joiner_takes_its_place(
+    tmp_path: Path, run: str, sends: str
+) -> None:
+    """Four peers; one dies the moment it sends its first update of round 3 or later (its
+    all-reduce part, or DeMo's gathered payload): the round goes on without it, a fifth peer
+    joins from a survivor's state, and all four living peers end on one state."""
+    config = RunConfig.from_mapping(tomllib.loads(run), name="kill")
+    steps = config.inner_steps * 8
+
+    async def main() -> list[SimPeer]:
+        sim = SimPeers(tmp_path, seed=0)
+        async with trio.open_nursery() as nursery:
+            boot = await sim.bootstrap(nursery)
+            peers = [
+                sim.add(
+                    f"p{i}",
+                    run="kill",
+                    peers=[boot],
+                    create_run=config if i == 0 else None,
+                    max_steps=steps,
+                    step_s=STEP_S,
+                )
+                for i in range(4)
+            ]
+            victim, killed_at = peers[3], []
+
+            def strike(src: str, dst: str, path: str) -> None:
+                if src == victim.address and path == sends and not killed_at:
+                    done = [e["round"] for e in outer_steps(victim)]
+                    if done and max(done) >= 2:
+                        killed_at.append(trio.current_time())
+                        sim.kill(victim)
+
+            sim.net.watchers.append(strike)
+            for peer in peers:
+                nursery.start_soon(sim.run, peer)
+            await wait_until(lambda: bool(killed_at), 300, lambda: timeline(peers))
+            await trio.sleep(5.0)
+            joiner = sim.add("p4", run="kill", peers=[boot], max_steps=steps // 2, step_s=STEP_S)
+            nursery.start_soon(sim.run, joiner)
+            living = [*peers[:3], joiner]
+            with trio.fail_after(600):
+                for peer in living:
+                    await peer.done.wait()
+            nursery.cancel_scope.cancel()
+        assert [p.error for p in living] == [None] * 4
+        assert not any(e["t"] > killed_at[0] for e in outer_steps(victim))
+        # The survivors' rounds after the kill were averaged, not carried alone; the joiner
+        # started from their state (a download), and all four end on one state.
+        after = [[e for e in outer_steps(p) if e["t"] > killed_at[0]] for p in living]
+        assert all(any(e["status"] == "averaged" for e in a) for a in after), timeline(living)
+        assert joiner.out.of("state_synced"), timeline(living)
+        last = min(max(e["round"] for e in a) for a in after)
+        ends = {e["state_hash"] for a in after for e in a if e["round"] == last}
+        assert len(ends) == 1, timeline(living)
+        return living
+
+    run_virtual(main, seed=0)

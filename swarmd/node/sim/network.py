@@ -99,6 +99,9 @@ class Host:
     methods: dict[str, rpc.Method] = field(default_factory=dict)
     gates: dict[str, rpc.Gate] = field(default_factory=dict)
     up: bool = True
+    #: Its server answers; False once the peer's process has exited: calls are refused at
+    #: once (a closed port), not left to their deadlines as a dead host's are.
+    listening: bool = True
     #: Behind NAT: it can call out, nobody can call it.
     dialable: bool = True
     sent_bytes: int = 0
@@ -126,6 +129,8 @@ class SimNetwork:
         self.hosts: dict[str, Host] = {}
         #: Partition sides: a call between hosts on different sides is not delivered.
         self._side: dict[str, int] = {}
+        #: Called with (caller, callee, method path) as each call is made.
+        self.watchers: list[Callable[[str, str, str], None]] = []
         #: Cut sides (`cut`): calls between two of them are not delivered.
         self._cut: dict[str, int] = {}
         self.calls = 0
@@ -245,7 +250,10 @@ class SimNetwork:
         await trio.sleep(end + latency - now)
 
     def record(self, src: str, dst: str, path: str, nbytes: int) -> None:
-        """Counts a call and adds it to the run's trace (its `log_hash`)."""
+        """Counts a call and adds it to the run's trace (its `log_hash`); tells the watchers
+        (a fault that strikes at a given call: a peer killed as it sends its first part)."""
+        for watch in self.watchers:
+            watch(src, dst, path)
         self.calls += 1
         self.trace.update(f"{trio.current_time():.9f}|{src}|{dst}|{path}|{nbytes}\n".encode())
 
@@ -332,6 +340,8 @@ class SimClient:
             await trio.sleep_forever()
         if net.lost():
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss: connection lost")
+        if not host.listening:
+            raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "connection refused")
         host.received_bytes += len(body)
         raw = await _serve(net, host, me.address, path, body, signed)
         await trio.sleep(one_way)
@@ -411,6 +421,8 @@ class SimTensorClient(SimClient):
         await trio.sleep(one_way)
         if net.lost():
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss")
+        if not host.listening:
+            raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "connection refused")
         ctx = _authenticate(net, host, me.address, path, signed_bytes, signed)
         method = host.methods.get(path)
         if method is None or method.kind != f"tensor_{kind}":

@@ -16,6 +16,7 @@ real models is for a handful of peers; scale is sim/rounds.py's synthetic worklo
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import random
@@ -120,6 +121,24 @@ class Recorder(Progress):
         return [e for e in self.events if e["event"] == kind]
 
 
+#: The simulated peer whose task is running (trio's tasks inherit it from the one that
+#: started them), so one process's log records can say whose they are.
+current: contextvars.ContextVar[SimPeer | None] = contextvars.ContextVar("sim_peer", default=None)
+
+
+class PeerLogs(logging.Handler):
+    """Keeps each simulated peer's log records of ``level`` and above in its `SimPeer.logs`,
+    as "virtual time, logger: message" (a daemon's stderr, for a failing test's message)."""
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        peer = current.get()
+        if peer is not None:
+            peer.logs.append(f"{trio.current_time():8.2f} {record.name}: {record.getMessage()}")
+
+
 @dataclass
 class SimPeer:
     name: str
@@ -131,6 +150,8 @@ class SimPeer:
     done: trio.Event = field(default_factory=trio.Event)
     #: What its lifecycle raised (None: it returned, or was killed).
     error: BaseException | None = None
+    #: Its log records (`PeerLogs`, installed by `SimPeers.run`).
+    logs: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -199,7 +220,12 @@ class SimPeers:
         return sim_peer
 
     async def run(self, peer: SimPeer) -> None:
-        """Runs ``peer``'s lifecycle until it returns, raises (kept in ``error``) or is killed."""
+        """Runs ``peer``'s lifecycle until it returns, raises (kept in ``error``) or is killed;
+        then its server is gone (calls to it are refused, as a closed port's are)."""
+        current.set(peer)
+        swarmd_log = logging.getLogger("swarmd")
+        if not any(isinstance(h, PeerLogs) for h in swarmd_log.handlers):
+            swarmd_log.addHandler(PeerLogs())
         try:
             with peer.scope:
                 await peer.peer.run()
@@ -207,6 +233,7 @@ class SimPeers:
             log.warning("%s: %r", peer.name, exc)
             peer.error = exc
         finally:
+            self.net.hosts[peer.address].listening = False
             peer.done.set()
 
     def kill(self, peer: SimPeer) -> None:
