@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61veraging.proto\x12\x13swarmd.averaging.v1\"K\n\x08PartInfo\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\"!\n\x07PartAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"P\n\x0eGetPartRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05relay\x18\x04 \x01(\x08\"c\n\nMemberInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbandwidth\x18\x02 \x01(\x01\x12\r\n\x05group\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63lient\x18\x04 \x01(\x08\x12\x12\n\nstands_for\x18\x05 \x03(\x0c\"R\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0e\n\x06\x63lient\x18\x04 \x01(\x08\"@\n\x0bGroupRecord\x12\x31\n\x07members\x18\x01 \x03(\x0b\x32 .swarmd.averaging.v1.GroupMember\"N\n\x0cProofRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"A\n\nProofEntry\x12\x0e\n\x06member\x18\x01 \x01(\r\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x13\n\x0bprojections\x18\x03 \x03(\x01\"+\n\nProofNonce\x12\x0e\n\x06member\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"\xe4\x01\n\tPartProof\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.swarmd.averaging.v1.ProofEntry\x12/\n\x06nonces\x18\x02 \x03(\x0b\x32\x1f.swarmd.averaging.v1.ProofNonce\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x16\n\x0eown_commitment\x18\x04 \x01(\x0c\x12\x12\n\nown_reveal\x18\x05 \x01(\x0c\x12\x11\n\town_paths\x18\x06 \x03(\x0c\x12\x12\n\nsigner_key\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x0c\")\n\x15\x41\x63\x63\x65ptedProofsRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\"e\n\rAcceptedProof\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x12\n\nsigner_key\x18\x04 \x01(\x0c\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"D\n\x0e\x41\x63\x63\x65ptedProofs\x12\x32\n\x06proofs\x18\x01 \x03(\x0b\x32\".swarmd.averaging.v1.AcceptedProof\"$\n\nPartServed\x12\x16\n\x0eown_commitment\x18\x01 \x01(\x0c\"g\n\nGatherInfo\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nstate_hash\x18\x03 \x01(\x0c\x12\x12\n\nsender_key\x18\x04 \x01(\x0c\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"\x0b\n\tGatherAck\"D\n\x12GetGatheredRequest\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0f\x61veraging.proto\x12\x13swarmd.averaging.v1\"K\n\x08PartInfo\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x04 \x01(\r\"!\n\x07PartAck\x12\x16\n\x0ereceived_bytes\x18\x01 \x01(\x04\"P\n\x0eGetPartRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05relay\x18\x04 \x01(\x08\"v\n\nMemberInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbandwidth\x18\x02 \x01(\x01\x12\r\n\x05group\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63lient\x18\x04 \x01(\x08\x12\x12\n\nstands_for\x18\x05 \x03(\x0c\x12\x11\n\twithdrawn\x18\x06 \x01(\x08\"R\n\x0bGroupMember\x12\x0f\n\x07peer_id\x18\x01 \x01(\x0c\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tbandwidth\x18\x03 \x01(\x01\x12\x0e\n\x06\x63lient\x18\x04 \x01(\x08\"@\n\x0bGroupRecord\x12\x31\n\x07members\x18\x01 \x03(\x0b\x32 .swarmd.averaging.v1.GroupMember\"N\n\x0cProofRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"A\n\nProofEntry\x12\x0e\n\x06member\x18\x01 \x01(\r\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x13\n\x0bprojections\x18\x03 \x03(\x01\"+\n\nProofNonce\x12\x0e\n\x06member\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"\xe4\x01\n\tPartProof\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.swarmd.averaging.v1.ProofEntry\x12/\n\x06nonces\x18\x02 \x03(\x0b\x32\x1f.swarmd.averaging.v1.ProofNonce\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x16\n\x0eown_commitment\x18\x04 \x01(\x0c\x12\x12\n\nown_reveal\x18\x05 \x01(\x0c\x12\x11\n\town_paths\x18\x06 \x03(\x0c\x12\x12\n\nsigner_key\x18\x07 \x01(\x0c\x12\x11\n\tsignature\x18\x08 \x01(\x0c\")\n\x15\x41\x63\x63\x65ptedProofsRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x0c\"e\n\rAcceptedProof\x12\x0c\n\x04part\x18\x01 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12\x12\n\nsigner_key\x18\x04 \x01(\x0c\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"D\n\x0e\x41\x63\x63\x65ptedProofs\x12\x32\n\x06proofs\x18\x01 \x03(\x0b\x32\".swarmd.averaging.v1.AcceptedProof\"$\n\nPartServed\x12\x16\n\x0eown_commitment\x18\x01 \x01(\x0c\"g\n\nGatherInfo\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x12\n\nstate_hash\x18\x03 \x01(\x0c\x12\x12\n\nsender_key\x18\x04 \x01(\x0c\x12\x11\n\tsignature\x18\x05 \x01(\x0c\"\x0b\n\tGatherAck\"D\n\x12GetGatheredRequest\x12\x10\n\x08group_id\x18\x01 \x01(\x0c\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0e\n\x06sender\x18\x03 \x01(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,31 +38,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPARTREQUEST']._serialized_start=152
   _globals['_GETPARTREQUEST']._serialized_end=232
   _globals['_MEMBERINFO']._serialized_start=234
-  _globals['_MEMBERINFO']._serialized_end=333
-  _globals['_GROUPMEMBER']._serialized_start=335
-  _globals['_GROUPMEMBER']._serialized_end=417
-  _globals['_GROUPRECORD']._serialized_start=419
-  _globals['_GROUPRECORD']._serialized_end=483
-  _globals['_PROOFREQUEST']._serialized_start=485
-  _globals['_PROOFREQUEST']._serialized_end=563
-  _globals['_PROOFENTRY']._serialized_start=565
-  _globals['_PROOFENTRY']._serialized_end=630
-  _globals['_PROOFNONCE']._serialized_start=632
-  _globals['_PROOFNONCE']._serialized_end=675
-  _globals['_PARTPROOF']._serialized_start=678
-  _globals['_PARTPROOF']._serialized_end=906
-  _globals['_ACCEPTEDPROOFSREQUEST']._serialized_start=908
-  _globals['_ACCEPTEDPROOFSREQUEST']._serialized_end=949
-  _globals['_ACCEPTEDPROOF']._serialized_start=951
-  _globals['_ACCEPTEDPROOF']._serialized_end=1052
-  _globals['_ACCEPTEDPROOFS']._serialized_start=1054
-  _globals['_ACCEPTEDPROOFS']._serialized_end=1122
-  _globals['_PARTSERVED']._serialized_start=1124
-  _globals['_PARTSERVED']._serialized_end=1160
-  _globals['_GATHERINFO']._serialized_start=1162
-  _globals['_GATHERINFO']._serialized_end=1265
-  _globals['_GATHERACK']._serialized_start=1267
-  _globals['_GATHERACK']._serialized_end=1278
-  _globals['_GETGATHEREDREQUEST']._serialized_start=1280
-  _globals['_GETGATHEREDREQUEST']._serialized_end=1348
+  _globals['_MEMBERINFO']._serialized_end=352
+  _globals['_GROUPMEMBER']._serialized_start=354
+  _globals['_GROUPMEMBER']._serialized_end=436
+  _globals['_GROUPRECORD']._serialized_start=438
+  _globals['_GROUPRECORD']._serialized_end=502
+  _globals['_PROOFREQUEST']._serialized_start=504
+  _globals['_PROOFREQUEST']._serialized_end=582
+  _globals['_PROOFENTRY']._serialized_start=584
+  _globals['_PROOFENTRY']._serialized_end=649
+  _globals['_PROOFNONCE']._serialized_start=651
+  _globals['_PROOFNONCE']._serialized_end=694
+  _globals['_PARTPROOF']._serialized_start=697
+  _globals['_PARTPROOF']._serialized_end=925
+  _globals['_ACCEPTEDPROOFSREQUEST']._serialized_start=927
+  _globals['_ACCEPTEDPROOFSREQUEST']._serialized_end=968
+  _globals['_ACCEPTEDPROOF']._serialized_start=970
+  _globals['_ACCEPTEDPROOF']._serialized_end=1071
+  _globals['_ACCEPTEDPROOFS']._serialized_start=1073
+  _globals['_ACCEPTEDPROOFS']._serialized_end=1141
+  _globals['_PARTSERVED']._serialized_start=1143
+  _globals['_PARTSERVED']._serialized_end=1179
+  _globals['_GATHERINFO']._serialized_start=1181
+  _globals['_GATHERINFO']._serialized_end=1284
+  _globals['_GATHERACK']._serialized_start=1286
+  _globals['_GATHERACK']._serialized_end=1297
+  _globals['_GETGATHEREDREQUEST']._serialized_start=1299
+  _globals['_GETGATHEREDREQUEST']._serialized_end=1367
 # @@protoc_insertion_point(module_scope)

@@ -37,18 +37,20 @@ class GetPartRequest(_message.Message):
     def __init__(self, round_id: _Optional[bytes] = ..., part: _Optional[int] = ..., attempt: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("address", "bandwidth", "group", "client", "stands_for")
+    __slots__ = ("address", "bandwidth", "group", "client", "stands_for", "withdrawn")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     STANDS_FOR_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
     address: str
     bandwidth: float
     group: bytes
     client: bool
     stands_for: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ..., group: _Optional[bytes] = ..., client: _Optional[bool] = ..., stands_for: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    withdrawn: bool
+    def __init__(self, address: _Optional[str] = ..., bandwidth: _Optional[float] = ..., group: _Optional[bytes] = ..., client: _Optional[bool] = ..., stands_for: _Optional[_Iterable[bytes]] = ..., withdrawn: _Optional[bool] = ...) -> None: ...
 
 class GroupMember(_message.Message):
     __slots__ = ("peer_id", "address", "bandwidth", "client")

@@ -10,8 +10,8 @@ import pytest
 
 from swarmd.node.algorithms.registry import strategy_for
 from swarmd.node.averaging.allreduce import AllReduceConfig
+from swarmd.node.averaging.announcements import Commitment, View
 from swarmd.node.averaging.group import Group, Member, part_bounds
-from swarmd.node.averaging.matchmaking import _Commitment, _View
 from swarmd.node.averaging.round import Round
 from swarmd.node.dht.dialback import DialBackLimits, Reachability
 from swarmd.node.peer.options import JoinOptions
@@ -84,10 +84,10 @@ def test_a_leader_that_misstates_a_members_announcement_is_not_followed() -> Non
     """A leader that marked the other reachable member a client would reduce everything
     alone, with no fallback and nobody to cross-check it."""
     me, leader, other = _group([False, False, False]).members
-    view = _View.__new__(_View)  # its reads need a DHT; the check needs only what was read
+    view = View.__new__(View)  # its reads need a DHT; the check needs only what was read
     view.visible = {m.peer_id: m for m in (me, leader, other)}
-    honest = _Commitment(leader.peer_id, b"", (me, leader, other))
-    lying = _Commitment(leader.peer_id, b"", (me, leader, replace(other, client=True)))
+    honest = Commitment(leader.peer_id, b"", (me, leader, other))
+    lying = Commitment(leader.peer_id, b"", (me, leader, replace(other, client=True)))
     assert view._faithful(honest)
     assert not view._faithful(lying)
     # Members not read yet cannot be checked (the others read them).

@@ -9,7 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from swarmd.node.averaging.matchmaking import MatchmakingConfig, _Waits
+from swarmd.node.averaging.announcements import Waits
+from swarmd.node.averaging.matchmaking import MatchmakingConfig
 
 
 def test_polls_back_off_to_the_cap() -> None:
@@ -25,7 +26,7 @@ def test_reads_end_exactly_at_the_deadline() -> None:
 
     async def main() -> None:
         start = trio.current_time()
-        waits = _Waits(cfg, cfg.gather_s)
+        waits = Waits(cfg.polls(), cfg.gather_s)
         while True:
             reads.append(round(trio.current_time() - start, 6))
             light.append(waits.light)
@@ -49,7 +50,7 @@ def test_a_record_landing_here_ends_the_sleep_and_the_next_read_is_local() -> No
 
     async def main() -> None:
         start = trio.current_time()
-        waits = _Waits(cfg, cfg.gather_s)
+        waits = Waits(cfg.polls(), cfg.gather_s)
         stored = trio.Event()
 
         async def lands() -> None:

@@ -115,6 +115,17 @@ def test_an_excused_peer_that_comes_is_waited_for_with_the_expected_ones() -> No
     assert _excused_came(False) != {(0, 1, 2)}
 
 
+def test_a_peer_that_gave_a_round_up_is_not_grouped_with_by_a_later_arrival() -> None:
+    """Rank 1 gathers alone, finds no group and moves on; rank 0 comes to the key 20 s later.
+    Rank 1 is alive (it answers the probe) but no longer in the round: before withdrawals,
+    rank 0 (the lower id, so the leader) led a group with it and waited out the all-reduce
+    for parts that never came (seen with real peers: tests/unit/test_sim_peers.py's joiner,
+    "averaged" in a pair, alone)."""
+    parts: list[Part] = [(1, 0.0, 3, lambda _: Gathered()), (0, 20.0, 3, lambda _: Gathered())]
+    formed, _ = run_virtual(_three, parts, seed=7)
+    assert formed == {(0,), (1,)}, formed
+
+
 def test_a_gathering_for_known_peers_ends_when_a_member_stands_for_the_missing_one() -> None:
     """A grid group (grid.py) waits for the peers its slots name. Rank 1 took over the slot
     of rank 2, which never comes, and says so in its announcement (MemberInfo.stands_for):
