@@ -40,7 +40,7 @@ from swarmd.node.peer.progress import Progress, report_progress
 from swarmd.node.peer.progress_publish import PeerFacts, publish_progress
 from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 from swarmd.node.peer.runrecord import choose, claims, publish_config
-from swarmd.node.peer.service import Scratch, announce, peer_service
+from swarmd.node.peer.service import Scratch, peer_service
 from swarmd.node.peer.strategy import HostParts, Strategies, Strategy, strategy_for
 from swarmd.node.runtime import offload
 from swarmd.node.runtime.errors import innermost
@@ -154,7 +154,7 @@ class Peer:
                 trio.open_nursery() as nursery,
             ):
                 self.address = str(await self.net.advertised(server, opts.peers))
-                announce(
+                self.out.announce(
                     "listening",
                     address=self.address,
                     peer_id=str(self.identity.peer_id),

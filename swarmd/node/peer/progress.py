@@ -24,6 +24,12 @@ from swarmd.node.peer.progress_record import MAX_NOTICE_TEXT, MAX_NOTICES, Notic
 NOTICE_KINDS = frozenset({"peer_banned", "stage_recovered"})
 
 
+def announce(event: str, **fields: object) -> None:
+    """One JSON line on stdout, whatever the log format: how tests and scripts learn
+    OS-chosen ports."""
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
 class Progress:
     """Terminal or JSON-lines output of what the peer is doing."""
 
@@ -31,6 +37,10 @@ class Progress:
         self.fmt = fmt
         #: The latest events of NOTICE_KINDS, oldest first.
         self.notices: deque[Notice] = deque(maxlen=MAX_NOTICES)
+
+    def announce(self, event: str, **fields: object) -> None:
+        """`announce` (a line scripts wait for), or what stands in for it (the simulator)."""
+        announce(event, **fields)
 
     def event(self, kind: str, text: str, **fields: Any) -> None:
         if kind in NOTICE_KINDS:

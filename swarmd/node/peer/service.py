@@ -7,7 +7,6 @@ what `swarmd serve` runs and what the transport tests talk to as a real process.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import signal
 import sys
@@ -20,6 +19,7 @@ import trio
 
 import swarmd
 from swarmd.node.metrics import Metrics, MetricsServer
+from swarmd.node.peer.progress import announce
 from swarmd.node.runtime import offload
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -119,11 +119,6 @@ def peer_service(identity: Identity, scratch: Scratch) -> rpc.Service:
             rpc.tensor_out("GetTensor", pb.TensorRequest, get_tensor),
         ],
     )
-
-
-def announce(event: str, **fields: object) -> None:
-    """One JSON line on stdout: how tests and scripts learn OS-chosen ports."""
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 async def run_peer(

@@ -117,6 +117,9 @@ class Recorder(Progress):
             self.notices.append(Notice(round(now, 3), kind, text[:MAX_NOTICE_TEXT]))
         self.events.append({"event": kind, "t": now, "text": text, **fields})
 
+    def announce(self, event: str, **fields: object) -> None:
+        self.events.append({"event": event, "t": trio.current_time(), **fields})
+
     def of(self, kind: str) -> list[Event]:
         return [e for e in self.events if e["event"] == kind]
 
