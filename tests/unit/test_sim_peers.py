@@ -15,6 +15,7 @@ from swarmd.node.algorithms.demo.gather import PUT_GATHER
 from swarmd.node.averaging.exchange import PUT_PART
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.sim.peers import Event, SimPeer, SimPeers
+from swarmd.node.sim.scenario import load_scenario
 from swarmd.node.sim.virtual import run_virtual
 from tests.harness.runs import DEMO_RUN, TINY_RUN
 
@@ -251,3 +252,34 @@ def test_a_member_killed_as_it_sends_its_update_is_left_out_and_a_joiner_takes_i
         return living
 
     run_virtual(main, seed=0)
+
+
+CHURN = """\
+kind = "peers"
+peers = 3
+rounds = 6
+[[faults]]
+at_s = 3
+kill = [2]
+[[faults]]
+at_s = 5
+join = 1
+"""
+
+
+def test_a_peers_scenario_file_runs_real_peers_and_checks_they_end_on_one_state(
+    tmp_path: Path,
+) -> None:
+    """`swarmd sim` with `kind = "peers"`: a member killed, a joiner, one state at the end;
+    the same file with the network cut for good breaks the one-state invariant (two lines),
+    and the outcome says so."""
+    path = tmp_path / "churn.toml"
+    path.write_text(CHURN)
+    outcome = load_scenario(path).run(0)
+    assert outcome.broken == [], outcome.summary
+    assert outcome.figures["peers_end_states"] == "1"
+    assert "1 joined, 1 killed" in outcome.summary
+
+    path.write_text(CHURN + "[[faults]]\nat_s = 6\ncut = [[0], [1, 3]]\n")
+    outcome = load_scenario(path).run(0)
+    assert any("states at round" in b for b in outcome.broken), outcome.summary

@@ -103,6 +103,29 @@ audit = 0.125         # share of hops a trainer asks again of another server
 min_efficiency = 0.5  # micro-batches against the ideal (the live compute spread evenly)
 max_failed = 0        # micro-batches given up
 max_poisoned = 1000   # micro-batches a liar answered a call of
+
+or real `swarmd join` peers (the whole lifecycle, the run's real model) with faults:
+
+kind = "peers"
+peers = 4             # the first creates the run; all join through one bootstrap node
+rounds = 20           # each trains this many rounds (--max-steps = rounds x inner_steps)
+step_s = 0.1          # virtual seconds an inner step takes on a speed-1 peer
+speed_sigma = 0.0
+
+[run]                 # the run config, as --create-run reads it (default: a tiny model)
+inner_steps = 5
+min_group_size = 2
+
+[[faults]]            # at a virtual second: kill, stop (SIGTERM), join, cut, heal
+at_s = 0
+cut = [[0, 1], [2, 3]]  # peer indices on each side (joiners are numbered after)
+[[faults]]
+at_s = 60
+heal = true
+
+[invariants]
+one_state = true      # the living peers hold one state at the last round all reached
+min_averaged_share = 0.5
 """
 
 
@@ -140,8 +163,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     first = scenario.spec.seed if args.seed is None else args.seed
     if args.log_level.upper() != "DEBUG":
         # Thousands of nodes each saying it joined is noise, not progress.
-        logging.getLogger("swarmd.dht").setLevel(logging.WARNING)
-        logging.getLogger("swarmd.matchmaking").setLevel(logging.WARNING)
+        # So is every simulated peer saying what state it serves or downloaded.
+        for name in ("dht", "matchmaking", "statesync", "daemon", "allreduce", "join"):
+            logging.getLogger(f"swarmd.{name}").setLevel(logging.WARNING)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
     out = None
     if args.out is not None:

@@ -11,8 +11,10 @@ Kinds so far: ``dht`` (store, kill, read), ``matchmaking`` (rounds of group form
 ``diloco`` (DiLoCo on a synthetic quadratic: inner steps charged as virtual time, group
 formation, the real all-reduce and outer step each round, churn, stallers, liars) and
 ``swarm`` (SWARM pipelines: the real trainer routing and server rebalancing against modelled
-stage servers, with preemption; a ``[swarm]`` table sets SwarmConfig). Not yet: the training
-peer's whole lifecycle (state sync, catch-up, a real model).
+stage servers, with preemption; a ``[swarm]`` table sets SwarmConfig) and ``peers`` (real
+`swarmd join` peers with the run's real model: the whole lifecycle, state sync and catch-up,
+with kills, leaves, joins, cuts and heals at virtual times; a ``[run]`` table is the run
+config).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
+from swarmd.node.sim.peer_run import PeersReport, PeersScenario, run_peers
 from swarmd.node.sim.rounds import RoundsReport, RoundsScenario, run_rounds
 from swarmd.node.sim.swarm import run_swarm
 from swarmd.node.sim.swarm_spec import SwarmReport, SwarmScenario
 
-KINDS = ("dht", "matchmaking", "diloco", "swarm")
+KINDS = ("dht", "matchmaking", "diloco", "swarm", "peers")
 
 Progress = Callable[[str], None]
 
@@ -105,6 +108,20 @@ class SwarmInvariants:
 
 
 @dataclass(frozen=True)
+class PeersInvariants:
+    """What every run of a peers scenario must show: the living peers hold one state at the
+    last round all of them reached (``one_state``), at least ``min_averaged_share`` of the
+    outer steps were averaged in a group, and no peer's lifecycle raised."""
+
+    one_state: bool = True
+    min_averaged_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_averaged_share <= 1:
+            raise ValueError("invariants.min_averaged_share is a share between 0 and 1")
+
+
+@dataclass(frozen=True)
 class Outcome:
     """One seed's run: a line for people, figures for the last line, what broke."""
 
@@ -118,8 +135,10 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Scenario:
-    spec: DhtScenario | MatchScenario | RoundsScenario | SwarmScenario
-    invariants: DhtInvariants | MatchInvariants | RoundsInvariants | SwarmInvariants
+    spec: DhtScenario | MatchScenario | RoundsScenario | SwarmScenario | PeersScenario
+    invariants: (
+        DhtInvariants | MatchInvariants | RoundsInvariants | SwarmInvariants | PeersInvariants
+    )
 
     def run(self, seed: int, progress: Progress | None = None) -> Outcome:
         spec = dataclasses.replace(self.spec, seed=seed)
@@ -132,6 +151,9 @@ class Scenario:
         if isinstance(spec, SwarmScenario):
             assert isinstance(self.invariants, SwarmInvariants)
             return _swarm_outcome(spec, self.invariants, progress)
+        if isinstance(spec, PeersScenario):
+            assert isinstance(self.invariants, PeersInvariants)
+            return _peers_outcome(spec, self.invariants, progress)
         assert isinstance(self.invariants, MatchInvariants)
         return _match_outcome(spec, self.invariants, progress)
 
@@ -208,6 +230,40 @@ def _swarm_outcome(
         broken.append(f"{r.poisoned} micro-batches answered by a liar > {rules.max_poisoned}")
     row = dataclasses.asdict(r) | {"efficiency": r.efficiency}
     return Outcome(spec.seed, swarm_summary(r), swarm_figures(r), r.log_hash, broken, row)
+
+
+def _peers_outcome(
+    spec: PeersScenario, rules: PeersInvariants, progress: Progress | None
+) -> Outcome:
+    r = run_peers(spec, progress)
+    broken = [f"{name} raised {error}" for name, error in r.errors.items()]
+    if rules.one_state and r.end_states != 1:
+        broken.append(f"the living peers hold {r.end_states} states at round {r.common_round}")
+    if r.averaged_share < rules.min_averaged_share:
+        broken.append(
+            f"{r.averaged_share:.1%} of outer steps averaged < {rules.min_averaged_share:.1%}"
+        )
+    return Outcome(
+        spec.seed, peers_summary(r), peers_figures(r), r.log_hash, broken, dataclasses.asdict(r)
+    )
+
+
+def peers_summary(r: PeersReport) -> str:
+    return (
+        f"{r.peers} peers, {r.joined} joined, {r.killed} killed: {r.outer_steps} outer steps, "
+        f"{r.averaged_share:.1%} averaged, {r.end_states} state(s) at round {r.common_round}, "
+        f"{r.calls} calls, {r.virtual_s:.0f}s virtual in {r.wall_s:.1f}s"
+    )
+
+
+def peers_figures(r: PeersReport) -> dict[str, str]:
+    return {
+        "peers_outer_steps": str(r.outer_steps),
+        "peers_averaged_share": f"{r.averaged_share:.4f}",
+        "peers_common_round": str(r.common_round),
+        "peers_end_states": str(r.end_states),
+        "peers_wall_s": f"{r.wall_s:.1f}",
+    }
 
 
 def swarm_summary(r: SwarmReport) -> str:
@@ -298,6 +354,9 @@ def load_scenario(path: Path | None) -> Scenario:
         data["swarm"] = _build(SwarmConfig, data.pop("swarm", {}), f"{path} [swarm]")
         rules = _build(SwarmInvariants, rules_table, f"{path} [invariants]")
         return Scenario(_build(SwarmScenario, data, str(path)), rules)
+    if kind == "peers":
+        rules = _build(PeersInvariants, rules_table, f"{path} [invariants]")
+        return Scenario(_build(PeersScenario, data, str(path)), rules)
     if kind == "dht":
         rules = _build(DhtInvariants, rules_table, f"{path} [invariants]")
         return Scenario(_build(DhtScenario, data, str(path)), rules)
