@@ -11,7 +11,7 @@ what they served:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,16 +32,24 @@ from swarmd.protocol import averaging_pb2 as apb
 from swarmd.protocol import rpc
 
 
-def install() -> None:
+def _always() -> bool:
+    return True
+
+
+def install(when: Callable[[], bool] = _always) -> None:
+    """``when``: whether the code running now is the liar's (always, in a liar's process; in
+    the simulator, whether the current host is the liar's: swarmd/node/sim/network.py)."""
     honest_aggregate = round_module.__dict__["aggregate"]
     honest_proof = verify.__dict__["make_proof"]
 
     def aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
         result: torch.Tensor = honest_aggregate(*args, **kwargs)
-        return result.neg_()
+        return result.neg_() if when() else result
 
     def make_proof(*args: Any) -> apb.PartProof:
         proof: apb.PartProof = honest_proof(*args)
+        if not when():
+            return proof
         used: Mapping[int, torch.Tensor] = args[0]
         nonces: Mapping[int, bytes] = args[2]
         seed: bytes = args[3]
@@ -81,18 +89,20 @@ def _fit(
         entry.projections[k] = (total * target[k] - others) / entry.weight
 
 
-def install_equivocator() -> None:
+def install_equivocator(when: Callable[[], bool] = _always) -> None:
     honest_aggregate = round_module.__dict__["aggregate"]
     honest_get_proof = Averager._get_proof
 
     def aggregate(*args: Any, **kwargs: Any) -> torch.Tensor:
         result: torch.Tensor = honest_aggregate(*args, **kwargs)
-        return result.neg_()
+        return result.neg_() if when() else result
 
     async def get_proof(
         self: Averager, req: apb.ProofRequest, ctx: rpc.CallContext
     ) -> apb.PartProof:
         proof = await honest_get_proof(self, req, ctx)
+        if not when():
+            return proof
         rnd = await self._find_round(req.round_id)
         asker = rnd.group.index_of(ctx.peer_id) if ctx.peer_id is not None else None
         victims = [e.member for e in proof.entries if e.member not in (asker, rnd.me)]

@@ -23,11 +23,13 @@ vanished home router does); a lost message fails its call after the one-way dela
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import math
 import random
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -113,10 +115,27 @@ class Host:
     down_free: float = 0.0
     #: How far this host's wall clock is off (NetworkConfig.clock_skew_s).
     skew_s: float = 0.0
+    #: Its log records of WARNING and above (sim/peers.py's PeerLogs), with virtual times.
+    logs: list[str] = field(default_factory=list)
     #: Its server's rate limits, on virtual time.
     limiter: rpc.RateLimiter = field(
         default_factory=lambda: rpc.RateLimiter(rpc.RateLimits(), clock=trio.current_time)
     )
+
+
+#: The host whose code is running: a peer's own tasks run on its host, and a handler runs on
+#: the callee's host although the caller's task runs it (one process, no threads), so that
+#: what it logs, and a lie a scenario gives one host, are that host's.
+current_host: contextvars.ContextVar[Host | None] = contextvars.ContextVar("sim_host", default=None)
+
+
+@contextlib.contextmanager
+def _on(host: Host) -> Iterator[None]:
+    token = current_host.set(host)
+    try:
+        yield
+    finally:
+        current_host.reset(token)
 
 
 class SimNetwork:
@@ -430,14 +449,16 @@ class SimTensorClient(SimClient):
         if kind == "in":
             await net.transfer(me, host, sum(map(len, frames)))
             meta, data = assemble(frames, 2 << 30)
-            if method.admit is not None:
-                await method.admit(meta, ctx)
-            response: Message = await method.handler(meta, data, ctx)
+            with _on(host):
+                if method.admit is not None:
+                    await method.admit(meta, ctx)
+                response: Message = await method.handler(meta, data, ctx)
             await trio.sleep(one_way)
             return response.SerializeToString()
         assert method.request_type is not None
         request = method.request_type.FromString(signed_bytes)
-        meta, payload = await method.handler(request, ctx)
+        with _on(host):
+            meta, payload = await method.handler(request, ctx)
         out = list(iter_frames(meta, payload_segments(payload), self.chunk_bytes))
         await trio.sleep(one_way)
         await net.transfer(host, me, sum(map(len, out)))
@@ -482,5 +503,6 @@ async def _serve(
         request = method.request_type.FromString(body)
     except DecodeError as exc:
         raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}") from None
-    response: Message = await method.handler(request, ctx)
+    with _on(host):
+        response: Message = await method.handler(request, ctx)
     return response.SerializeToString()

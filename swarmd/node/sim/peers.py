@@ -16,7 +16,6 @@ real models is for a handful of peers; scale is sim/rounds.py's synthetic worklo
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 import random
@@ -40,7 +39,13 @@ from swarmd.node.peer.progress_record import MAX_NOTICE_TEXT, Notice
 from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.peer.strategy import Strategies
 from swarmd.node.sim.dht import seeded_identity
-from swarmd.node.sim.network import Host, NetworkConfig, SimNetwork, SimTensorClient
+from swarmd.node.sim.network import (
+    Host,
+    NetworkConfig,
+    SimNetwork,
+    SimTensorClient,
+    current_host,
+)
 from swarmd.node.timing import TimingProfile
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address, parse_address
@@ -124,22 +129,17 @@ class Recorder(Progress):
         return [e for e in self.events if e["event"] == kind]
 
 
-#: The simulated peer whose task is running (trio's tasks inherit it from the one that
-#: started them), so one process's log records can say whose they are.
-current: contextvars.ContextVar[SimPeer | None] = contextvars.ContextVar("sim_peer", default=None)
-
-
 class PeerLogs(logging.Handler):
-    """Keeps each simulated peer's log records of ``level`` and above in its `SimPeer.logs`,
-    as "virtual time, logger: message" (a daemon's stderr, for a failing test's message)."""
+    """Keeps each simulated host's log records of ``level`` and above in its `Host.logs`, as
+    "virtual time, logger: message" (a daemon's stderr, for a failing test's message)."""
 
     def __init__(self, level: int = logging.WARNING) -> None:
         super().__init__(level)
 
     def emit(self, record: logging.LogRecord) -> None:
-        peer = current.get()
-        if peer is not None:
-            peer.logs.append(f"{trio.current_time():8.2f} {record.name}: {record.getMessage()}")
+        host = current_host.get()
+        if host is not None:
+            host.logs.append(f"{trio.current_time():8.2f} {record.name}: {record.getMessage()}")
 
 
 @dataclass
@@ -153,12 +153,15 @@ class SimPeer:
     done: trio.Event = field(default_factory=trio.Event)
     #: What its lifecycle raised (None: it returned, or was killed).
     error: BaseException | None = None
-    #: Its log records (`PeerLogs`, installed by `SimPeers.run`).
-    logs: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return self.net.host.address
+
+    @property
+    def logs(self) -> list[str]:
+        """Its warnings (`PeerLogs`, installed by `SimPeers.run`)."""
+        return self.net.host.logs
 
 
 class SimPeers:
@@ -225,7 +228,7 @@ class SimPeers:
     async def run(self, peer: SimPeer) -> None:
         """Runs ``peer``'s lifecycle until it returns, raises (kept in ``error``) or is killed;
         then its server is gone (calls to it are refused, as a closed port's are)."""
-        current.set(peer)
+        current_host.set(peer.net.host)
         swarmd_log = logging.getLogger("swarmd")
         if not any(isinstance(h, PeerLogs) for h in swarmd_log.handlers):
             swarmd_log.addHandler(PeerLogs())
