@@ -300,13 +300,15 @@ class Averager:
     async def _accepted_proofs(
         self, req: apb.AcceptedProofsRequest, ctx: rpc.CallContext
     ) -> apb.AcceptedProofs:
-        """The proofs this peer accepted in a round, once every part is in (or the wait is
-        over): a fellow member compares them with its own (verify.cross_check)."""
+        """The proofs this peer was given in a round (accepted or refused), once it has
+        judged every part's first proof (or the wait is over): a fellow member compares them
+        with those it accepted (verify.cross_check). Not once every part is in: a member
+        waiting out a fallback's deadline made the asker's shorter wait end with nothing."""
         rnd = await self._find_round(req.round_id)
         self._sender_index(rnd, ctx)
         with trio.move_on_after(self.config.cross_check_s):
-            await rnd.obtained.wait()
-        return apb.AcceptedProofs(proofs=list(rnd.accepted.values()))
+            await rnd.judged.wait()
+        return apb.AcceptedProofs(proofs=list(rnd.received.values()))
 
     # -- one round ---------------------------------------------------------------------------
 

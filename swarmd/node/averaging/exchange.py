@@ -99,6 +99,7 @@ class Exchange:
 
     async def run(self) -> None:
         rnd = self.rnd
+        rnd.judging(sum(j != rnd.me and rnd.exchanged(j) for j in range(len(rnd.group.members))))
         async with trio.open_nursery() as nursery:
             for j in range(len(rnd.group.members)):
                 if j != rnd.me and rnd.exchanged(j):
@@ -337,8 +338,7 @@ class Exchange:
             direct = await self.fetch(j, j, 0, False, self.fetch_timeout)
         accepted = direct is not None and await self.accept(j, 0, direct, relayed=False)
         # Relays serve only a copy this peer accepted: decoded, and its reducer's proof held.
-        rnd.direct[j].received = direct if accepted else None
-        rnd.direct[j].ready.set()
+        rnd.judged_one(j, direct if accepted else None)
         if accepted:
             return
         self.recovered.append(j)

@@ -150,10 +150,35 @@ class Round:
         self.direct = {j: Outcome() for j in range(len(group.members))}
         self.finished_at: float | None = None
         self.config = config
-        #: The proofs this peer accepted (verify.cross_check), served to fellow members once
-        #: `obtained` is set: every part is in.
+        #: The proofs this peer accepted: what verify.cross_check compares.
         self.accepted: dict[tuple[int, int], apb.AcceptedProof] = {}
+        #: Every proof this peer was given, accepted or refused, served to fellow members once
+        #: `judged` is set. A refused proof signed by its reducer is evidence as well: an
+        #: equivocator told one member a story it accepted and another the honest proof of a
+        #: forged part, which that member refused; served accepted proofs only, nobody held
+        #: two signed proofs to compare, and the members ended the round on two states
+        #: (tests/unit/test_sim_liars.py, seed 5: both honest members' next round alone).
+        self.received: dict[tuple[int, int], apb.AcceptedProof] = {}
+        #: Set once this peer has judged every part's first proof (fallbacks may go on):
+        #: a member waiting for its answer must not wait out this peer's fallback deadlines.
+        self.judged = trio.Event()
+        self._unjudged = 0
         self.obtained = trio.Event()
+
+    def judging(self, parts: int) -> None:
+        """This peer will judge ``parts`` parts' first proofs."""
+        self._unjudged = parts
+        if parts <= 0:
+            self.judged.set()
+
+    def judged_one(self, j: int, received: bytearray | None) -> None:
+        """Part j's first proof is judged: ``received`` is what relays may serve of it (the
+        copy from its reducer, if this peer accepted it)."""
+        self.direct[j].received = received
+        self.direct[j].ready.set()
+        self._unjudged -= 1
+        if self._unjudged <= 0:
+            self.judged.set()
 
     def retire_copies(self) -> None:
         """Stops serving what this finished round holds and hands its buffers back to the

@@ -118,9 +118,20 @@ class Verdict:
     used: frozenset[int] = frozenset()
 
 
+def _digest_of(proof: apb.PartProof, j: int, attempt: int) -> apb.AcceptedProof:
+    return apb.AcceptedProof(
+        part=j,
+        attempt=attempt,
+        digest=proof_digest(proof),
+        signer_key=proof.signer_key,
+        signature=proof.signature,
+    )
+
+
 async def cross_check(rnd: Round, link: Link, elapsed_s: float) -> list[tuple[int, int, PeerId]]:
-    """Compares the proofs this peer accepted with the other members' (BTARD's broadcast of
-    what each member was told, cut to one small call per member). A member checks only its
+    """Compares the proofs this peer accepted with those the other members were given
+    (BTARD's broadcast of what each member was told, cut to one small call per member;
+    accepted or refused: `Round.received`). A member checks only its
     own entry and the reducer's, so a reducer could tell each member a story that forges an
     entry that member cannot check; a fellow member holding the reducer's signature on
     another proof for the same part proves it did. Such a part is re-reduced without the
@@ -297,6 +308,9 @@ async def check(
     proof, nonce = asked
     if isinstance(proof, str):
         return Verdict(proof)
+    # Served to fellow members whatever the verdict (Round.received): they check whose
+    # signature it bears.
+    rnd.received[(j, attempt)] = _digest_of(proof, j, attempt)
     reducer = rnd.reducer_of(j, attempt)
 
     def verify() -> Verdict:
@@ -333,13 +347,7 @@ async def check(
                 j,
                 attempt,
             )
-        accepted = apb.AcceptedProof(
-            part=j,
-            attempt=attempt,
-            digest=proof_digest(proof),
-            signer_key=proof.signer_key,
-            signature=proof.signature,
-        )
+        accepted = rnd.received[(j, attempt)]
         return Verdict(None, accepted, frozenset(e.member for e in proof.entries))
 
     return await offload.run_sync(verify)
