@@ -60,17 +60,17 @@ def run(
         config = honest_run(size)
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
-            peers = [
-                sim.add(
-                    f"p{i}",
-                    run="lies",
-                    peers=[boot],
-                    create_run=config if i == 0 else None,
-                    max_steps=STEPS * (3 if lie and i == size - 1 else 1),
-                    step_s=STEP_S,
+            peers = sim.run_of(config, size - bool(lie), boot, max_steps=STEPS, step_s=STEP_S)
+            if lie is not None:  # a liar keeps going after the honest peers stop
+                peers.append(
+                    sim.add(
+                        f"p{size - 1}",
+                        run=config.name,
+                        peers=[boot],
+                        max_steps=STEPS * 3,
+                        step_s=STEP_S,
+                    )
                 )
-                for i in range(size)
-            ]
             if lie is not None:
                 liar: Host = peers[-1].net.host
                 lie(lambda: current_host.get() is liar)

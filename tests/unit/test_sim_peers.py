@@ -61,17 +61,7 @@ def three_peers(root: Path, seed: int) -> tuple[SimPeers, list[SimPeer]]:
         sim = SimPeers(root, seed=seed)
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
-            peers = [
-                sim.add(
-                    f"p{i}",
-                    run="sim",
-                    peers=[boot],
-                    create_run=tiny_run("sim") if i == 0 else None,
-                    max_steps=25,
-                    step_s=STEP_S,
-                )
-                for i in range(3)
-            ]
+            peers = sim.run_of(tiny_run("sim"), 3, boot, max_steps=25, step_s=STEP_S)
             for peer in peers:
                 nursery.start_soon(sim.run, peer)
             with trio.fail_after(300):
@@ -123,16 +113,7 @@ def test_groups_that_formed_apart_merge_on_one_state_once_they_reach_each_other(
         sim = SimPeers(tmp_path, seed=seed)
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
-            peers = [
-                sim.add(
-                    f"p{i}",
-                    run="split",
-                    peers=[boot],
-                    create_run=tiny_run("split") if i == 0 else None,
-                    step_s=STEP_S,
-                )
-                for i in range(4)
-            ]
+            peers = sim.run_of(tiny_run("split"), 4, boot, step_s=STEP_S)
             sides = [[p.address for p in peers[:2]], [p.address for p in peers[2:]]]
             sim.net.cut(sides)
             for peer in peers:
@@ -207,17 +188,7 @@ def test_a_member_killed_as_it_sends_its_update_is_left_out_and_a_joiner_takes_i
         sim = SimPeers(tmp_path, seed=0)
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
-            peers = [
-                sim.add(
-                    f"p{i}",
-                    run="kill",
-                    peers=[boot],
-                    create_run=config if i == 0 else None,
-                    max_steps=steps,
-                    step_s=STEP_S,
-                )
-                for i in range(4)
-            ]
+            peers = sim.run_of(config, 4, boot, max_steps=steps, step_s=STEP_S)
             victim, killed_at = peers[3], []
 
             def strike(src: str, dst: str, path: str) -> None:

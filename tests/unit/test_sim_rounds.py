@@ -74,9 +74,13 @@ def test_the_committed_scenario_files_load() -> None:
     from swarmd.node.sim.scenario import load_scenario
 
     files = sorted((Path(__file__).parents[2] / "deploy" / "sim").glob("*.toml"))
-    assert {f.name for f in files} >= {"dht.toml", "groups.toml", "diloco.toml", "swarm.toml"}
+    assert {f.name for f in files} >= {
+        "dht.toml", "groups.toml", "diloco.toml", "swarm.toml", "split.toml"
+    }  # fmt: skip
     kinds = {type(load_scenario(f).spec).__name__ for f in files}
-    assert kinds == {"DhtScenario", "MatchScenario", "RoundsScenario", "SwarmScenario"}
+    assert kinds == {
+        "DhtScenario", "MatchScenario", "RoundsScenario", "SwarmScenario", "PeersScenario"
+    }  # fmt: skip
 
 
 def test_one_group_keeps_one_state_line_at_the_loss_of_the_exact_mean() -> None:

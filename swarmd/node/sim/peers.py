@@ -225,6 +225,29 @@ class SimPeers:
         self.peers.append(sim_peer)
         return sim_peer
 
+    def run_of(
+        self,
+        config: RunConfig,
+        count: int,
+        boot: str,
+        *,
+        max_steps: int | None = None,
+        step_s: float = 0.0,
+    ) -> list[SimPeer]:
+        """``count`` peers (not started) of ``config``'s run, joining through ``boot``; the
+        first creates the run."""
+        return [
+            self.add(
+                f"p{len(self.peers)}",
+                run=config.name,
+                peers=[boot],
+                create_run=config if i == 0 else None,
+                max_steps=max_steps,
+                step_s=step_s,
+            )
+            for i in range(count)
+        ]
+
     async def run(self, peer: SimPeer) -> None:
         """Runs ``peer``'s lifecycle until it returns, raises (kept in ``error``) or is killed;
         then its server is gone (calls to it are refused, as a closed port's are)."""
