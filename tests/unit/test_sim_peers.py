@@ -17,7 +17,7 @@ from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.sim.peers import Event, SimPeer, SimPeers
 from swarmd.node.sim.scenario import load_scenario
 from swarmd.node.sim.virtual import run_virtual
-from tests.harness.runs import DEMO_RUN, TINY_RUN
+from tests.harness.runs import DEMO_RUN, STREAMING_RUN, TINY_RUN
 
 #: Virtual seconds a tiny model's inner step is charged.
 STEP_S = 0.1
@@ -54,14 +54,15 @@ async def wait_until(ready: Callable[[], bool], limit_s: float, why: Callable[[]
         raise AssertionError(why()) from None
 
 
-def three_peers(root: Path, seed: int) -> tuple[SimPeers, list[SimPeer]]:
+def three_peers(root: Path, seed: int, run: str = TINY_RUN) -> tuple[SimPeers, list[SimPeer]]:
     """A creator and two joiners, 25 inner steps each (5 rounds of the tiny run's H = 5)."""
 
     async def main() -> SimPeers:
         sim = SimPeers(root, seed=seed)
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
-            peers = sim.run_of(tiny_run("sim"), 3, boot, max_steps=25, step_s=STEP_S)
+            config = RunConfig.from_mapping(tomllib.loads(run), name="sim")
+            peers = sim.run_of(config, 3, boot, max_steps=25, step_s=STEP_S)
             for peer in peers:
                 nursery.start_soon(sim.run, peer)
             with trio.fail_after(300):
@@ -74,8 +75,12 @@ def three_peers(root: Path, seed: int) -> tuple[SimPeers, list[SimPeer]]:
     return sim, sim.peers
 
 
-def test_real_peers_train_one_state_and_a_late_joiner_downloads_it(tmp_path: Path) -> None:
-    _, peers = three_peers(tmp_path, seed=0)
+@pytest.mark.parametrize("run", [TINY_RUN, STREAMING_RUN], ids=["diloco", "streaming"])
+def test_real_peers_train_one_state_and_a_late_joiner_downloads_it(
+    tmp_path: Path, run: str
+) -> None:
+    """DiLoCo's rounds, or streaming DiLoCo's fragment rounds (H = 4 in 2 fragments)."""
+    _, peers = three_peers(tmp_path, seed=0, run=run)
     assert [p.error for p in peers] == [None] * 3
     by_round = [{e["round"]: e for e in outer_steps(p)} for p in peers]
     # Every peer ends round 5 of the run on one state, averaged by all three.
