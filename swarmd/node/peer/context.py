@@ -8,6 +8,7 @@ served on the peer's port, metrics, progress output, the stop signal and the wai
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -89,6 +90,11 @@ class PeerContext:
     timings: TimingProfile = field(default_factory=TimingProfile)
     #: Virtual seconds an inner step is charged (the simulator's device; 0 in a daemon).
     step_s: float = 0.0
+    #: The peer's clocks (peer/net.py): the OS's in a daemon, virtual in the simulator.
+    monotonic: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    #: Its random choices (routes, jitter): seeded from the OS, or from the simulation's seed.
+    rng: random.Random = field(default_factory=random.Random)
 
     def host(self, algo: str, kind: type[H]) -> H:
         """The service ``algo``'s strategy hosts on this peer (made by its `host`)."""

@@ -96,7 +96,7 @@ class Peer:
         self.donor = StateDonor(clock=self.net.monotonic)
         #: What each algorithm serves on every peer (DeMo's all-gather, SWARM's stage calls):
         #: the run's algorithm is not known until its config is read.
-        parts = HostParts(self.client, self.identity.peer_id, self.metrics, self.bans)
+        parts = HostParts(self.client, self.identity.peer_id, self.metrics, self.bans, self.net)
         self.hosts = {
             algo: host for algo, s in strategies.items() if (host := s.host(parts)) is not None
         }
@@ -360,6 +360,9 @@ class Peer:
             live=LivePeers(self.dht, config, self.timings.membership),
             timings=self.timings,
             step_s=self.net.step_s,
+            monotonic=self.net.monotonic,
+            wall=self.net.wall,
+            rng=self.net.rng,
             stopping=self.stopping,
             creator=creator,
             client_mode=self.reach.client_mode,

@@ -10,6 +10,7 @@ virtual time, so one seed replays a whole run of real peers.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -49,6 +50,8 @@ class Served(Protocol):
 class PeerNet(Protocol):
     #: Whether SIGINT/SIGTERM stop the peer (a daemon); the simulator stops its peers itself.
     signals: bool
+    #: The peer's random choices (seeded from the OS; from the seed in the simulator).
+    rng: random.Random
     #: Seconds each inner step is charged on top of its own running time: 0 in a daemon,
     #: where the step takes its time; the simulated device's step time (the loop runs steps
     #: inline, in no virtual time).
@@ -57,6 +60,18 @@ class PeerNet(Protocol):
     def monotonic(self) -> float:
         """Seconds for the peer's own timeouts (a state donor's leases): the OS's monotonic
         clock, or virtual time."""
+        ...
+
+    def wall(self) -> float:
+        """The wall clock (SWARM's stage rounds fall on its boundaries): the OS's, or the
+        simulated host's."""
+        ...
+
+    def device_s(self, kind: str, took: float) -> tuple[float, float]:
+        """A compute of ``kind`` ("forward", "backward", "last", ...: SWARM's stage calls)
+        that ran for ``took`` seconds: how long it counts as taking, and how much of that
+        has passed already. A daemon: (took, took); the simulator runs it inline in no
+        virtual time and charges its device model's time: (charged, 0)."""
         ...
 
     def identity(self, state_dir: Path) -> Identity:
@@ -91,8 +106,17 @@ class SocketNet:
     signals = True
     step_s = 0.0
 
+    def __init__(self) -> None:
+        self.rng = random.Random()
+
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    def device_s(self, kind: str, took: float) -> tuple[float, float]:
+        return took, took
 
     def identity(self, state_dir: Path) -> Identity:
         return Identity.load_or_create(state_dir)

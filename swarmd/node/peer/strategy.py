@@ -36,6 +36,7 @@ from torch import nn
 from swarmd.node.bans import Bans
 from swarmd.node.metrics import Metrics
 from swarmd.node.peer.context import Hosted, PeerContext
+from swarmd.node.peer.net import PeerNet
 from swarmd.node.peer.options import JoinError, JoinOptions
 from swarmd.optim.forward import InnerForward
 from swarmd.protocol import rpc
@@ -69,6 +70,8 @@ class HostParts:
     peer_id: PeerId
     metrics: Metrics
     bans: Bans
+    #: Its clocks and device (a SWARM stage's compute is timed through it).
+    net: PeerNet
 
 
 class Strategy(ABC):

@@ -70,10 +70,21 @@ class SimNet:
     host: Host
     rng: random.Random
     step_s: float = 0.0
+    #: Virtual seconds a SWARM stage's forward of one micro-batch takes (`device_s`).
+    call_s: float = 0.01
     signals: bool = False
 
     def monotonic(self) -> float:
         return trio.current_time()
+
+    def wall(self) -> float:
+        return self.network.wall(self.host)
+
+    def device_s(self, kind: str, took: float) -> tuple[float, float]:
+        """A stage call's compute: ``call_s`` a forward, twice that a backward or a last
+        stage's (forward, loss and backward), nothing for the rest (take, apply)."""
+        weight = {"forward": 1.0, "backward": 2.0, "last": 3.0}.get(kind.split("-")[0], 0.0)
+        return weight * self.call_s, 0.0
 
     def identity(self, state_dir: Path) -> Identity:
         return self.host.identity
@@ -203,8 +214,10 @@ class SimPeers:
         max_steps: int | None = None,
         step_s: float = 0.0,
         reachable: bool = True,
+        **more: Any,
     ) -> SimPeer:
-        """A peer (not started) with its own state directory under ``root/name``."""
+        """A peer (not started) with its own state directory under ``root/name``; ``more``:
+        more of JoinOptions' fields (a SWARM peer's ``role`` and ``stage``)."""
         host = self.net.add_host(seeded_identity(self.rng), dialable=reachable)
         net = SimNet(self.net, host, random.Random(self.rng.getrandbits(64)), step_s)
         options = JoinOptions(
@@ -217,6 +230,7 @@ class SimPeers:
             progress_interval_s=600.0,
             bulk_port=None,
             reachable="yes" if reachable else "no",
+            **more,
         )
         options.state_dir.mkdir(parents=True, exist_ok=True)
         peer = Peer(options, self.strategies, net, self.timings)

@@ -33,6 +33,7 @@ import torch
 import trio
 
 from swarmd.node.algorithms.swarm import route, wire
+from swarmd.node.peer.net import PeerNet, SocketNet
 from swarmd.node.runtime import offload
 from swarmd.optim.stage import StageTrainer
 from swarmd.protocol import rpc
@@ -144,7 +145,9 @@ class StageJob:
 class StageHost:
     """The Stage service of one peer, and the stage it serves now (if any)."""
 
-    def __init__(self) -> None:
+    def __init__(self, net: PeerNet | None = None) -> None:
+        #: The clocks and the device a compute is timed by (peer/net.py).
+        self.net: PeerNet = net or SocketNet()
         self.job: StageJob | None = None
         self._device = trio.CapacityLimiter(1)
         self._waiting = 0
@@ -185,14 +188,16 @@ class StageHost:
         async with self._device:
             t0 = time.perf_counter()
             out = await offload.run_sync(fn)
-            took = time.perf_counter() - t0
+            took, elapsed = self.net.device_s(kind, time.perf_counter() - t0)
             if then is not None:
                 then(out)
             if job is not None:
                 held = job.emulated_s(kind, took)
                 if kind in ("forward", "backward", "last"):
                     job.observe(kind, held)
-                await trio.sleep(held - took)
+                await trio.sleep(held - elapsed)
+            elif took > elapsed:
+                await trio.sleep(took - elapsed)
         return out
 
     # -- the service -----------------------------------------------------------------------
@@ -392,7 +397,7 @@ class StageHost:
     # -- the outbox --------------------------------------------------------------------------
 
     def _post(self, ctx: CallContext, call: bytes, answer: list[memoryview]) -> None:
-        now = time.monotonic()
+        now = self.net.monotonic()
         while self._outbox and (
             next(iter(self._outbox.values()))[0] < now or self._outbox_bytes > OUTBOX_BYTES
         ):

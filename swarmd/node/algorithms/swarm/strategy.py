@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import time
 
 import trio
 
@@ -60,7 +59,7 @@ class SwarmStrategy(Strategy):
     @classmethod
     def host(cls, parts: HostParts) -> StageHost:
         """The Stage service every peer serves: it answers once a stage is attached."""
-        return StageHost()
+        return StageHost(parts.net)
 
     def __init__(self, peer: PeerContext) -> None:
         super().__init__(peer)
@@ -109,6 +108,7 @@ class SwarmStrategy(Strategy):
                 self.swarm,
                 self.peer.out.event,
                 keep_completed=self._audit is not None,
+                rng=self.peer.rng,
             )
         if self.serving:
             audit = self._audit / AUDIT_FILE if self._audit is not None else None
@@ -118,7 +118,7 @@ class SwarmStrategy(Strategy):
     # -- train -------------------------------------------------------------------------------
 
     async def train(self, nursery: trio.Nursery) -> int:
-        start = time.monotonic()
+        start = self.peer.monotonic()
         roles = [r for r, on in (("server", self.serving), ("trainer", self.training)) if on]
         self.peer.out.event(
             "training",
