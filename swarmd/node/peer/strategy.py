@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 from swarmd.node.bans import Bans
 from swarmd.node.metrics import Metrics
 from swarmd.node.peer.context import Hosted, PeerContext
-from swarmd.node.peer.net import PeerNet
+from swarmd.node.peer.net import PeerNet, SocketNet
 from swarmd.node.peer.options import JoinError, JoinOptions
 from swarmd.optim.forward import InnerForward
 from swarmd.protocol import rpc
@@ -71,7 +71,7 @@ class HostParts:
     metrics: Metrics
     bans: Bans
     #: Its clocks and device (a SWARM stage's compute is timed through it).
-    net: PeerNet
+    net: PeerNet = field(default_factory=SocketNet)
 
 
 class Strategy(ABC):
