@@ -62,15 +62,7 @@ def run(
             boot = await sim.bootstrap(nursery)
             peers = sim.run_of(config, size - bool(lie), boot, max_steps=STEPS, step_s=STEP_S)
             if lie is not None:  # a liar keeps going after the honest peers stop
-                peers.append(
-                    sim.add(
-                        f"p{size - 1}",
-                        run=config.name,
-                        peers=[boot],
-                        max_steps=STEPS * 3,
-                        step_s=STEP_S,
-                    )
-                )
+                peers += sim.run_of(config, 1, boot, max_steps=STEPS * 3, step_s=STEP_S)
             if lie is not None:
                 liar: Host = peers[-1].net.host
                 lie(lambda: current_host.get() is liar)

@@ -208,7 +208,7 @@ def test_a_member_killed_as_it_sends_its_update_is_left_out_and_a_joiner_takes_i
                 nursery.start_soon(sim.run, peer)
             await wait_until(lambda: bool(killed_at), 300, lambda: timeline(peers))
             await trio.sleep(5.0)
-            joiner = sim.add("p4", run="kill", peers=[boot], max_steps=steps // 2, step_s=STEP_S)
+            (joiner,) = sim.run_of(config, 1, boot, max_steps=steps // 2, step_s=STEP_S)
             nursery.start_soon(sim.run, joiner)
             living = [*peers[:3], joiner]
             with trio.fail_after(600):

@@ -251,8 +251,8 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         loss = await offload.run_sync(self.opt.inner_step, batch)
         if self._faults is not None and (delay := self._faults.plan().step_delay_s):
             await trio.sleep(delay)
-        if self.peer.step_s:
-            await trio.sleep(self.peer.step_s)
+        if self.peer.net.step_s:
+            await trio.sleep(self.peer.net.step_s)
         stats = self.peer.stats
         stats.step, stats.loss = step + 1, loss
         stats.tokens += config.batch_size * config.block_size * self.opt.forward.world

@@ -8,7 +8,6 @@ served on the peer's port, metrics, progress output, the stop signal and the wai
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from swarmd.node.dht import DHTNode
 from swarmd.node.metrics import Metrics
 from swarmd.node.peer.local.ranks import LocalRanks
 from swarmd.node.peer.membership import LivePeers
+from swarmd.node.peer.net import PeerNet, SocketNet
 from swarmd.node.peer.options import JoinOptions
 from swarmd.node.peer.progress import Progress, TrainStats
 from swarmd.node.peer.runconfig import RunConfig
@@ -88,13 +88,9 @@ class PeerContext:
     ranks: LocalRanks | None = None
     #: Every protocol timing its components read (node/timing.py).
     timings: TimingProfile = field(default_factory=TimingProfile)
-    #: Virtual seconds an inner step is charged (the simulator's device; 0 in a daemon).
-    step_s: float = 0.0
-    #: The peer's clocks (peer/net.py): the OS's in a daemon, virtual in the simulator.
-    monotonic: Callable[[], float] = time.monotonic
-    wall: Callable[[], float] = time.time
-    #: Its random choices (routes, jitter): seeded from the OS, or from the simulation's seed.
-    rng: random.Random = field(default_factory=random.Random)
+    #: Its network, clocks, random choices and simulated device (peer/net.py): the OS's in
+    #: a daemon, virtual and seeded in the simulator.
+    net: PeerNet = field(default_factory=SocketNet)
 
     def host(self, algo: str, kind: type[H]) -> H:
         """The service ``algo``'s strategy hosts on this peer (made by its `host`)."""

@@ -25,7 +25,7 @@ import trio
 
 from swarmd.node.peer.runconfig import RunConfig, RunConfigError
 from swarmd.node.sim.network import NetworkConfig
-from swarmd.node.sim.peers import SimPeer, SimPeers
+from swarmd.node.sim.peers import SimPeers
 from swarmd.node.sim.virtual import run_virtual
 
 #: The run config a scenario without a ``[run]`` table trains: the process tests' tiny model.
@@ -143,18 +143,12 @@ def run_peers(
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
 
-            def add() -> SimPeer:
-                i = len(sim.peers)
-                peer = sim.add(
-                    f"p{i}",
-                    run="sim",
-                    peers=[boot],
-                    create_run=config if i == 0 else None,
-                    max_steps=scenario.rounds * config.inner_steps,
-                    step_s=scenario.step_s / speed(),
+            def add() -> None:
+                steps = scenario.rounds * config.inner_steps
+                (peer,) = sim.run_of(
+                    config, 1, boot, max_steps=steps, step_s=scenario.step_s / speed()
                 )
                 nursery.start_soon(sim.run, peer)
-                return peer
 
             for _ in range(scenario.peers):
                 add()

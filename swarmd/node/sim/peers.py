@@ -248,18 +248,18 @@ class SimPeers:
         max_steps: int | None = None,
         step_s: float = 0.0,
     ) -> list[SimPeer]:
-        """``count`` peers (not started) of ``config``'s run, joining through ``boot``; the
-        first creates the run."""
+        """``count`` more peers (not started) of ``config``'s run, joining through ``boot``;
+        the simulation's first peer creates the run."""
         return [
             self.add(
                 f"p{len(self.peers)}",
                 run=config.name,
                 peers=[boot],
-                create_run=config if i == 0 else None,
+                create_run=None if self.peers else config,
                 max_steps=max_steps,
                 step_s=step_s,
             )
-            for i in range(count)
+            for _ in range(count)
         ]
 
     async def run(self, peer: SimPeer) -> None:
@@ -276,7 +276,7 @@ class SimPeers:
             log.warning("%s: %r", peer.name, exc)
             peer.error = exc
         finally:
-            self.net.hosts[peer.address].listening = False
+            peer.net.host.listening = False
             peer.done.set()
 
     def kill(self, peer: SimPeer) -> None:

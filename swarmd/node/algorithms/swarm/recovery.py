@@ -88,14 +88,14 @@ async def take_stage_state(
     run that has trained. Then this server waits for the records to lapse (the stage is lost)
     or a server to answer, at most a record lifetime and two refreshes, before it takes the
     seed."""
-    deadline = peer.monotonic() + directory.RECORD_TTL_S + 2 * directory.REFRESH_S
+    deadline = peer.net.monotonic() + directory.RECORD_TTL_S + 2 * directory.REFRESH_S
     while True:
         records = await directory.read(peer.dht, peer.config.name, len(trainers))
         if lost(records, stage):
             origin = await take_lost_stage(peer, stage, trainers, state, records)
             return origin, origin in ("checkfree", "checkfree+")
         origin, _ = await state.take_initial()
-        if origin != "fresh" or not trained(records, stage) or peer.monotonic() > deadline:
+        if origin != "fresh" or not trained(records, stage) or peer.net.monotonic() > deadline:
             return origin, False
         peer.out.event(
             "stage_wait",
@@ -244,8 +244,8 @@ async def take_rebuilt(state: SharedState, holder: PeerId) -> bool:
     """Waits (at most WAIT_S) for the lease holder's rebuilt state to be advertised, and
     downloads it from the holder (the lost servers' last adverts outlive them: they are not
     asked); whether that worked."""
-    deadline = state.peer.monotonic() + WAIT_S
-    while state.peer.monotonic() < deadline:
+    deadline = state.peer.net.monotonic() + WAIT_S
+    while state.peer.net.monotonic() < deadline:
         theirs = [a for a in await state.adverts() if a.owner == str(holder)]
         if theirs:
             return await state.sync_to(theirs)
@@ -263,7 +263,7 @@ async def take_lost_stage(
     """`stage` was lost: rebuild it (CheckFree, holding the lease), or take the state the
     lease's holder rebuilt; returns where the state came from ("checkfree", "group", or the
     seed's "fresh" for a first or last stage). Raises JoinError when it cannot be had."""
-    t0, count = peer.monotonic(), len(trainers)
+    t0, count = peer.net.monotonic(), len(trainers)
     end = not 0 < stage < count - 1
     if end and not trainers[stage].has_edge:
         return await _from_seed(peer, stage, state, "CheckFree+ is off (swarm_swap = 0)")
@@ -281,13 +281,13 @@ async def take_lost_stage(
             partner, agreed, norm = await rebuild_end(peer, stage, trainers, records)
         except RecoveryFailed as exc:
             return await _from_seed(peer, stage, state, f"CheckFree+ could not rebuild it: {exc}")
-        _rebuilt_end(peer, trainers[stage], partner, (agreed, norm), peer.monotonic() - t0)
+        _rebuilt_end(peer, trainers[stage], partner, (agreed, norm), peer.net.monotonic() - t0)
         return "checkfree+"
     try:
         rebuilt = await rebuild(peer, stage, trainers, records)
     except RecoveryFailed as exc:
         raise JoinError(f"stage {stage} was lost and could not be rebuilt: {exc}") from None
-    rec, took = rebuilt.recovery, peer.monotonic() - t0
+    rec, took = rebuilt.recovery, peer.net.monotonic() - t0
     peer.metrics.stage_recoveries.labels(method="checkfree").inc()
     peer.out.event(
         "stage_recovered",

@@ -124,7 +124,7 @@ class StageServer:
         trainers, shape = await offload.run_sync(self._build_stages)
         trainer = trainers[stage]
         state = SharedState(self.peer, trainer, scope=f"stage{stage}")
-        t0 = self.peer.monotonic()
+        t0 = self.peer.net.monotonic()
         origin, rebuilt = await recovery.take_stage_state(self.peer, stage, trainers, state)
         self._recovered_at = t0 if rebuilt else None
         if self.swarm.swap > 0:
@@ -234,13 +234,15 @@ class StageServer:
             await self._directory_read.wait()
             # The first look after a whole period at least: rates measured on real traffic,
             # not the warm-up's alone.
-            next_look = self.peer.monotonic() + self._look_after() + 0.5 * self.swarm.rebalance_s
+            next_look = (
+                self.peer.net.monotonic() + self._look_after() + 0.5 * self.swarm.rebalance_s
+            )
             period, last = self.swarm.round_s, -1
             gather = stage_matchmaking(period, 2).gather_s
             while True:
-                r = next_boundary(self.peer.wall(), period, last, gather)
+                r = next_boundary(self.peer.net.wall(), period, last, gather)
                 last = self._boundary = r
-                await trio.sleep(max(0.0, r * period - self.peer.wall()))
+                await trio.sleep(max(0.0, r * period - self.peer.net.wall()))
                 if self._unsure:
                     # At the boundary, before this round's matchmaking: the stage's servers
                     # have published the state they now matchmake under (the gather waits
@@ -254,9 +256,9 @@ class StageServer:
                     await trio.sleep(overrun)
                 if self.swarm.swap > 0 and self.job is not None:
                     self._copies.after_round(self._nursery, self.job.index, self._directory)
-                if self.swarm.rebalance_s > 0 and self.peer.monotonic() >= next_look:
+                if self.swarm.rebalance_s > 0 and self.peer.net.monotonic() >= next_look:
                     await self._guarded(self._maybe_move)
-                    next_look = self.peer.monotonic() + self._look_after()
+                    next_look = self.peer.net.monotonic() + self._look_after()
 
     async def _guarded(self, step: Callable[[], Awaitable[object]]) -> None:
         """One step of the loop; what fails in it is said, and the server goes on (unsure of
@@ -295,7 +297,7 @@ class StageServer:
         would read to a late server as a group formed without it."""
         job, state, host = self.job, self.state, self.host
         assert job is not None and state is not None and state.last_hash is not None
-        t0 = self.peer.monotonic()
+        t0 = self.peer.net.monotonic()
         peers = self._stage_peers()
         target = len(set(peers) | {self._me})
         key = stage_round_key(self.peer.config.name, job.index, state.last_hash, self._boundary)
@@ -338,7 +340,7 @@ class StageServer:
         # otherwise this server may hold a state of its own now.
         # A dropped member or a part that failed leaves members with their own values there.
         self._unsure = not (whole and group_size == target)
-        self._report(count, group_size, dropped, snap.state_hash, self.peer.monotonic() - t0)
+        self._report(count, group_size, dropped, snap.state_hash, self.peer.net.monotonic() - t0)
 
     def _report(
         self, count: int, group_size: int, dropped: int, state_hash: bytes, seconds: float
@@ -353,7 +355,7 @@ class StageServer:
             self.peer.stats.loss = loss
         recovery_s = None
         if self._recovered_at is not None and count > 0:
-            recovery_s = round(self.peer.monotonic() - self._recovered_at, 3)
+            recovery_s = round(self.peer.net.monotonic() - self._recovered_at, 3)
             self._recovered_at = None
         self.peer.out.event(
             "stage_round",

@@ -108,7 +108,7 @@ class SwarmStrategy(Strategy):
                 self.swarm,
                 self.peer.out.event,
                 keep_completed=self._audit is not None,
-                rng=self.peer.rng,
+                rng=self.peer.net.rng,
             )
         if self.serving:
             audit = self._audit / AUDIT_FILE if self._audit is not None else None
@@ -118,7 +118,7 @@ class SwarmStrategy(Strategy):
     # -- train -------------------------------------------------------------------------------
 
     async def train(self, nursery: trio.Nursery) -> int:
-        start = self.peer.monotonic()
+        start = self.peer.net.monotonic()
         roles = [r for r, on in (("server", self.serving), ("trainer", self.training)) if on]
         self.peer.out.event(
             "training",
