@@ -10,10 +10,11 @@ round (every peer sends (P-1)/P of its vector in each of the two phases, at the 
 counted as sent, so a zstd frame's saving counts) divided by the best throughput of one raw
 TCP socket stream carrying random bytes, measured five times before the rounds and five after.
 ratio is round_s / bound_s; cpu_s the CPU seconds of one round in all processes together
-(median).
+(median); raw_cpu_s the CPU seconds the same bytes cost over the raw socket stream (both
+ends, median of the ten measurements), and cpu_ratio = cpu_s / raw_cpu_s.
 
 Last line: peers=… mparams=… codec=… form=… probes=… round_s=… matchmaking_s=… max_err=…
-bound_s=… ratio=… cpu_s=…
+bound_s=… ratio=… cpu_s=… raw_cpu_s=… cpu_ratio=…
 """
 
 from __future__ import annotations
@@ -142,9 +143,11 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def socket_gbps(nbytes: int, tries: int = 5) -> list[float]:
-    """One socket stream's throughput on loopback, ``tries`` times. The payload is random
-    bytes that were written (an untouched buffer reads the kernel's shared zero page)."""
+def socket_gbps(nbytes: int, tries: int = 5) -> tuple[list[float], list[float]]:
+    """One socket stream's throughput on loopback, ``tries`` times, and the CPU seconds per
+    GB it cost both ends together (sender and receiver are threads of this process, so
+    process time counts both). The payload is random bytes that were written (an untouched
+    buffer reads the kernel's shared zero page)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -161,9 +164,10 @@ def socket_gbps(nbytes: int, tries: int = 5) -> list[float]:
             conn.sendall(b"k")
 
     payload = memoryview(bytearray(os.urandom(nbytes)))
-    rates = []
+    rates, cpu_per_gb = [], []
     for _ in range(tries):
         thread = threading.Thread(target=receive)
+        cpu0 = time.process_time()
         thread.start()
         t0 = time.perf_counter()
         with socket.create_connection(("127.0.0.1", port)) as conn:
@@ -171,8 +175,9 @@ def socket_gbps(nbytes: int, tries: int = 5) -> list[float]:
             conn.recv(1)
         rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
         thread.join()
+        cpu_per_gb.append((time.process_time() - cpu0) / (nbytes / 1e9))
     listener.close()
-    return rates
+    return rates, cpu_per_gb
 
 
 WORKER_CMD = [__file__]
@@ -230,7 +235,7 @@ def main() -> None:
 
     # The raw socket is measured before the workers start and after they exit: within one hour
     # on this VM a stream ran at 1.4-3.9 GB/s, slowest right after the workers freed their GBs.
-    rates = socket_gbps(256 << 20)
+    rates, raw_cpu = socket_gbps(256 << 20)
     first = spawn(0, "")
     first_address = json.loads(first.stdout.readline())["address"]  # type: ignore[union-attr]
     procs = [first] + [spawn(i, first_address) for i in range(1, args.peers)]
@@ -268,12 +273,17 @@ def main() -> None:
                 print(f"worker {i} exited with code {p.returncode} after its rounds")
     # The part bytes every peer sent in the last round: contributions and served parts.
     wire = float(last_sent)
-    rates += socket_gbps(256 << 20)
+    after, after_cpu = socket_gbps(256 << 20)
+    rates, raw_cpu = rates + after, raw_cpu + after_cpu
     gbps = max(rates)  # a bound: the best the machine showed
     bound = wire / (gbps * 1e9)
+    # What moving the round's bytes over raw sockets costs in CPU on this machine this hour:
+    # the VM's speed swings about 2x between hours, and the round's CPU with it.
+    raw_cpu_s = wire / 1e9 * statistics.median(raw_cpu)
     print(
         f"raw socket {gbps:.2f} GB/s (best of {', '.join(f'{r:.2f}' for r in rates)}); "
-        f"{wire / 1e9:.3f} GB crossed loopback in the last round"
+        f"{wire / 1e9:.3f} GB crossed loopback in the last round, "
+        f"{raw_cpu_s:.2f} CPU-s over raw sockets"
     )
     print(f"median CPU seconds per round, all peers together: {statistics.median(cpu_times):.2f}")
     print(
@@ -282,7 +292,8 @@ def main() -> None:
         f"matchmaking_s={statistics.median(mm_times):.3f} "
         f"max_err={max(errs):.3g} bound_s={bound:.3f} "
         f"ratio={statistics.median(round_times) / bound:.2f} "
-        f"cpu_s={statistics.median(cpu_times):.2f}"
+        f"cpu_s={statistics.median(cpu_times):.2f} raw_cpu_s={raw_cpu_s:.2f} "
+        f"cpu_ratio={statistics.median(cpu_times) / raw_cpu_s:.2f}"
     )
 
 

@@ -3,20 +3,24 @@ the transport and the executor): heartbeat and record lifetimes, gather windows,
 waits and deadlines.
 
 Each part is the dataclass of the component that owns it, validated there (membership.py,
-state_timings.py, matchmaking.py, dht/config.py); the profile checks the relations between
+state_timings.py, matchmaking.py, dht/config.py, algorithms/swarm/timings.py,
+algorithms/demo/timings.py); the profile checks the relations between
 parts that no one part can see. The peer holds one (`PeerContext.timings`) and each component
 reads its part from it, so a simulated or a tuned run changes timings in one place, and a
 profile whose timings contradict each other fails when it is made, not as a stall in some
 later round.
 
-Not in it yet (module constants still): SWARM's directory, router and trainer timings, DeMo's
-regrouping waits, the bulk plane's and the RPC client's timeouts.
+Not in it: the socket transport's own timeouts (protocol/bulk.py's header, stall and connect
+deadlines, the RPC client's bulk-port lookups), which the simulated transport replaces whole,
+and SWARM's routing policy (router.py's ban lengths).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from swarmd.node.algorithms.demo.timings import DemoTimings
+from swarmd.node.algorithms.swarm.timings import SwarmTimings
 from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.dht.config import DHTConfig
 from swarmd.node.peer.membership import MembershipTimings
@@ -39,6 +43,10 @@ class TimingProfile:
     #: The DHT's timeouts and upkeep periods (lookups, bootstrap, bucket refresh, republish,
     #: stale contacts), with its routing parameters.
     dht: DHTConfig = field(default_factory=DHTConfig)
+    #: SWARM's directory, trainer, move, drain and recovery timings.
+    swarm: SwarmTimings = field(default_factory=SwarmTimings)
+    #: DeMo's regrouping waits and probes.
+    demo: DemoTimings = field(default_factory=DemoTimings)
 
     def __post_init__(self) -> None:
         mm = self.matchmaking

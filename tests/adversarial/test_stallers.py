@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness.join import join_cmd, start_bootstrap, stop_and_collect, wait_for
 from tests.harness.processes import HARNESS, ProcessGroup
 from tests.harness.runs import TINY_RUN
@@ -17,6 +19,9 @@ from tests.harness.runs import TINY_RUN
 GATHER_S = 10.0
 
 
+# In virtual time in the default suite, with the same attendance and matchmaking code
+# (tests/unit/test_sim_rounds.py, stallers test: 2 s); ~37 s here.
+@pytest.mark.slow
 def test_identities_that_heartbeat_and_never_join_are_waited_for_less_and_less(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:

@@ -5,6 +5,7 @@ Everything goes through the docker CLI (what a user types), never a client libra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -103,7 +104,12 @@ def logs(container: str) -> tuple[list[dict[str, Any]], str]:
             try:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
-                continue  # a line cut short by SIGKILL
+                # A line cut short by SIGKILL, which the next run of the container (after a
+                # restart) continues: keep that run's event, drop the cut one.
+                start = line.rfind('{"event"')
+                if start > 0:
+                    with contextlib.suppress(json.JSONDecodeError):
+                        events.append(json.loads(line[start:]))
     return events, proc.stderr
 
 

@@ -56,3 +56,11 @@ def stop_and_collect(procs: list[Proc]) -> list[list[dict[str, Any]]]:
     for p in procs:
         p.process.send_signal(signal.SIGTERM)
     return [events_until_exit(p, timeout=60) for p in procs]
+
+
+def state_at(events: list[dict[str, Any]], round_: int) -> str:
+    """The state a peer held at the end of ``round_``: its outer step's, or the group's state
+    it took instead (its last report of that round, status "synced"). The events are those a
+    peer prints, or a simulated peer records (swarmd/node/sim/peers.py): the same."""
+    steps = [e for e in events if e["event"] == "outer_step" and e["round"] == round_]
+    return str(steps[-1]["state_hash"])

@@ -146,7 +146,7 @@ def test_short_chaos_run_of_demo_keeps_every_invariant(tmp_path: Path) -> None:
 
     It once failed 1 run in 4: the paused peer missed one probe, the others took it for gone
     and never probed it again while its heartbeat lived, so it was left out of every group
-    (DeMoStrategy now probes such peers again after GONE_RECHECK_S); and a member the others
+    (DeMoStrategy now probes such peers again after `gone_recheck_s`); and a member the others
     had dropped waited out deadlines for them (Gatherer now drops a member that refuses us
     as not of its group at once)."""
     out = tmp_path / "chaos"

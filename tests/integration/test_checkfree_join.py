@@ -10,12 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.harness.join import stop_and_collect, wait_for
 from tests.harness.processes import ProcessGroup, run_command, swarmd_cmd
 from tests.harness.runs import SWARM_RUN
 from tests.harness.swarm import STAGE_START_S, stage_server_cmd, start_three_stages
 
 
+# In virtual time in the default suite (tests/unit/test_sim_checkfree_peers.py, two seeds);
+# ~40 s here. CheckFree+'s process test (test_checkfree_plus_join.py) is the recovery's smoke
+# test on real processes.
+@pytest.mark.slow
 def test_a_lost_middle_stage_is_rebuilt_once_and_training_goes_on(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:

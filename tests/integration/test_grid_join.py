@@ -29,9 +29,9 @@ def _outer(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "outer_step"]
 
 
-# Covered in the default suite by the creator-killed test below (after the kill: three peers
-# in groups of 2, every full round on one state, one averaging across rows, the run ending at
-# its total_steps on one state); 25 s here.
+# Covered in the default suite by tests/unit/test_sim_grid_peers.py (real peers in virtual
+# time: after the creator's kill, three peers in groups of 2, every full round on one state,
+# averaging across rows, the run ending at its total_steps on one state); 25 s here.
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_three_peers_in_groups_of_two_average_on_the_grid(
@@ -70,6 +70,9 @@ def test_three_peers_in_groups_of_two_average_on_the_grid(
     assert len({e["state_hash"] for e in last}) == 1, last
 
 
+# In virtual time in the default suite (tests/unit/test_sim_grid_peers.py, three seeds);
+# ~60 s here.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_creator_killed_mid_run_the_grid_peers_end_on_one_state(
     processes: ProcessGroup, tmp_path: Path
@@ -145,8 +148,15 @@ def test_three_streaming_peers_in_groups_of_two_average_fragments_on_the_grid(
         if len(es) == PEERS and all(e["status"] == "averaged" for e in es)
     }  # fmt: skip
     assert len(full) >= 6, turns
+    # A split turn's message carries each peer's warnings. Seen once, in a clean-clone
+    # rehearsal on 2026-12-01 (turn 11 of 20, after a late joiner), with a catch-up change
+    # since taken back; not reproduced in 8 process runs nor in 84 simulated ones with late
+    # joiners and uneven speeds.
+    warned = [f"p{i}: {line}" for i, p in enumerate(procs) for line in p.stderr_tail
+              if "WARNING" in line or "ERROR" in line]  # fmt: skip
     for t, es in full.items():
-        assert len({e["state_hash"] for e in es}) == 1, (t, es)
+        hashes = [(e["state_hash"][:8], e["group_size"]) for e in es]
+        assert len({e["state_hash"] for e in es}) == 1, (t, hashes, warned)
     # Both fragments went over the grid, each with a peer that met both others.
     met_all = {es[0]["fragment"] for es in full.values() if max(e["group_size"] for e in es) == 3}
     assert met_all == {0, 1}, full

@@ -49,6 +49,11 @@ def _rounds(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # It ran alone (`solo`) until 2026-11-30: beside another test a stage's servers split rounds
 # in a row. The cause was a lone round stepped alone (server_role.py, `_carry`).
+# In virtual time in the default suite, on the same peers' code (tests/unit/
+# test_sim_swarm_peers.py, ~25 s); ~62 s here. SWARM through `swarmd join` processes stays
+# in the default suite in test_checkfree_plus_join.py (three stages and a trainer) and
+# test_malformed_activations_are_refused below.
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # ~100 s alone; 9 processes on 2 cores stretch it under load
 def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     processes: ProcessGroup, tmp_path: Path
@@ -175,6 +180,9 @@ def test_pipeline_trains_servers_agree_and_a_joiner_takes_its_stage(
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
 
 
+# In virtual time in the default suite (tests/unit/test_sim_swarm_faults.py, two seeds; a
+# killed host there is silent, its calls wait their deadlines); ~55 s here.
+@pytest.mark.slow
 def test_a_killed_server_s_hops_are_retried_and_no_micro_batch_is_lost_or_doubled(
     processes: ProcessGroup, tmp_path: Path
 ) -> None:
@@ -297,6 +305,8 @@ def test_malformed_activations_are_refused(processes: ProcessGroup, tmp_path: Pa
     trio.run(main)
 
 
+# In virtual time in the default suite (tests/unit/test_sim_swarm_faults.py); ~40 s here.
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # ~60 s alone; a move waits for two looks that name it
 def test_a_server_moves_to_the_bottleneck_stage(processes: ProcessGroup, tmp_path: Path) -> None:
     """3 servers on stage 0, 1 slowed server on stage 1: one stage-0 server moves to stage 1,

@@ -11,11 +11,14 @@ import pytest
 import trio
 import trio.testing
 
+from swarmd.node.algorithms.demo.timings import DemoTimings
+from swarmd.node.algorithms.swarm.timings import SwarmTimings
 from swarmd.node.averaging.matchmaking import MatchmakingConfig
-from swarmd.node.bans import Bans
+from swarmd.node.bans import Bans, Rejection
 from swarmd.node.dht.values import Value
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.membership import MembershipTimings
+from swarmd.node.peer.runend import leave_on_one_state
 from swarmd.node.peer.sharedstate import SharedState, SyncedState
 from swarmd.node.peer.state_timings import StateTimings
 from swarmd.node.statesync.donor import StateAdvert
@@ -131,6 +134,63 @@ def test_a_peer_whose_met_peers_all_left_follows_what_several_others_hold(
     assert synced == []
 
 
+@pytest.mark.parametrize("other", ["stranger", "banned"])
+def test_a_peer_does_not_wait_for_adverts_it_would_not_read(tmp_path: Path, other: str) -> None:
+    """An honest member of a group of three whose all-reduce left its partner's contribution
+    out of a part (opposed to both others' for a round) did not count that round as shared,
+    and waited for the adverts of every live peer, the liar included: a peer it never
+    averaged with, whose adverts it does not read. It sat out all of `lone_wait_s` although
+    its partner had advertised their common state, and the two others met the next round
+    as a pair without it (CI: the run's last round then ended on two states)."""
+    creator, liar = Identity.generate().peer_id, Identity.generate().peer_id
+    adverts = {
+        creator: StateAdvert(5, h("mine"), "127.0.0.1:1", 10, shared=True),
+        liar: StateAdvert(5, h("mine"), "127.0.0.2:1", 10, shared=True),
+    }
+    state, synced = shared_state(tmp_path, adverts, creator, live={creator, liar})
+    state.met, state.shared_round = {str(creator)}, 4  # round 5 counted as not shared
+    if other == "banned":
+        state.met.add(str(liar))  # met in an earlier round, banned since
+        bans: Bans = cast(Any, state.peer).averager.bans
+        assert bans.offence(liar, Rejection("signed two different proofs", "false_data"))
+
+    async def main() -> float:
+        t0 = trio.current_time()
+        assert not await state.catch_up()  # the creator holds this peer's state
+        return trio.current_time() - t0
+
+    waited = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert waited < state.timings.lone_poll_s, waited
+    assert synced == []
+
+
+def test_the_runs_end_does_not_wait_for_a_peer_banned_since_it_was_met(tmp_path: Path) -> None:
+    """At the run's end a peer waits until every live peer it met advertises the last round's
+    state; one it banned since (an equivocator it averaged with before it lied) advertises
+    nothing `adverts` shows, and held it all of `end_wait_s`, then warned that the run had
+    not ended on one state although every peer it reads had."""
+    creator, liar = Identity.generate().peer_id, Identity.generate().peer_id
+    adverts = {
+        creator: StateAdvert(5, h("mine"), "127.0.0.1:1", 10, shared=True),
+        liar: StateAdvert(5, h("lie"), "127.0.0.2:1", 10, shared=True),
+    }
+    state, synced = shared_state(tmp_path, adverts, creator, live={creator, liar})
+    state.met = {str(creator), str(liar)}
+    bans: Bans = cast(Any, state.peer).averager.bans
+    assert bans.offence(liar, Rejection("signed two different proofs", "false_data"))
+
+    async def took() -> None:
+        raise AssertionError("nothing to take: every peer it reads holds its state")
+
+    async def main() -> tuple[bool, float]:
+        t0 = trio.current_time()
+        return await leave_on_one_state(state, took), trio.current_time() - t0
+
+    ended, waited = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert ended and waited < state.timings.lone_poll_s, waited
+    assert synced == []
+
+
 def test_a_lone_peer_waits_as_long_as_its_timing_profile_says(tmp_path: Path) -> None:
     """The wait for the others' adverts is the profile's `lone_wait_s`, not a constant: a
     simulated or tuned run changes it in one place (node/timing.py)."""
@@ -162,3 +222,9 @@ def test_timings_that_contradict_each_other_fail_when_the_profile_is_made() -> N
         StateTimings(lone_wait_s=40.0)  # the run's end gives up before a lone peer settles
     with pytest.raises(ValueError, match="outlast"):
         TimingProfile(matchmaking=MatchmakingConfig(gather_s=10.0, ttl_s=15.0))
+    with pytest.raises(ValueError, match="two refreshes"):
+        SwarmTimings(record_ttl_s=5.0, refresh_s=3.0)  # one late refresh drops a live server
+    with pytest.raises(ValueError, match="regroup_wait_s"):
+        DemoTimings(retry_gather_s=90.0)  # no retry fits in the regrouping wait
+    with pytest.raises(ValueError, match="drain_s"):
+        SwarmTimings(drain_s=0.0)

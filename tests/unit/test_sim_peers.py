@@ -259,3 +259,40 @@ def test_a_peers_scenario_file_runs_real_peers_and_checks_they_end_on_one_state(
     path.write_text(CHURN + "[[faults]]\nat_s = 6\ncut = [[0], [1, 3]]\n")
     outcome = load_scenario(path).run(0)
     assert any("states at round" in b for b in outcome.broken), outcome.summary
+
+
+def demo_with_a_kill(root: Path, seed: int) -> SimPeers:
+    """Three DeMo peers; one is killed 8 virtual seconds in and a fourth joins."""
+    config = RunConfig.from_mapping(tomllib.loads(DEMO_RUN), name="demo")
+
+    async def main() -> SimPeers:
+        sim = SimPeers(root, seed=seed)
+        async with trio.open_nursery() as nursery:
+            boot = await sim.bootstrap(nursery)
+            peers = sim.run_of(config, 3, boot, max_steps=30, step_s=STEP_S)
+            for peer in peers:
+                nursery.start_soon(sim.run, peer)
+            await trio.sleep(8.0)
+            sim.kill(peers[2])
+            (joiner,) = sim.run_of(config, 1, boot, max_steps=20, step_s=STEP_S)
+            nursery.start_soon(sim.run, joiner)
+            with trio.fail_after(600):
+                for peer in [*peers[:2], joiner]:
+                    await peer.done.wait()
+            nursery.cancel_scope.cancel()
+        return sim
+
+    return run_virtual(main, seed=seed)
+
+
+def test_one_seed_replays_a_demo_run_with_a_member_killed(tmp_path: Path) -> None:
+    """DeMo's regrouping and gathers read the peer's clock (virtual time here). On the OS's
+    clock, the survivors' 60 s regrouping wait after the kill lasted a minute of wall time in
+    virtual polls: three runs of this seed made 96,603, 118,081 and 122,380 calls."""
+    a, b = (demo_with_a_kill(tmp_path / str(i), seed=2) for i in range(2))
+    assert a.net.calls == b.net.calls < 10_000, (a.net.calls, b.net.calls)
+    assert a.net.trace.hexdigest() == b.net.trace.hexdigest()
+    assert [p.error for p in a.peers] == [None] * 4
+    assert [[e["state_hash"] for e in outer_steps(p)] for p in a.peers] == [
+        [e["state_hash"] for e in outer_steps(p)] for p in b.peers
+    ]

@@ -4,11 +4,14 @@ modelled stage servers (swarmd/node/sim/swarm.py). Fixed seeds: a failure replay
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import pytest
 
 from swarmd.node.algorithms.swarm.config import SwarmConfig
 from swarmd.node.sim.swarm import run_swarm
-from swarmd.node.sim.swarm_spec import SwarmScenario, without_rebalancing
+from swarmd.node.sim.swarm_spec import SwarmReport, SwarmScenario, without_rebalancing
 
 
 def small(**changes: object) -> SwarmScenario:
@@ -59,14 +62,25 @@ def test_preempted_servers_cost_retries_not_micro_batches() -> None:
     assert report.done > 0 and 0 < report.efficiency < 1
 
 
-def test_audits_catch_lying_servers_and_keep_their_answers_out() -> None:
-    # Two of 24 servers answer every call x(-20), wherever they serve (the last stage's
-    # liar answers Last calls, checked as CheckLast).
-    liars = small(liars=2, lifetime_s=math.inf)
-    unchecked = run_swarm(
-        dataclasses.replace(liars, swarm=SwarmConfig(stages=3, inflight=8, audit=0))
+def liars() -> SwarmScenario:
+    """Two of 24 servers answer every call x(-20), wherever they serve (the last stage's
+    liar answers Last calls, checked as CheckLast)."""
+    return small(liars=2, lifetime_s=math.inf)
+
+
+@functools.cache
+def unaudited() -> SwarmReport:
+    """The liars' run with no audit at all: both audit tests' baseline, run once (the two
+    tests share an xdist group, so one worker runs both)."""
+    scenario = liars()
+    return run_swarm(
+        dataclasses.replace(scenario, swarm=dataclasses.replace(scenario.swarm, audit=0))
     )
-    checked = run_swarm(liars)
+
+
+@pytest.mark.xdist_group("sim_swarm_liars")
+def test_audits_catch_lying_servers_and_keep_their_answers_out() -> None:
+    unchecked, checked = unaudited(), run_swarm(liars())
     assert unchecked.caught == 0 and unchecked.poisoned > 0.05 * unchecked.done
     # Each of the 6 trainers catches each liar at least once ...
     assert checked.caught >= 12, checked.caught
@@ -75,15 +89,17 @@ def test_audits_catch_lying_servers_and_keep_their_answers_out() -> None:
     assert checked.failed == 0
 
 
+@pytest.mark.xdist_group("sim_swarm_liars")
 def test_an_outsized_answer_is_audited_whatever_the_audit_share() -> None:
     # A liar's x(-20) answers are far larger than the stage's other servers' (grad_bound.py,
     # each server held to the others' norms): a trainer audits every such answer, so the
     # liars are caught even when almost no hop is audited by chance, and none of their
     # gradients is relayed to the stage before (whose servers cannot tell who lied).
-    liars = small(liars=2, lifetime_s=math.inf)
-    rare = SwarmConfig(stages=3, inflight=8, audit=1e-9, rebalance_s=30.0)
-    unchecked = run_swarm(dataclasses.replace(liars, swarm=dataclasses.replace(rare, audit=0)))
-    checked = run_swarm(dataclasses.replace(liars, swarm=rare))
+    scenario = liars()
+    unchecked = unaudited()
+    checked = run_swarm(
+        dataclasses.replace(scenario, swarm=dataclasses.replace(scenario.swarm, audit=1e-9))
+    )
     assert checked.caught >= 12, checked.caught
     assert checked.poisoned < unchecked.poisoned / 50, (checked.poisoned, unchecked.poisoned)
     assert checked.failed == 0

@@ -5,53 +5,31 @@ The process test of the same pipeline is tests/integration/test_swarm_join.py.""
 
 from __future__ import annotations
 
-import tomllib
 from collections import defaultdict
 from pathlib import Path
 
 import trio
 
-from swarmd.node.peer.runconfig import RunConfig
 from swarmd.node.sim.peers import SimPeer, SimPeers
-from swarmd.node.sim.virtual import run_virtual
 from tests.harness.runs import SWARM_RUN
+from tests.harness.sim_swarm import SwarmSim, swarm_run
 
 
 def pipeline(root: Path, seed: int, half_s: float = 20.0) -> tuple[SimPeers, list[SimPeer]]:
     """Two servers a stage and two trainers for ``half_s`` virtual seconds; then a third
     stage-1 server joins, and all run ``half_s`` more."""
 
-    async def main() -> SimPeers:
-        sim = SimPeers(root, seed=seed)
-        config = RunConfig.from_mapping(tomllib.loads(SWARM_RUN), name="swarm")
-        async with trio.open_nursery() as nursery:
-            boot = await sim.bootstrap(nursery)
+    async def body(run: SwarmSim) -> None:
+        for stage in range(3):
+            for x in "ab":
+                run.add(f"s{stage}{x}", role="server", stage=stage)
+        for i in range(2):
+            run.add(f"t{i}", role="trainer")
+        await trio.sleep(half_s)
+        run.add("s1c", role="server", stage=1)
+        await trio.sleep(half_s)
 
-            def add(name: str, **more: object) -> SimPeer:
-                first = not sim.peers
-                peer = sim.add(
-                    name, run="swarm", peers=[boot], create_run=config if first else None, **more
-                )
-                nursery.start_soon(sim.run, peer)
-                return peer
-
-            for stage in range(3):
-                for x in "ab":
-                    add(f"s{stage}{x}", role="server", stage=stage)
-            for i in range(2):
-                add(f"t{i}", role="trainer")
-            await trio.sleep(half_s)
-            add("s1c", role="server", stage=1)
-            await trio.sleep(half_s)
-            for peer in sim.peers:
-                sim.stop(peer)
-            with trio.fail_after(120):
-                for peer in sim.peers:
-                    await peer.done.wait()
-            nursery.cancel_scope.cancel()
-        return sim
-
-    sim = run_virtual(main, seed=seed)
+    sim = swarm_run(root, SWARM_RUN, body, seed=seed)
     return sim, sim.peers
 
 

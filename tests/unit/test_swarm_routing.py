@@ -231,7 +231,7 @@ def _claimer(store: Directory, me: PeerId) -> Generator[None, None, bool]:
     verdict = contest(dict(store), me, 1)
     yield
     if verdict == "wait":
-        yield  # CONTEST_WAIT_S: long enough for a rival's read and publish (two steps)
+        yield  # contest_wait_s: long enough for a rival's read and publish (two steps)
         yield
         verdict = "go" if contest(dict(store), me, 1) == "go" else "yield"
         yield

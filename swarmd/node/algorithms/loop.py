@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import time
 from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -230,7 +229,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
             algo=config.algo,
         )
         await self.state.publish(self.first_step)
-        start = time.monotonic()
+        start = self.peer.net.monotonic()
         first_val = await offload.run_sync(self.validate)
         self.peer.stats.val_loss, self.peer.stats.params = first_val, opt.numel
         self.peer.out.event(
@@ -251,8 +250,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
         loss = await offload.run_sync(self.opt.inner_step, batch)
         if self._faults is not None and (delay := self._faults.plan().step_delay_s):
             await trio.sleep(delay)
-        if self.peer.net.step_s:
-            await trio.sleep(self.peer.net.step_s)
+        await self.peer.net.inner_step()
         stats = self.peer.stats
         stats.step, stats.loss = step + 1, loss
         stats.tokens += config.batch_size * config.block_size * self.opt.forward.world
@@ -448,7 +446,7 @@ class OuterLoopStrategy(Strategy, Generic[Opt]):
 
     async def took_group_state(self, step: int, t0: float, **fields: object) -> None:
         """After a catch-up: publishes the group's state as this peer's and says so."""
-        waited = time.monotonic() - t0
+        waited = self.peer.net.monotonic() - t0
         self.peer.clock.wait_s += waited
         snap = await self.state.publish(step)
         opt = self.opt

@@ -15,6 +15,7 @@ the run asks for it), never proven.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the harness and schedules import this module without torch
@@ -30,21 +31,32 @@ WEIGHTFLIP = 3.9
 ENV_VAR = "SWARMD_LIE"
 
 
-def install(lie: str) -> None:
-    """Makes every DiLoCo of this process tell ``lie`` from now on."""
+def _always() -> bool:
+    return True
+
+
+def install(lie: str, when: Callable[[], bool] = _always) -> None:
+    """Makes every DiLoCo of this process tell ``lie`` from now on, while ``when()`` says the
+    code running is the liar's (always, in a liar's process; in the simulator, whether the
+    current host is the liar's: swarmd/node/sim/host.py)."""
     from swarmd.optim.diloco import DiLoCo
 
     if lie not in LIES:
         raise SystemExit(f"{ENV_VAR} must be one of {', '.join(LIES)}, not {lie!r}")
-    honest = DiLoCo.pseudo_gradient
+    honest, honest_weight = DiLoCo.pseudo_gradient, DiLoCo.weight
     factor = 100.0 if lie == "scale100" else -1.0
+    claims: dict[str, Callable[[float], float]] = {
+        "weight": lambda w: 1e9,
+        "weightflip": lambda w: WEIGHTFLIP * w,
+    }
+    claimed = claims.get(lie)
 
     def lying_pseudo_gradient(self: DiLoCo) -> torch.Tensor:
-        return honest(self) * factor
+        return honest(self) * factor if when() else honest(self)
+
+    def lying_weight(self: DiLoCo) -> float:
+        w = honest_weight(self)
+        return claimed(w) if claimed is not None and when() else w
 
     DiLoCo.pseudo_gradient = lying_pseudo_gradient  # type: ignore[method-assign]
-    if lie == "weight":
-        DiLoCo.weight = lambda self: 1e9  # type: ignore[method-assign]
-    elif lie == "weightflip":
-        honest_weight = DiLoCo.weight
-        DiLoCo.weight = lambda self: WEIGHTFLIP * honest_weight(self)  # type: ignore[method-assign]
+    DiLoCo.weight = lying_weight  # type: ignore[method-assign]

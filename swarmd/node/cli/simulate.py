@@ -116,12 +116,17 @@ speed_sigma = 0.0
 inner_steps = 5
 min_group_size = 2
 
-[[faults]]            # at a virtual second: kill, stop (SIGTERM), join, cut, heal
-at_s = 0
+[[faults]]            # at a virtual second: kill, stop (SIGTERM), pause (SIGSTOP),
+at_s = 0              # resume (SIGCONT), join, cut, heal
 cut = [[0, 1], [2, 3]]  # peer indices on each side (joiners are numbered after)
 [[faults]]
 at_s = 60
 heal = true
+
+[churn]               # lifetimes from the seed: killed after an exponential lifetime
+lifetime_s = 0        # of this mean (0: no churn) unless done first; a newcomer joins
+replace_s = 10        # this long after each death; nobody dies of churn after until_s
+until_s = 300
 
 [invariants]
 one_state = true      # the living peers hold one state at the last round all reached

@@ -7,7 +7,6 @@ The DHT node listens on port 0 and serves nothing of its own, like `swarmd statu
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from swarmd.node.dashboard.board import Board
 from swarmd.node.dashboard.reading import read_run
 from swarmd.node.dht import BootstrapError, DHTNode
 from swarmd.node.runtime.errors import innermost
+from swarmd.node.runtime.jsonlines import print_event
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
@@ -87,7 +87,7 @@ async def _main(options: DashboardOptions) -> None:
         # A JSON line on stdout for scripts and tests (as `swarmd dht` announces itself), the
         # URL for a person on stderr.
         address = url.removeprefix("http://").rstrip("/")
-        print(json.dumps({"event": "dashboard", "url": url, "address": address}), flush=True)
+        print_event({"event": "dashboard", "url": url, "address": address})
         print(f"[swarmd] dashboard of run {options.run!r}: {url}", file=sys.stderr, flush=True)
 
 

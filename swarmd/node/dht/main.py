@@ -8,7 +8,6 @@ SIGINT or SIGTERM.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import signal
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 import trio
 
 from swarmd.node.dht.node import DHT_TRANSPORT, DHTConfig, open_dht
+from swarmd.node.runtime.jsonlines import print_event
 from swarmd.protocol import rpc
 from swarmd.protocol.address import Address
 from swarmd.protocol.identity import Identity
@@ -40,7 +40,7 @@ class DHTNodeOptions:
 
 
 def _print(event: str, **fields: object) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    print_event({"event": event, **fields})
 
 
 async def run_dht_node(options: DHTNodeOptions) -> None:

@@ -50,10 +50,12 @@ class WaitClock:
     wait_s: float = 0.0
     #: Seconds the trainer spent outside inner steps for outer steps (waiting included).
     held_s: float = 0.0
+    #: The peer's monotonic clock (its PeerNet's: virtual time in the simulator).
+    now: Callable[[], float] = time.monotonic
 
     def held(self, t0: float) -> float:
         """Adds the time since `t0` to the trainer's time outside inner steps; returns it."""
-        held = time.monotonic() - t0
+        held = self.now() - t0
         self.held_s += held
         return held
 
@@ -91,6 +93,9 @@ class PeerContext:
     #: Its network, clocks, random choices and simulated device (peer/net.py): the OS's in
     #: a daemon, virtual and seeded in the simulator.
     net: PeerNet = field(default_factory=SocketNet)
+
+    def __post_init__(self) -> None:
+        self.clock.now = self.net.monotonic
 
     def host(self, algo: str, kind: type[H]) -> H:
         """The service ``algo``'s strategy hosts on this peer (made by its `host`)."""
@@ -134,4 +139,4 @@ class PeerContext:
             return True
         if opts.max_steps is not None and step >= opts.max_steps:
             return True
-        return opts.duration_s is not None and time.monotonic() - start >= opts.duration_s
+        return opts.duration_s is not None and self.net.monotonic() - start >= opts.duration_s

@@ -52,10 +52,12 @@ class PeerNet(Protocol):
     signals: bool
     #: The peer's random choices (seeded from the OS; from the seed in the simulator).
     rng: random.Random
-    #: Seconds each inner step is charged on top of its own running time: 0 in a daemon,
-    #: where the step takes its time; the simulated device's step time (the loop runs steps
-    #: inline, in no virtual time).
-    step_s: float
+
+    async def inner_step(self) -> None:
+        """After each inner step: nothing in a daemon, where the step took its own time; in
+        the simulator, which runs steps inline in no virtual time, the simulated device's
+        step time (and the wait of a paused host)."""
+        ...
 
     def monotonic(self) -> float:
         """Seconds for the peer's own timeouts (a state donor's leases): the OS's monotonic
@@ -104,10 +106,12 @@ class SocketNet:
     """A daemon's network: gRPC and the bulk plane on real sockets, the OS's clocks."""
 
     signals = True
-    step_s = 0.0
 
     def __init__(self) -> None:
         self.rng = random.Random()
+
+    async def inner_step(self) -> None:
+        return None
 
     def monotonic(self) -> float:
         return time.monotonic()

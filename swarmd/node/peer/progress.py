@@ -6,7 +6,6 @@ harness, which parse the `event` field (a contract: field names are not renamed 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -18,6 +17,7 @@ import trio
 
 from swarmd.node.metrics import Metrics, TrainingFigures
 from swarmd.node.peer.progress_record import MAX_NOTICE_TEXT, MAX_NOTICES, Notice
+from swarmd.node.runtime.jsonlines import print_event
 
 #: Events a peer also publishes in its progress record, for the dashboard's event list (the
 #: page's own readings show joins, leaves, moves and rounds; these only the peer knows).
@@ -27,7 +27,7 @@ NOTICE_KINDS = frozenset({"peer_banned", "stage_recovered"})
 def announce(event: str, **fields: object) -> None:
     """One JSON line on stdout, whatever the log format: how tests and scripts learn
     OS-chosen ports."""
-    print(json.dumps({"event": event, **fields}), flush=True)
+    print_event({"event": event, **fields})
 
 
 class Progress:
@@ -46,7 +46,7 @@ class Progress:
         if kind in NOTICE_KINDS:
             self.notices.append(Notice(round(time.time(), 3), kind, text[:MAX_NOTICE_TEXT]))
         if self.fmt == "json":
-            print(json.dumps({"event": kind, "time": round(time.time(), 3), **fields}), flush=True)
+            print_event({"event": kind, "time": round(time.time(), 3), **fields})
         else:
             print(f"[swarmd] {text}", file=sys.stderr, flush=True)
 

@@ -26,13 +26,13 @@ async def leave_on_one_state(state: SharedState, took: Callable[[], Awaitable[No
     """Waits until every live peer advertises one state of this peer's round, taking the
     majority's state if this one's differs (then ``took()`` publishes and reports it); True
     if all did within `end_wait_s`."""
-    me = str(state.peer.identity.peer_id)
     age, timings = state.opt.age, state.timings
     with trio.move_on_after(timings.end_wait_s):
         while True:
             # Of the live peers, those it met: an identity that heartbeats and never joins
             # (a staller) advertises no state, and would hold every peer here `end_wait_s`.
-            live = {str(p) for p in await state.peer.live.addresses()} & state.met - {me}
+            # Nor one banned since this one met it: `adverts` shows nothing of it.
+            live = await state.awaited(state.met)
             final = {a.owner: a.state_hash for a in await state.adverts() if a.round >= age}
             if live <= final.keys():
                 if set(final.values()) <= {state.last_hash}:

@@ -231,7 +231,7 @@ class SharedState:
                 advert = StateAdvert.from_bytes(value.value)
             except ValueError:
                 continue
-            if known_only and self.met and peer not in self.met and peer != self.creator:
+            if self._stranger(peer, known_only):
                 self._ignore_stranger(peer, advert)
                 continue
             if advert.state_hash in self.refused or self._banned(peer):
@@ -243,6 +243,21 @@ class SharedState:
         """Downloads and loads the state these adverts name (a strategy that decides itself
         whose state to follow); False if that failed."""
         return await self._sync_from_group(adverts)
+
+    def _stranger(self, peer: str, known_only: bool) -> bool:
+        """Whether `adverts(known_only=...)` leaves this peer's adverts out as a stranger's."""
+        return known_only and bool(self.met) and peer not in self.met and peer != self.creator
+
+    async def awaited(
+        self, among: Collection[str] | None = None, known_only: bool = False
+    ) -> set[str]:
+        """The other live peers (of ``among``, if given) whose adverts `adverts(known_only=...)`
+        can show (not a stranger's, nor a banned peer's): what a wait for adverts waits for."""
+        me = str(self.peer.identity.peer_id)
+        live = {str(p) for p in await self.peer.live.addresses()} - {me}
+        if among is not None:
+            live &= set(among)
+        return {p for p in live if not self._stranger(p, known_only) and not self._banned(p)}
 
     def _banned(self, peer: str) -> bool:
         try:
@@ -433,8 +448,9 @@ class SharedState:
         publishers: Collection[PeerId] = (),
         known_only: bool = True,
     ) -> list[StateAdvert]:
-        """Waits (at most `lone_wait_s`) until every other live peer (of ``publishers``, if
-        given) advertises a state of `age` or newer; returns the adverts then.
+        """Waits (at most `lone_wait_s`) until every other live peer whose adverts it reads
+        (of ``publishers``, if given) advertises a state of `age` or newer; returns the
+        adverts then.
 
         Waiting for every live peer, two peers that came late to a grid round's roll call
         waited for each other, each sitting the round out: both waited all of `lone_wait_s`,
@@ -452,14 +468,13 @@ class SharedState:
         group's key. If the whole group failed the round, their adverts show this peer's very
         state and it keeps it."""
         deadline = trio.current_time() + self.timings.lone_wait_s
+        among = {str(p) for p in publishers} if publishers else None
         while trio.current_time() < deadline:
-            if publishers:
-                live = {str(p) for p in await self.peer.live.addresses()} & {
-                    str(p) for p in publishers
-                }
-                if live <= {a.owner for a in adverts if a.round >= age}:
-                    break
-            elif sum(a.round >= age for a in adverts) >= await self.peer.live.count() - 1:
+            # Waiting for a stranger's advert too (a liar it never averaged with), an honest
+            # member whose partner was left out of a part sat out all of `lone_wait_s`, and
+            # missed the run's last round (CI, issue 47's weightflip test; test_sim_liars).
+            awaited = await self.awaited(among, known_only)
+            if awaited <= {a.owner for a in adverts if a.round >= age}:
                 break
             await trio.sleep(self.timings.lone_poll_s)
             adverts = await self.adverts(known_only=known_only)

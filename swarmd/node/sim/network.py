@@ -23,19 +23,19 @@ vanished home router does); a lost message fails its call after the one-way dela
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import math
 import random
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TypeVar
 
 import trio
 from google.protobuf.message import DecodeError, Message
 
+from swarmd.node.sim.host import Host as Host
+from swarmd.node.sim.host import current_host as current_host
+from swarmd.node.sim.host import on_host
 from swarmd.node.sim.netconfig import NetworkConfig as NetworkConfig
 from swarmd.protocol import rpc
 from swarmd.protocol.calls import M
@@ -55,53 +55,6 @@ from swarmd.protocol.identity import Identity, PeerId, ReplayGuard, SignedHeader
 SIM_EPOCH_S = 1.8e9
 
 T = TypeVar("T")
-
-
-@dataclass
-class Host:
-    """One simulated machine: who it is, what it serves, whether it is up."""
-
-    address: str
-    identity: Identity
-    guard: ReplayGuard
-    methods: dict[str, rpc.Method] = field(default_factory=dict)
-    gates: dict[str, rpc.Gate] = field(default_factory=dict)
-    up: bool = True
-    #: Its server answers; False once the peer's process has exited: calls are refused at
-    #: once (a closed port), not left to their deadlines as a dead host's are.
-    listening: bool = True
-    #: Behind NAT: it can call out, nobody can call it.
-    dialable: bool = True
-    sent_bytes: int = 0
-    received_bytes: int = 0
-    up_bytes_s: float = 12.5e6
-    down_bytes_s: float = 12.5e6
-    #: When the uplink and downlink are next free (virtual time).
-    up_free: float = 0.0
-    down_free: float = 0.0
-    #: How far this host's wall clock is off (NetworkConfig.clock_skew_s).
-    skew_s: float = 0.0
-    #: Its log records of WARNING and above (sim/peers.py's PeerLogs), with virtual times.
-    logs: list[str] = field(default_factory=list)
-    #: Its server's rate limits, on virtual time.
-    limiter: rpc.RateLimiter = field(
-        default_factory=lambda: rpc.RateLimiter(rpc.RateLimits(), clock=trio.current_time)
-    )
-
-
-#: The host whose code is running: a peer's own tasks run on its host, and a handler runs on
-#: the callee's host although the caller's task runs it (one process, no threads), so that
-#: what it logs, and a lie a scenario gives one host, are that host's.
-current_host: contextvars.ContextVar[Host | None] = contextvars.ContextVar("sim_host", default=None)
-
-
-@contextlib.contextmanager
-def _on(host: Host) -> Iterator[None]:
-    token = current_host.set(host)
-    try:
-        yield
-    finally:
-        current_host.reset(token)
 
 
 class SimNetwork:
@@ -176,6 +129,23 @@ class SimNetwork:
 
     def kill(self, address: str) -> None:
         self.hosts[address].up = False
+
+    def pause(self, address: str) -> None:
+        """As SIGSTOP: the host stops talking and computing. Its calls out and the answers to
+        them wait, calls to it wait before its handler runs (a stopped process's kernel holds
+        their bytes), each within its caller's deadline, and its peer's inner steps wait; all
+        go on at `resume`. Unlike a stopped process, its own timers still fire meanwhile (a
+        stopped one's fire at SIGCONT): a round it was in may end on its deadlines, alone."""
+        host = self.hosts[address]
+        if host.resume is None:
+            host.resume = trio.Event()
+
+    def resume(self, address: str) -> None:
+        """As SIGCONT: what the paused host was doing goes on."""
+        host = self.hosts[address]
+        event, host.resume = host.resume, None
+        if event is not None:
+            event.set()
 
     def partition(self, sides: Iterable[Iterable[str]]) -> None:
         """Cuts the network into ``sides`` (addresses); hosts on no side are on side 0."""
@@ -310,6 +280,7 @@ class SimClient:
         net, me = self.network, self.host
         if not me.up:
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "this host is down")
+        await me.unpaused()
         one_way = net.rtt(me.address, address) / 2
         if not net.reachable(me.address, address):
             await trio.sleep_forever()  # nobody answers: the caller's deadline ends it
@@ -328,10 +299,12 @@ class SimClient:
         if not host.listening:
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "connection refused")
         host.received_bytes += len(body)
+        await host.unpaused()
         raw = await _serve(net, host, me.address, path, body, signed)
         await trio.sleep(one_way)
         if not (me.up and net.same_side(address, me.address)):
             await trio.sleep_forever()  # the answer never arrives
+        await me.unpaused()
         me.received_bytes += len(raw)
         host.sent_bytes += len(raw)
         return raw
@@ -399,6 +372,7 @@ class SimTensorClient(SimClient):
         net, me = self.network, self.host
         if not me.up or not net.reachable(me.address, address):
             await trio.sleep_forever()
+        await me.unpaused()
         host = net.hosts[address]
         signed = self._sign(path, signed_bytes, expect or host.identity.peer_id)
         net.record(me.address, address, path, sum(map(len, frames)) or len(signed_bytes))
@@ -408,6 +382,7 @@ class SimTensorClient(SimClient):
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "simulated loss")
         if not host.listening:
             raise rpc.RpcError(rpc.StatusCode.UNAVAILABLE, "connection refused")
+        await host.unpaused()
         ctx = _authenticate(net, host, me.address, path, signed_bytes, signed)
         method = host.methods.get(path)
         if method is None or method.kind != f"tensor_{kind}":
@@ -415,19 +390,21 @@ class SimTensorClient(SimClient):
         if kind == "in":
             await net.transfer(me, host, sum(map(len, frames)))
             meta, data = assemble(frames, 2 << 30)
-            with _on(host):
+            with on_host(host):
                 if method.admit is not None:
                     await method.admit(meta, ctx)
                 response: Message = await method.handler(meta, data, ctx)
             await trio.sleep(one_way)
+            await me.unpaused()
             return response.SerializeToString()
         assert method.request_type is not None
         request = method.request_type.FromString(signed_bytes)
-        with _on(host):
+        with on_host(host):
             meta, payload = await method.handler(request, ctx)
         out = list(iter_frames(meta, payload_segments(payload), self.chunk_bytes))
         await trio.sleep(one_way)
         await net.transfer(host, me, sum(map(len, out)))
+        await me.unpaused()
         limit = (2 << 30) if max_bytes is None else max_bytes
         return assemble(out, limit)
 
@@ -469,6 +446,6 @@ async def _serve(
         request = method.request_type.FromString(body)
     except DecodeError as exc:
         raise rpc.RpcError(rpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}") from None
-    with _on(host):
+    with on_host(host):
         response: Message = await method.handler(request, ctx)
     return response.SerializeToString()

@@ -4,8 +4,10 @@ Each peer is the daemon's lifecycle with the run's real model (the scenario's ``
 table is a run config, as `--create-run` reads it); the first creates the run, the others
 join through one bootstrap node; each trains ``rounds`` rounds of the run's H steps (its
 ``--max-steps``). Faults come at virtual times: a peer killed (a vanished host), told to
-leave (SIGTERM), new peers joining, the network cut between sides (the bootstrap node on no
-side) and healed. What it checks is what `swarmd chaos` checks of real processes: the living
+leave (SIGTERM), paused and resumed (SIGSTOP, SIGCONT), new peers joining, the network cut
+between sides (the bootstrap node on no side) and healed; and churn from the seed, each
+peer's lifetime drawn from an exponential distribution and a replacement joining after it
+dies (`PeerChurn`). What it checks is what `swarmd chaos` checks of real processes: the living
 peers end on one state (at the last round all of them reached), and the share of their
 peer-rounds averaged in a group.
 """
@@ -50,6 +52,9 @@ class PeerFault:
     at_s: float
     kill: tuple[int, ...] = ()
     stop: tuple[int, ...] = ()
+    #: Paused as SIGSTOP pauses a process (SimNetwork.pause), until a later ``resume``.
+    pause: tuple[int, ...] = ()
+    resume: tuple[int, ...] = ()
     join: int = 0
     #: Sides of peer indices whose calls to one another fail (hosts on no side reach all).
     cut: tuple[tuple[int, ...], ...] = ()
@@ -60,9 +65,25 @@ class PeerFault:
             raise ValueError("a fault's at_s must be >= 0")
         if self.join < 0:
             raise ValueError("a fault's join must be >= 0")
-        object.__setattr__(self, "kill", tuple(self.kill))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("kill", "stop", "pause", "resume"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "cut", tuple(tuple(side) for side in self.cut))
+
+
+@dataclass(frozen=True)
+class PeerChurn:
+    """Churn from the seed (``[churn]``): every peer, the first ones and each replacement,
+    is killed after a lifetime drawn from an exponential distribution of mean ``lifetime_s``
+    (0: no churn), unless it has finished its rounds first, and a new peer joins
+    ``replace_s`` after each death. Nobody dies of churn after ``until_s``."""
+
+    lifetime_s: float = 0.0
+    replace_s: float = 10.0
+    until_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not (self.lifetime_s >= 0 and self.replace_s >= 0 and self.until_s > 0):
+            raise ValueError("churn needs lifetime_s >= 0, replace_s >= 0 and until_s > 0")
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,7 @@ class PeersScenario:
     #: The run config (RunConfig's keys; name "sim").
     run: dict[str, Any] = field(default_factory=lambda: dict(TINY_RUN))
     faults: tuple[PeerFault, ...] = ()
+    churn: PeerChurn = field(default_factory=PeerChurn)
     #: Virtual seconds after which the run counts as hung.
     limit_s: float = 3600.0
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -92,7 +114,7 @@ class PeersScenario:
         made = self.peers
         for f in sorted(faults, key=lambda f: f.at_s):
             made += f.join
-            named = (*f.kill, *f.stop, *(p for side in f.cut for p in side))
+            named = (*f.kill, *f.stop, *f.pause, *f.resume, *(p for side in f.cut for p in side))
             if any(not 0 <= i < made for i in named):
                 raise ValueError(
                     f"the fault at {f.at_s:g} s names a peer outside 0..{made - 1} (the peers "
@@ -117,6 +139,8 @@ class PeersReport:
     averaged_share: float
     #: Each living peer's outer steps as (round, status, group size).
     timelines: dict[str, list[tuple[int, str, int]]]
+    #: ... and the virtual second of each.
+    times: dict[str, list[float]]
     #: The last round every living peer reached, and how many states they hold there.
     common_round: int
     end_states: int
@@ -140,6 +164,9 @@ def run_peers(
     async def main(root: Path) -> tuple[SimPeers, set[int], float]:
         sim = SimPeers(root, seed=scenario.seed, network=scenario.network)
         gone: set[int] = set()
+        # A stream of its own: the speeds' draws stay what they were without churn.
+        churn, lifetimes = scenario.churn, random.Random(f"{scenario.seed}/churn")
+        replacing = 0  # peers killed by churn whose replacement has not joined yet
         async with trio.open_nursery() as nursery:
             boot = await sim.bootstrap(nursery)
 
@@ -149,6 +176,23 @@ def run_peers(
                     config, 1, boot, max_steps=steps, step_s=scenario.step_s / speed()
                 )
                 nursery.start_soon(sim.run, peer)
+                if churn.lifetime_s:
+                    life = lifetimes.expovariate(1.0 / churn.lifetime_s)
+                    nursery.start_soon(die, len(sim.peers) - 1, trio.current_time() + life)
+
+            async def die(index: int, at: float) -> None:
+                nonlocal replacing
+                if at > churn.until_s:
+                    return
+                await trio.sleep_until(at)
+                if index in gone or sim.peers[index].done.is_set():
+                    return  # killed or stopped by a fault, or done with its rounds
+                sim.kill(sim.peers[index])
+                gone.add(index)
+                replacing += 1
+                await trio.sleep(churn.replace_s)
+                add()
+                replacing -= 1
 
             for _ in range(scenario.peers):
                 add()
@@ -163,14 +207,22 @@ def run_peers(
                     for i in fault.stop:
                         sim.stop(sim.peers[i])
                         gone.add(i)
+                    for i in fault.pause:
+                        sim.net.pause(sim.peers[i].address)
+                    for i in fault.resume:
+                        sim.net.resume(sim.peers[i].address)
                     if fault.cut:
                         sim.net.cut([[sim.peers[i].address for i in s] for s in fault.cut])
                     if fault.heal:
                         sim.net.heal()
                     if progress is not None:
                         progress(f"[{trio.current_time():8.1f}s virtual] {fault}")
-                for peer in sim.peers:
-                    await peer.done.wait()
+                while True:
+                    for peer in sim.peers:  # joiners are appended as they come
+                        await peer.done.wait()
+                    if not replacing:
+                        break
+                    await trio.sleep(1.0)  # a replacement is due
             end = trio.current_time()
             nursery.cancel_scope.cancel()
         return sim, gone, end
@@ -198,13 +250,14 @@ def _report(
     return PeersReport(
         peers=scenario.peers,
         joined=len(sim.peers) - scenario.peers,
-        killed=sum(len(f.kill) for f in scenario.faults),
+        killed=len(gone) - sum(len(f.stop) for f in scenario.faults),
         outer_steps=len(counted),
         averaged_share=averaged / len(counted) if counted else 0.0,
         timelines={
             p.name: [(e["round"], e["status"], e["group_size"]) for e in steps[p.name]]
             for p in living
         },
+        times={p.name: [round(e["t"], 3) for e in steps[p.name]] for p in living},
         common_round=common,
         end_states=len(ends),
         errors={p.name: repr(p.error) for p in sim.peers if p.error is not None},

@@ -74,6 +74,12 @@ class SimNet:
     call_s: float = 0.01
     signals: bool = False
 
+    async def inner_step(self) -> None:
+        """``step_s`` of virtual time, and, while the host is paused, until it is resumed."""
+        if self.step_s:
+            await trio.sleep(self.step_s)
+        await self.host.unpaused()
+
     def monotonic(self) -> float:
         return trio.current_time()
 

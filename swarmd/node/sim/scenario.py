@@ -32,7 +32,7 @@ from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.sim.dht import DhtScenario, run_dht
 from swarmd.node.sim.matchmaking import MatchScenario, run_matchmaking
 from swarmd.node.sim.network import NetworkConfig
-from swarmd.node.sim.peer_run import PeersReport, PeersScenario, run_peers
+from swarmd.node.sim.peer_run import PeerChurn, PeersReport, PeersScenario, run_peers
 from swarmd.node.sim.rounds import RoundsReport, RoundsScenario, run_rounds
 from swarmd.node.sim.swarm import run_swarm
 from swarmd.node.sim.swarm_spec import SwarmReport, SwarmScenario
@@ -355,6 +355,7 @@ def load_scenario(path: Path | None) -> Scenario:
         rules = _build(SwarmInvariants, rules_table, f"{path} [invariants]")
         return Scenario(_build(SwarmScenario, data, str(path)), rules)
     if kind == "peers":
+        data["churn"] = _build(PeerChurn, data.pop("churn", {}), f"{path} [churn]")
         rules = _build(PeersInvariants, rules_table, f"{path} [invariants]")
         return Scenario(_build(PeersScenario, data, str(path)), rules)
     if kind == "dht":

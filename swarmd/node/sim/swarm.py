@@ -7,8 +7,8 @@ through its real `routed` loop (the Router's expected-finish choice, its bans, b
 retries, MAX_ATTEMPTS, the call timeout) and whose micro-batches follow `route.route`; each
 server takes its first stage with `rebalance.least_served`, admits calls with
 `stage_service.admits`, and moves with `rebalance.choose_move`, `Looks` and `contest`, on
-records that are the real `StageRecord`s, refreshed every `directory.REFRESH_S` and lapsing
-after `directory.RECORD_TTL_S`. What is modelled: a stage server is one device taking calls in
+records that are the real `StageRecord`s, refreshed every `SwarmTimings.refresh_s` and lapsing
+after its `record_ttl_s`. What is modelled: a stage server is one device taking calls in
 order, a forward costing a third of `stage_s / speed` and a backward two thirds (the last
 stage's one call all of it); the directory is one map every reader sees at once (the DHT's
 spread delay is left out; its lapse and refresh are in); a call costs its transfers on the
@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from swarmd.node.algorithms.swarm import directory
 from swarmd.node.algorithms.swarm.directory import StageRecord
 from swarmd.node.algorithms.swarm.rebalance import Looks, choose_move, contest, least_served
 from swarmd.node.algorithms.swarm.route import Hop
 from swarmd.node.algorithms.swarm.router import Choice
-from swarmd.node.algorithms.swarm.server_role import CONTEST_WAIT_S
 from swarmd.node.algorithms.swarm.stage_service import (
     BACKWARD,
     CHECK_BACKWARD,
@@ -48,6 +46,7 @@ from swarmd.node.algorithms.swarm.stage_service import (
     LAST,
     admits,
 )
+from swarmd.node.algorithms.swarm.timings import SwarmTimings
 from swarmd.node.algorithms.swarm.trainer import Answer, MicroBatchFailed, SwarmTrainer
 from swarmd.node.sim.dht import seeded_identity
 from swarmd.node.sim.network import Host, SimNetwork
@@ -61,6 +60,8 @@ from swarmd.protocol.identity import PeerId
 CONNECT_S = 3.0
 #: A server's longest wait for its device before it refuses a call (StageJob.max_wait_s).
 MAX_WAIT_S = 10.0
+#: The modelled servers' directory timings (the trainers' are their own, the same defaults).
+TIMINGS = SwarmTimings()
 _KINDS = {
     FORWARD: "forward",
     BACKWARD: "backward",
@@ -158,7 +159,7 @@ class _Pipeline:
 
     def publish(self, server: _Server) -> None:
         now = trio.current_time()
-        self.records[server.peer] = (server.record(self.scenario), now + directory.RECORD_TTL_S)
+        self.records[server.peer] = (server.record(self.scenario), now + TIMINGS.record_ttl_s)
 
     async def read(self) -> dict[PeerId, StageRecord]:
         now = trio.current_time()
@@ -210,7 +211,7 @@ class _Pipeline:
 
     async def _refresh(self, server: _Server) -> None:
         while True:
-            await trio.sleep(directory.REFRESH_S)
+            await trio.sleep(TIMINGS.refresh_s)
             self.publish(server)
 
     async def _rebalance(self, server: _Server) -> None:
@@ -235,7 +236,7 @@ class _Pipeline:
         self.publish(server)
         verdict = contest(await self.read(), server.peer, target)
         if verdict == "wait":
-            await trio.sleep(CONTEST_WAIT_S)
+            await trio.sleep(TIMINGS.contest_wait_s)
             verdict = "go" if contest(await self.read(), server.peer, target) == "go" else "yield"
         if verdict != "go":
             server.stage, server.state = source, "serving"
@@ -381,7 +382,7 @@ async def _scenario(scenario: SwarmScenario, progress: Callable[[str], None]) ->
             nursery.start_soon(p.server, nursery, True, i in liars)
             await trio.sleep(0)
         # Servers publish before trainers look: the first read sees them all.
-        await trio.sleep(directory.REFRESH_S)
+        await trio.sleep(TIMINGS.refresh_s)
         for i in range(scenario.trainers):
             nursery.start_soon(p.trainer, i)
         step = max(scenario.duration_s / 10, 1.0)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -308,7 +307,7 @@ class Gatherer:
         others = [m for m in group.members if m.peer_id != self.me]
         client = any(m.client for m in group.members if m.peer_id == self.me)
         deadline = self.deadline()
-        start = time.monotonic()
+        start = trio.current_time()
         info = signed_info(self.identity, group.round_id, step, payload, state_hash)
         session.mine[step] = (payload, info)
         session.touch()
@@ -330,12 +329,12 @@ class Gatherer:
                 event = session.event(step)
                 await event.wait()
                 session.arrived[step] = trio.Event()
-            heard_all_at = time.monotonic() - start
+            heard_all_at = trio.current_time() - start
         got = session.inbox.pop(step, {})
         session.arrived.pop(step, None)
         if heard_all_at is not None:
             self._times.append(heard_all_at)
-        return self._result(session, step, payload, state_hash, got, time.monotonic() - start)
+        return self._result(session, step, payload, state_hash, got, trio.current_time() - start)
 
     async def _send(
         self, session: _Session, member: Member, meta: TensorMeta, payload: bytes, timeout: float

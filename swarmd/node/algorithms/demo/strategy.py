@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Mapping
 
 import torch
@@ -58,19 +57,6 @@ from swarmd.workloads import TokenSource, load_source
 
 log = logging.getLogger("swarmd.demo")
 
-#: How long a live heartbeat's peer has to answer a boundary's probe.
-PROBE_S = 1.0
-#: A peer with no group retries matchmaking with this gather window: shorter than the
-#: group's, so that it comes round again within the window of a group forming meanwhile.
-RETRY_GATHER_S = 3.0
-#: How long a peer that has been in groups looks for one at a boundary, while others are
-#: live, before it steps alone (a peer that never had one looks until it finds one).
-REGROUP_WAIT_S = 60.0
-#: A peer taken for gone (it did not answer a probe, or the exchange dropped it) is probed
-#: again after this long: a peer that was only paused or busy (its heartbeat never lapsed)
-#: must be able to come back. Seen under `swarmd chaos`: a peer that missed one probe was
-#: left out of every group for the rest of the run although it kept asking to join.
-GONE_RECHECK_S = 10.0
 #: Steps between state-hash checks in the exchange (a hash costs a pass over the parameters).
 HASH_EVERY = 10
 
@@ -133,7 +119,7 @@ class DeMoStrategy(Strategy):
         #: Peers the exchange dropped or a probe found dead, whose heartbeats may still be
         #: live, with when: boundaries do not wait for them (10 s a boundary until the
         #: heartbeat lapsed, seen). Forgotten once they lapse, are seen in a group again, or
-        #: answer a probe made GONE_RECHECK_S later.
+        #: answer a probe made `DemoTimings.gone_recheck_s` later.
         self.gone: dict[PeerId, float] = {}
         self._published: StateSnapshot | None = None
         self.started, self.steps = 0.0, 0
@@ -195,7 +181,7 @@ class DeMoStrategy(Strategy):
         self.peer.out.event(
             "validation", f"validation loss {first_val:.4f}", round=self.round, val_loss=first_val
         )
-        self.started, self.steps = time.monotonic(), 0
+        self.started, self.steps = self.peer.net.monotonic(), 0
         while not self._should_stop():
             # Groups re-form at each boundary; a member that left its group mid-round (its
             # state drifted) at once, unless the run lets a peer train alone.
@@ -223,7 +209,7 @@ class DeMoStrategy(Strategy):
     async def _boundary(self, nursery: trio.Nursery) -> None:
         """Publish, validate, then find the group (waiting for a first one: `_must_wait`,
         taking the group's newer state as it appears)."""
-        t0 = time.monotonic()
+        t0 = self.peer.net.monotonic()
         snap = await self._sync_and_publish()
         val = await offload.run_sync(self.validate)
         live = await self._form(nursery, snap, self.mm.gather_s)
@@ -233,19 +219,19 @@ class DeMoStrategy(Strategy):
         # states had split each took the state they agreed on (15 s to download under a
         # 5 Mbit/s limit), missed the 10 s window of the one that kept it, and all trained
         # alone from then on (benchmarks/convergence.py --algos demo).
-        regroup_until = time.monotonic() + REGROUP_WAIT_S
+        regroup_until = self.peer.net.monotonic() + self.peer.timings.demo.regroup_wait_s
         if self.group is None and live > 1:
             log.info("step %d: no group; looking again", self.run.step)
         while self._must_wait() or (
-            self.group is None and live > 1 and time.monotonic() < regroup_until
+            self.group is None and live > 1 and self.peer.net.monotonic() < regroup_until
         ):
             if self._should_stop():
                 return
             snap = await self._sync_and_publish()
-            live = await self._form(nursery, snap, RETRY_GATHER_S)
+            live = await self._form(nursery, snap, self.peer.timings.demo.retry_gather_s)
         size = len(self.group.members) if self.group else 1
         status = "averaged" if self.last_size > 1 else "alone" if self.last_size else "start"
-        waited = time.monotonic() - t0
+        waited = self.peer.net.monotonic() - t0
         self.peer.clock.wait_s += waited
         self.peer.stats.outer_done(self.round, size, status, val)
         self.peer.out.event(
@@ -309,19 +295,20 @@ class DeMoStrategy(Strategy):
         peer by up to 30 s) are not waited for: without this each boundary in those 30 s sat
         out matchmaking's whole 10 s gather window. Members of this round's group answered
         every step and are not probed; peers taken for gone are probed again after
-        GONE_RECHECK_S."""
+        `DemoTimings.gone_recheck_s`."""
         live = await self.peer.live.addresses()
-        now = time.monotonic()
+        now = self.peer.net.monotonic()
         self.gone = {p: at for p, at in self.gone.items() if p in live}
         known = {m.peer_id for m in self.group.members} if self.group else set()
-        known |= {p for p, at in self.gone.items() if now - at < GONE_RECHECK_S}
+        recheck = self.peer.timings.demo.gone_recheck_s
+        known |= {p for p, at in self.gone.items() if now - at < recheck}
         known.add(self.me.peer_id)
         # A client-mode peer cannot be probed (nobody can dial it): its live heartbeat is
         # the evidence, and a dead one costs a group one step's deadline.
         others = [Member(p, a) for p, a in live.items() if p not in known and not is_client(a)]
         if not others:
             return
-        alive = await answering(self.peer.dht, others, PROBE_S)
+        alive = await answering(self.peer.dht, others, self.peer.timings.demo.probe_s)
         for m in others:
             if m.peer_id in alive:
                 if self.gone.pop(m.peer_id, None) is not None:
@@ -372,10 +359,10 @@ class DeMoStrategy(Strategy):
         payload = await offload.run_sync(encode_sparse, mine, run.opt.config.value_dtype)
         check = run.step % HASH_EVERY == 0
         state_hash = await offload.run_sync(run.param_hash) if check else b""
-        t0 = time.monotonic()
+        t0 = self.peer.net.monotonic()
         result = await self.gatherer.gather(payload, state_hash)
-        self.peer.clock.wait_s += time.monotonic() - t0
-        self.gone.update(dict.fromkeys(result.dropped, time.monotonic()))
+        self.peer.clock.wait_s += self.peer.net.monotonic() - t0
+        self.gone.update(dict.fromkeys(result.dropped, self.peer.net.monotonic()))
         decoded = await offload.run_sync(self._decode_all, result)
         senders, gathered = [p for p, _ in decoded], [u for _, u in decoded]
         if result.agree(self.peer.identity.peer_id) is False:

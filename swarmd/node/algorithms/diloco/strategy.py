@@ -5,7 +5,6 @@ publish. The optimisation itself is `swarmd.optim.diloco.DiLoCo` (pure torch, no
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import trio
@@ -45,14 +44,14 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
                 step -= dropped
         if not self.peer.stopping.is_set() and self.peer.at_end(self.opt.progress):
             await leave_on_one_state(
-                self.state, lambda: self.took_group_state(step, time.monotonic())
+                self.state, lambda: self.took_group_state(step, self.peer.net.monotonic())
             )
         await self.reports_drained()
         return step
 
     async def _outer_step(self, step: int, nursery: trio.Nursery) -> bool:
         """One outer step; True if it took the group's state instead (a catch-up)."""
-        t0 = time.monotonic()
+        t0 = self.peer.net.monotonic()
         # A peer whose state is not the group's (it missed a round, or the group moved on
         # while it trained) takes the group's state first; its inner steps of this round are
         # dropped.
@@ -94,7 +93,7 @@ class DiLoCoStrategy(OuterLoopStrategy[DiLoCo]):
             )
             return False
         # Plain DiLoCo's trainer waits for all of it: catch-up check, matchmaking, all-reduce.
-        waited = time.monotonic() - t0
+        waited = self.peer.net.monotonic() - t0
         sync_by_method = self.peer.metrics.sent_since(sent0)
         self.peer.clock.wait_s += waited
         result = avg.mean if avg.mean is not None else avg.result

@@ -5,7 +5,6 @@ trainer keeps training. The optimisation is `swarmd.optim.streaming.StreamingDiL
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,7 +31,7 @@ class _Flight:
 
     round: FragmentRound
     #: Wall-clock times (for logs that compare peers) and the trainer's step count.
-    started: float = field(default_factory=time.time)
+    started: float
     finished: float | None = None
     done: trio.Event = field(default_factory=trio.Event)
     result: torch.Tensor | AllReduceResult | None = None
@@ -109,7 +108,9 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         opt = self.opt
         await leave_on_one_state(
             self.state,
-            lambda: self.took_group_state(step, time.monotonic(), fragment=None, turn=opt.turn),
+            lambda: self.took_group_state(
+                step, self.peer.net.monotonic(), fragment=None, turn=opt.turn
+            ),
         )
 
     async def _begin_round(
@@ -120,7 +121,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         its average ("stopping")."""
         if not await self._settle_flight(step):
             return "stopping"
-        t0 = time.monotonic()
+        t0 = self.peer.net.monotonic()
         # A peer whose state is not the group's takes the group's first (see DiLoCo's outer
         # step). The matchmaking key carries the hash of the whole state, not only this
         # fragment's: it is the hash state adverts already carry, so "same key" and "same
@@ -131,9 +132,9 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
         if await self.state.catch_up():
             await self.took_group_state(step, t0, fragment=None, turn=self.opt.turn)
             return "synced"
-        self.peer.clock.wait_s += time.monotonic() - t0
+        self.peer.clock.wait_s += self.peer.net.monotonic() - t0
         rnd = await offload.run_sync(self.opt.begin_round)
-        self._flight = _Flight(rnd)
+        self._flight = _Flight(rnd, started=self.peer.net.wall())
         self.peer.stats.in_flight = rnd.fragment
         nursery.start_soon(
             self._fragment_round, self._flight, self.round_key(rnd.turn, rnd.fragment)
@@ -181,9 +182,9 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
     async def _wait_for(self, flight: _Flight) -> float:
         """The trainer waits for a late round (or for a stop signal: the caller checks
         `flight.done`); returns (and accounts) the seconds."""
-        t0 = time.monotonic()
+        t0 = self.peer.net.monotonic()
         await self.peer.unless_stopping(flight.done.wait)
-        waited = time.monotonic() - t0
+        waited = self.peer.net.monotonic() - t0
         self.peer.clock.wait_s += waited
         self.peer.clock.held_s += waited
         return waited
@@ -233,14 +234,14 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
             flight.steps_in_flight = self.opt.steps - rnd.began_at_step
             flight.sync_by_method = self.peer.metrics.sent_since(sent0)
             flight.sync_bytes = sum(flight.sync_by_method.values())
-            flight.finished = time.time()
+            flight.finished = self.peer.net.wall()
             flight.done.set()
 
     async def _finish(self, flight: _Flight, step: int, waited: float) -> None:
         """Applies a finished round's result, publishes the state and reports the step."""
         self._flight = None
         self.peer.stats.in_flight = None
-        t0 = time.monotonic()
+        t0 = self.peer.net.monotonic()
         report = await offload.run_sync(self.opt.finish_round, flight.result)
         self.state.averaged(report.status, flight.group_size, flight.dropped)
         snap = await self.state.publish(step)
@@ -284,7 +285,7 @@ class StreamingStrategy(OuterLoopStrategy[StreamingDiLoCo]):
             sync_by_method=flight.sync_by_method,
             replaced_stand_in=report.replaced_stand_in,
             started=round(flight.started, 3),
-            finished=round(flight.finished or time.time(), 3),
+            finished=round(flight.finished or self.peer.net.wall(), 3),
             wait_s=round(waited, 3),
             seconds=round(held + waited, 3),
         )

@@ -38,8 +38,6 @@ from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.swarm")
 
-#: Longest one server may take to answer a copy.
-FETCH_TIMEOUT_S = 20.0
 #: Servers asked at once for the copy a rebuild installs, and how far (relative to the norm
 #: of the copies' median) a copy may lie from that median and still count as agreeing.
 ASKED = 5
@@ -78,14 +76,14 @@ async def fetch(
     """`name`'s edge layers from one of `servers` (tried in random order), or None."""
     limit = 4 * ((numel + EDGE_ROW - 1) // EDGE_ROW * EDGE_ROW) + 1024
     order = list(servers.items())
-    random.shuffle(order)
+    peer.net.rng.shuffle(order)
     for pid, record in order:
         try:
             _, data = await peer.client.get_tensor(
                 record.address,
                 PART,
                 pb.TensorRequest(name=name),
-                timeout=FETCH_TIMEOUT_S,
+                timeout=peer.timings.swarm.copy_fetch_timeout_s,
                 max_bytes=limit,
                 expect=pid,
             )

@@ -5,8 +5,8 @@ second its stage computes (`rate`, from its call times over its last ~5 s of com
 of a slowed device included) and how many calls wait for its compute (`queue`). Trainers
 route by it; servers rebalance by it. The record's sub-key is its signer's peer id, so nobody
 can speak for another server; everything read is checked and a malformed record is skipped,
-not trusted. A record lapses `RECORD_TTL_S` after its last refresh: a dead server leaves the
-directory then (trainers learn sooner, when its calls fail).
+not trusted. A record lapses `SwarmTimings.record_ttl_s` after its last refresh: a dead server
+leaves the directory then (trainers learn sooner, when its calls fail).
 """
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ from swarmd.node.dht import DHTNode
 from swarmd.node.runkeys import stages_key
 from swarmd.protocol.identity import PeerId
 
-#: A record's lifetime without a refresh.
-RECORD_TTL_S = 12.0
-#: How often a server refreshes its record.
-REFRESH_S = 3.0
 MAX_RECORD_BYTES = 512
 #: Server states: serving a stage, downloading one it is moving to (it counts for that stage
 #: already, so two servers don't both move to fill the same gap), or gone (a record can't be
@@ -82,15 +78,15 @@ class StageRecord:
             raise ValueError(str(exc)) from None
 
 
-async def publish(dht: DHTNode, run: str, peer: PeerId, record: StageRecord) -> None:
-    """Stores (or refreshes) this server's record."""
-    await dht.store(stages_key(run), record.to_bytes(), dht.now() + RECORD_TTL_S, subkey=str(peer))
+async def publish(dht: DHTNode, run: str, peer: PeerId, record: StageRecord, ttl_s: float) -> None:
+    """Stores (or refreshes) this server's record, to lapse ``ttl_s`` from now."""
+    await dht.store(stages_key(run), record.to_bytes(), dht.now() + ttl_s, subkey=str(peer))
 
 
-async def withdraw(dht: DHTNode, run: str, peer: PeerId, record: StageRecord) -> None:
-    """Says this server left (its last record would otherwise count for RECORD_TTL_S)."""
-    gone = dataclasses.replace(record, rate=0.0, queue=0, state="leaving")
-    await publish(dht, run, peer, gone)
+def gone(record: StageRecord) -> StageRecord:
+    """The record that says this server left (its last one would otherwise count until it
+    lapses)."""
+    return dataclasses.replace(record, rate=0.0, queue=0, state="leaving")
 
 
 async def read(dht: DHTNode, run: str, stages: int) -> dict[PeerId, StageRecord]:

@@ -1,7 +1,7 @@
 """Rebuilding a SWARM stage whose every server is gone, without a checkpoint (CheckFree).
 
 A stage is *lost* when no server serves or joins it in the directory (a dead server's record
-lapses within directory.RECORD_TTL_S) while the run has trained (another stage stepped): its
+lapses within SwarmTimings.record_ttl_s) while the run has trained (another stage stepped): its
 weights left with its servers. The first server to take the stage then rebuilds it from its
 two neighbours (optim/checkfree.py): it downloads stages i-1 and i+1 (their servers' shared
 states, as a joiner of those stages would) and averages their layers weighted by the norms of
@@ -28,6 +28,7 @@ from torch import nn
 
 from swarmd.node.algorithms.swarm import copies, directory
 from swarmd.node.algorithms.swarm.directory import StageRecord
+from swarmd.node.algorithms.swarm.timings import SwarmTimings
 from swarmd.node.dht import DHTNode
 from swarmd.node.dht.records import RecordError
 from swarmd.node.peer.context import PeerContext
@@ -49,14 +50,6 @@ from swarmd.protocol.identity import PeerId
 from swarmd.workloads import lm_loss
 
 log = logging.getLogger("swarmd.swarm")
-
-#: How long a rebuilder's lease holds the stage (a rebuild downloads two stages' states).
-LEASE_S = 120.0
-#: How long an asker waits for other askers' lease entries before it reads who holds it.
-LEASE_SETTLE_S = 2.0
-#: How long a peer that lost the lease waits for the holder's rebuilt state to be advertised.
-WAIT_S = 90.0
-POLL_S = 1.0
 
 
 class RecoveryFailed(Exception):
@@ -84,11 +77,12 @@ async def take_stage_state(
     Returns the origin and whether it was rebuilt by CheckFree.
 
     A stage whose servers all died a moment ago still has their records (they lapse within
-    RECORD_TTL_S): the download from them fails, and the seed is no state for a stage of a
+    a record lifetime): the download from them fails, and the seed is no state for a stage of a
     run that has trained. Then this server waits for the records to lapse (the stage is lost)
     or a server to answer, at most a record lifetime and two refreshes, before it takes the
     seed."""
-    deadline = peer.net.monotonic() + directory.RECORD_TTL_S + 2 * directory.REFRESH_S
+    timings = peer.timings.swarm
+    deadline = peer.net.monotonic() + timings.record_ttl_s + 2 * timings.refresh_s
     while True:
         records = await directory.read(peer.dht, peer.config.name, len(trainers))
         if lost(records, stage):
@@ -103,22 +97,26 @@ async def take_stage_state(
             "(then the stage is rebuilt)",
             stage=stage,
         )
-        await trio.sleep(directory.REFRESH_S)
+        await trio.sleep(timings.refresh_s)
 
 
-async def take_lease(dht: DHTNode, run: str, stage: int, me: PeerId) -> PeerId | None:
+async def take_lease(
+    dht: DHTNode, run: str, stage: int, me: PeerId, timings: SwarmTimings
+) -> PeerId | None:
     """Who holds the stage's recovery lease, this peer having asked for it (None: no entry
-    could be read). Each asker stores an entry under its own peer id; after LEASE_SETTLE_S
+    could be read). Each asker stores an entry under its own peer id; after `lease_settle_s`
     (for racers' entries to land) the holder is the earliest asker (the entry that expires
     first, ties by peer id), which every asker that reads both entries names alike. (A plain
     key held by its first owner was tried first: each asker's own node kept its own record,
     the newest expiry won every read, and two racers both rebuilt the stage in CI.)"""
     key = recovery_key(run, stage)
     try:
-        await dht.store(key, b"rebuilding", dht.now() + LEASE_S, subkey=str(me), republish=False)
+        await dht.store(
+            key, b"rebuilding", dht.now() + timings.lease_s, subkey=str(me), republish=False
+        )
     except RecordError as exc:
         log.info("stage %d recovery lease not stored: %s", stage, exc)
-    await trio.sleep(LEASE_SETTLE_S)
+    await trio.sleep(timings.lease_settle_s)
     entries = await dht.peers(key, exhaustive=True)
     if not entries:
         return None
@@ -241,15 +239,16 @@ async def rebuild_end(
 
 
 async def take_rebuilt(state: SharedState, holder: PeerId) -> bool:
-    """Waits (at most WAIT_S) for the lease holder's rebuilt state to be advertised, and
-    downloads it from the holder (the lost servers' last adverts outlive them: they are not
-    asked); whether that worked."""
-    deadline = state.peer.net.monotonic() + WAIT_S
+    """Waits (at most `SwarmTimings.recovery_wait_s`) for the lease holder's rebuilt state
+    to be advertised, and downloads it from the holder (the lost servers' last adverts
+    outlive them: they are not asked); whether that worked."""
+    timings = state.peer.timings.swarm
+    deadline = state.peer.net.monotonic() + timings.recovery_wait_s
     while state.peer.net.monotonic() < deadline:
         theirs = [a for a in await state.adverts() if a.owner == str(holder)]
         if theirs:
             return await state.sync_to(theirs)
-        await trio.sleep(POLL_S)
+        await trio.sleep(timings.recovery_poll_s)
     return False
 
 
@@ -267,7 +266,9 @@ async def take_lost_stage(
     end = not 0 < stage < count - 1
     if end and not trainers[stage].has_edge:
         return await _from_seed(peer, stage, state, "CheckFree+ is off (swarm_swap = 0)")
-    holder = await take_lease(peer.dht, peer.config.name, stage, peer.identity.peer_id)
+    holder = await take_lease(
+        peer.dht, peer.config.name, stage, peer.identity.peer_id, peer.timings.swarm
+    )
     if holder is None:
         raise JoinError(f"stage {stage} was lost and its recovery lease cannot be taken; try again")
     if holder != peer.identity.peer_id:

@@ -48,9 +48,6 @@ from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.swarm")
 
-#: How long a contested mover waits for its rival to yield (its read and publish, a DHT
-#: round trip each) before reading again.
-CONTEST_WAIT_S = 2.0
 #: Lone rounds in a row a server carries before it steps alone (`StageServer._round`): the
 #: others that did not come are late a boundary or two, or (past this) not coming to its
 #: state at all: a server stuck on another state must not stop its stage's training.
@@ -185,9 +182,7 @@ class StageServer:
             return
         self.host.attach(None)
         with trio.CancelScope(shield=True), trio.move_on_after(5):
-            await directory.withdraw(
-                self.peer.dht, self.peer.config.name, self.peer.identity.peer_id, self._record()
-            )
+            await self._publish(directory.gone(self._record()))
 
     # -- serve -------------------------------------------------------------------------------
 
@@ -213,17 +208,22 @@ class StageServer:
             grad_norm=min(self.job.trainer.last_grad_norm, 1e29),
         )
 
+    async def _publish(self, record: StageRecord | None = None) -> None:
+        """Stores (or refreshes) this server's record (default: what it does now)."""
+        peer = self.peer
+        record = record or self._record()
+        ttl_s = peer.timings.swarm.record_ttl_s
+        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, record, ttl_s)
+
     async def _publish_records(self) -> None:
         """Refreshes this server's record, and reads the stage directory (what rounds and
         moves use: a read per round cost each round a DHT lookup)."""
         while True:
             peer = self.peer
-            await directory.publish(
-                peer.dht, peer.config.name, peer.identity.peer_id, self._record()
-            )
+            await self._publish()
             self._directory = await directory.read(peer.dht, peer.config.name, self.swarm.stages)
             self._directory_read.set()
-            await trio.sleep(directory.REFRESH_S)
+            await trio.sleep(peer.timings.swarm.refresh_s)
 
     async def serve(self) -> None:
         """Stage rounds on the wall clock's `round_s` boundaries (`next_boundary`: a round that
@@ -279,7 +279,7 @@ class StageServer:
         return self.swarm.rebalance_s * random.uniform(0.5, 1.5)
 
     def _stage_peers(self) -> dict[str, StageRecord]:
-        """The stage's serving servers, as last read (REFRESH_S ago at most)."""
+        """The stage's serving servers, as last read (a refresh ago at most)."""
         assert self.job is not None
         return {
             str(p): r
@@ -450,17 +450,17 @@ class StageServer:
         claims it too (rebalance.py, `contest`): True when this one goes; otherwise it
         publishes itself serving its stage again."""
         peer, me = self.peer, self.peer.identity.peer_id
-        await directory.publish(peer.dht, peer.config.name, me, self._record())
+        await self._publish()
         stages = self.swarm.stages
         verdict = contest(await directory.read(peer.dht, peer.config.name, stages), me, target)
         if verdict == "wait":
-            await trio.sleep(CONTEST_WAIT_S)
+            await trio.sleep(peer.timings.swarm.contest_wait_s)
             records = await directory.read(peer.dht, peer.config.name, stages)
             verdict = "go" if contest(records, me, target) == "go" else "yield"
         if verdict != "go":
             self._moving_to = None
             log.info("left the move to stage %d to another server", target)
-            await directory.publish(peer.dht, peer.config.name, me, self._record())
+            await self._publish()
         return verdict == "go"
 
     async def _move(self, move: Move) -> None:
@@ -488,7 +488,7 @@ class StageServer:
         # a round at once, so few) are dropped with it.
         self.job, self.state, self._unsure = job, state, True
         self.host.attach(job)
-        await directory.publish(peer.dht, peer.config.name, peer.identity.peer_id, self._record())
+        await self._publish()
 
 
 def _apply(job: StageJob, avg: torch.Tensor) -> None:

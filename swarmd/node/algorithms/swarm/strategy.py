@@ -35,9 +35,6 @@ from swarmd.node.peer.strategy import HostParts, Strategy
 from swarmd.node.runtime import offload
 from swarmd.workloads import TokenSource, load_source
 
-#: How long a trainer's in-flight micro-batches may take to finish once the peer is told to
-#: stop (a stage with no server would hold them forever).
-DRAIN_S = 10.0
 AUDIT_FILE = "stage-applied.log"
 #: With --swarm-audit, a trainer writes the micro-batches it completed here when it stops.
 COMPLETED_FILE = "trainer-completed.log"
@@ -109,6 +106,7 @@ class SwarmStrategy(Strategy):
                 self.peer.out.event,
                 keep_completed=self._audit is not None,
                 rng=self.peer.net.rng,
+                timings=self.peer.timings.swarm,
             )
         if self.serving:
             audit = self._audit / AUDIT_FILE if self._audit is not None else None
@@ -180,7 +178,7 @@ class SwarmStrategy(Strategy):
         async def drain_on_stop(scope: trio.CancelScope) -> None:
             while not self.peer.should_stop(trainer.stats.done, start):
                 await trio.sleep(0.2)
-            await trio.sleep(DRAIN_S)
+            await trio.sleep(self.peer.timings.swarm.drain_s)
             scope.cancel()
 
         async with trio.open_nursery() as workers:

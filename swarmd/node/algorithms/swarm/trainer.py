@@ -40,6 +40,7 @@ from swarmd.node.algorithms.swarm.stage_service import (
     FORWARD,
     LAST,
 )
+from swarmd.node.algorithms.swarm.timings import SwarmTimings
 from swarmd.optim.grad_bound import GradientRefused, NormBound
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -49,11 +50,6 @@ from swarmd.protocol.identity import PeerId
 
 log = logging.getLogger("swarmd.swarm")
 
-#: How long a read of the directory is reused.
-DIRECTORY_TTL_S = 2.0
-WAIT_POLL_S = 1.0
-#: How long a trainer waits after a server refused a call for load or rate.
-BUSY_S = 0.05
 #: Servers one hop may fail on before its micro-batch is given up.
 MAX_ATTEMPTS = 8
 #: What a second server is asked when a hop is audited: the same call for Forward (it
@@ -126,11 +122,13 @@ class SwarmTrainer:
         *,
         keep_completed: bool = False,
         rng: random.Random | None = None,
+        timings: SwarmTimings | None = None,
     ) -> None:
         """`read_directory` and `rng` are seams for the simulator (sim/swarm.py), which runs
         this trainer's routing against modelled stage servers; time is trio's clock, so
         virtual there."""
         self.client, self.config = client, config
+        self.timings = timings or SwarmTimings()
         self._read_directory = read_directory
         self.say = say
         self.router = Router(rng, clock=trio.current_time)
@@ -147,9 +145,9 @@ class SwarmTrainer:
         self._waiting_for: set[int] = set()
 
     async def servers(self, stage: int, *, fresh: bool = False) -> dict[PeerId, StageRecord]:
-        """The stage's serving servers, from a directory read at most DIRECTORY_TTL_S old."""
+        """The stage's serving servers, from a directory read at most `directory_ttl_s` old."""
         async with self._read_lock:
-            if fresh or trio.current_time() - self._read_at > DIRECTORY_TTL_S:
+            if fresh or trio.current_time() - self._read_at > self.timings.directory_ttl_s:
                 records = await self._read_directory()
                 self._records = directory.by_stage(records, self.config.stages)
                 self._read_at = trio.current_time()
@@ -339,7 +337,7 @@ class SwarmTrainer:
             if rest > 0:
                 # Every server of the stage rests after failures (a dead one stays in the
                 # directory until its record lapses): wait rather than spin on it.
-                await trio.sleep(min(rest, WAIT_POLL_S))
+                await trio.sleep(min(rest, self.timings.wait_poll_s))
                 continue
             if stage in self._waiting_for:
                 self._waiting_for.discard(stage)
@@ -354,7 +352,7 @@ class SwarmTrainer:
                     # Refused before any compute (its queue is full, or this trainer called
                     # it too often): nothing was applied; rest a moment, ask again.
                     self.router.busy(choice.peer)
-                    await trio.sleep(BUSY_S)
+                    await trio.sleep(self.timings.busy_s)
                     continue
                 if exc.code is rpc.StatusCode.INVALID_ARGUMENT:
                     # The server refused the micro-batch itself (out of range, not finite):
@@ -375,7 +373,7 @@ class SwarmTrainer:
         """The answer of a call the server took. A refusal for rate is waited out at the same
         server: only it holds the answer, and asking another would apply the micro-batch's
         gradients twice (a server that is gone took its gradients with it)."""
-        rest = BUSY_S
+        rest = self.timings.busy_s
         while True:
             try:
                 _, data = await self.client.get_tensor(
@@ -412,7 +410,7 @@ class SwarmTrainer:
                 f"waiting: no live server serves stage {stage} of {self.config.stages}",
                 stage=stage,
             )
-        await trio.sleep(WAIT_POLL_S)
+        await trio.sleep(self.timings.wait_poll_s)
 
 
 def _why(exc: BaseException) -> str:
