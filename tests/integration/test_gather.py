@@ -25,9 +25,12 @@ def _peers(processes: ProcessGroup, hashes: list[str]) -> list[Proc]:
     )
 
 
-def _start(peers: list[Proc], group: str, steps: int, clients: int = 0) -> None:
+def _start(
+    peers: list[Proc], group: str, steps: int, clients: int = 0, last: dict[int, int] | None = None
+) -> None:
     """The last ``clients`` peers are client-mode members: the group names them at a closed
-    port, so any member that dialled one would fail."""
+    port, so any member that dialled one would fail. ``last`` gives some peers (by index)
+    fewer steps: such a peer sends nothing after them."""
     members = sorted(
         [
             str(p.info["peer_id"]),
@@ -35,8 +38,9 @@ def _start(peers: list[Proc], group: str, steps: int, clients: int = 0) -> None:
         ]
         for i, p in enumerate(peers)
     )
-    for p in peers:
-        p.send({"group": group, "members": members, "steps": steps, "payload_bytes": PAYLOAD})
+    for i, p in enumerate(peers):
+        n = (last or {}).get(i, steps)
+        p.send({"group": group, "members": members, "steps": n, "payload_bytes": PAYLOAD})
 
 
 def _expected(peers: list[Proc], step: int) -> dict[str, str]:
@@ -94,9 +98,12 @@ def test_clients_go_on_through_the_other_reachable_member_when_one_dies(
 def test_a_killed_member_is_late_then_dropped_and_the_others_go_on(
     processes: ProcessGroup,
 ) -> None:
+    """The victim gathers 3 steps, then is killed: its last payload is of step 2. Killed while
+    it still gathered, it could have sent step 3's payload to one survivor and not the other
+    (CI saw them drop it at steps 4 and 5), so when each drops it would be a race."""
     peers = _peers(processes, ["same", "same", "same"])
     steps = 12
-    _start(peers, "g2", steps=steps)
+    _start(peers, "g2", steps=steps, last={2: 3})
     for _ in range(3):
         for p in peers:
             p.receive(timeout=30)
@@ -111,17 +118,16 @@ def test_a_killed_member_is_late_then_dropped_and_the_others_go_on(
             senders = out["senders"]
             assert isinstance(senders, dict)
             live = {k: v for k, v in _expected(peers, int(str(out["step"]))).items() if k != dead}
-            # Every survivor's payload arrives every step; the dead member's never again
-            # after it died (a step in flight at the kill may still carry it).
-            assert {k: senders[k] for k in live} == live, out
+            # Every survivor's payload arrives every step; the dead member's never again.
+            assert senders == live, out
             assert out["seconds"] < 10, out  # within one deadline (max_deadline_s is 8)
             if dropped_at and int(str(out["step"])) > max(dropped_at):
                 after_drop.append(float(str(out["seconds"])))
             if out["dropped"]:
                 assert out["dropped"] == [dead]
                 dropped_at.append(int(str(out["step"])))
-    # Both survivors dropped it after two late steps, at the same step.
-    assert len(dropped_at) == 2 and dropped_at[0] == dropped_at[1], dropped_at
+    # Both survivors dropped it after two late steps (3 and 4).
+    assert dropped_at == [4, 4], dropped_at
     # Once dropped, steps no longer wait for it (min_deadline_s is 1: waiting would show).
     assert after_drop and max(after_drop) < 1.0, after_drop
 
