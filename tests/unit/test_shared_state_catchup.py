@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -16,6 +17,7 @@ from swarmd.node.algorithms.swarm.timings import SwarmTimings
 from swarmd.node.averaging.matchmaking import MatchmakingConfig
 from swarmd.node.bans import Bans, Rejection
 from swarmd.node.dht.values import Value
+from swarmd.node.peer import sharedstate
 from swarmd.node.peer.context import PeerContext
 from swarmd.node.peer.membership import MembershipTimings
 from swarmd.node.peer.runend import leave_on_one_state
@@ -228,3 +230,35 @@ def test_timings_that_contradict_each_other_fail_when_the_profile_is_made() -> N
         DemoTimings(retry_gather_s=90.0)  # no retry fits in the regrouping wait
     with pytest.raises(ValueError, match="drain_s"):
         SwarmTimings(drain_s=0.0)
+
+
+@pytest.mark.parametrize("donor", ["creator", "met peer"])
+def test_the_creators_state_is_taken_however_worse_on_this_peers_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, donor: str
+) -> None:
+    """A creator that trained its shard alone after a failed first round held a state whose
+    validation loss was 4.8 against the others' 3.3; each peer refused it every round as
+    worse than its own, and four peers stayed on four lines after a cut healed (simulated).
+    The creator's state is taken (its advert is as trusted as its config); a state only a
+    peer met before holds, as much worse, is still refused."""
+    creator, friend = Identity.generate().peer_id, Identity.generate().peer_id
+    owner = creator if donor == "creator" else friend
+    advert = StateAdvert(6, h("w"), "127.0.0.1:1", 10, owner=str(owner), shared=True)
+    state, _ = shared_state(tmp_path, {owner: advert}, creator)
+    offered = {"w": torch.ones(3)}
+    loaded: list[dict[str, torch.Tensor]] = []
+    opt = cast(Any, state.opt)
+    opt.state_dict, opt.load_state_dict = (lambda: {"w": torch.zeros(3)}), loaded.append
+    cast(Any, state.peer).out = SimpleNamespace(event=lambda *a, **k: None)
+    cast(Any, state.peer).client = None
+    state.judge = lambda s: (4.8, 3.3)
+
+    async def download(*args: object, **kwargs: object) -> object:
+        meta = {"config": "h"}
+        return SimpleNamespace(meta=meta, round=6, to_state_dict=lambda: offered)
+
+    monkeypatch.setattr(sharedstate, "download_state", download)
+    took = trio.run(SharedState._sync_from_group, state, [advert])
+    assert took == (donor == "creator")
+    assert loaded == ([offered] if took else [])
+    assert (h("w") in state.refused) == (not took)

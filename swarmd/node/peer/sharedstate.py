@@ -144,8 +144,7 @@ class SharedState:
         )
 
     def averaged(self, status: str, group_size: int, dropped: int) -> None:
-        """Records an outer step: shared with the group, unless the all-reduce dropped everyone
-        else."""
+        """Records an outer step: shared unless the all-reduce dropped everyone else."""
         if status == "averaged" and group_size - dropped > 1:
             self.shared_round = self.opt.age
             self.proven = True
@@ -296,8 +295,8 @@ class SharedState:
         if snap.meta.get("config") != self.peer.config.hash:
             self._refuse(want, donors, "it belongs to another run config")
             return False
-        state = snap.to_state_dict()
-        why = await offload.run_sync(self._unusable, state)
+        state, by_creator = snap.to_state_dict(), self.creator in set(map(str, peer_ids.values()))
+        why = await offload.run_sync(self._unusable, state, not by_creator)
         if why is not None:
             self._refuse(want, donors, why)
             return False
@@ -312,10 +311,12 @@ class SharedState:
         )
         return True
 
-    def _unusable(self, state: Mapping[str, torch.Tensor]) -> str | None:
-        """Why a downloaded state must not be loaded (worker thread), or None."""
+    def _unusable(self, state: Mapping[str, torch.Tensor], judge: bool) -> str | None:
+        """Why a downloaded state must not be loaded (worker thread), or None. No loss check
+        (``judge``) of the creator's state: its signed advert is as trusted as its config,
+        and its honest line can be far worse on this peer's batches (docs: Trust model)."""
         why = nonfinite(state)
-        if why is None and self.judge is not None:
+        if why is None and judge and self.judge is not None:
             why = worse_than_ours(*self.judge(state))
         return why
 
