@@ -90,11 +90,22 @@ def test_diloco_on_two_ranks_equals_one_process_on_the_combined_batch(
             # with both ranks' batches would send.
             pg, ref_pg = opt.pseudo_gradient(), ref.pseudo_gradient()
             assert opt.weight() == ref.weight() == 2 * CONFIG.batch_size * CONFIG.inner_steps
-            torch.testing.assert_close(pg, ref_pg, rtol=1e-4, atol=1e-6)
             assert float(pg.norm()) > 0
+            assert_same_vector(pg, ref_pg)
             opt.apply_outer(pg, None)
             ref.apply_outer(ref_pg, None)
-    torch.testing.assert_close(opt.flat_params(), ref.flat_params(), rtol=1e-4, atol=1e-6)
+    assert_same_vector(opt.flat_params(), ref.flat_params())
+
+
+def assert_same_vector(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to float rounding, as vectors rather than element by element: two ranks and
+    one process sum the batch's gradients in different orders, and AdamW divides each element
+    by its own gradient scale, so an element whose gradient nearly cancels carries that
+    rounding up to 1e-3 of its value (one of 21,600 on an AVX-512 machine, none on the AVX2
+    ones before). Relative to the whole vector they differ by ~1e-6; with rank 1 training
+    rank 0's batch instead of its own, by 0.6."""
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-4, err
 
 
 def test_demo_ranks_average_gradients_and_take_rank_0s_step(
