@@ -13,6 +13,7 @@ import pytest
 import torch
 import trio
 
+import swarmd
 from swarmd.node.peer.service import GET_TENSOR, PING, PUT_TENSOR, digest
 from swarmd.protocol import rpc
 from swarmd.protocol import swarmd_pb2 as pb
@@ -391,7 +392,7 @@ def test_metrics_endpoint_counts_rpcs_without_peer_ids(peer: Proc) -> None:
     run(main)
     url = f"http://127.0.0.1:{peer.info['metrics_port']}/metrics"
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    assert 'swarmd_build_info{version="0.1.0"} 1.0' in text
+    assert f'swarmd_build_info{{version="{swarmd.__version__}"}} 1.0' in text
     assert 'swarmd_rpc_requests_total{code="OK",method="/swarmd.v1.Peer/Ping"} 3.0' in text
     assert (
         'swarmd_rpc_requests_total{code="NOT_FOUND",method="/swarmd.v1.Peer/GetTensor"} 1.0' in text
