@@ -45,6 +45,8 @@ _PAD = blake3(_EMPTY).digest()
 #: the tree 3-4x slower to build: it offset every 16 KB block from BLAKE3's 1 KB chunks (25 M
 #: fp32 values 60-75 ms a commitment against 19-20, every reducer every round).
 _LEAF_CONTEXT = "swarmd 2026-12-02 commitment leaf"
+#: Every leaf's hash starts from this state (copied, never updated itself).
+_LEAF_HEAD = blake3(derive_key_context=_LEAF_CONTEXT)
 #: zstd of the opening: the cheapest level still removes a sparse codec's zeros.
 _ZSTD = ZstdConfig(level=1)
 
@@ -166,10 +168,9 @@ def _leaves(c: Committed) -> list[bytes]:
     if c.scales is not None:
         per = 4 * (c.block // c.form.int8_block)  # the float32 scales of its int8 blocks
         spans.append((c.scales.numpy().data.cast("B"), per))
-    head = blake3(derive_key_context=_LEAF_CONTEXT)
     leaves = []
     for b in range(count):
-        h = head.copy()
+        h = _LEAF_HEAD.copy()
         for data, width in spans:
             h.update(data[b * width : (b + 1) * width])
         leaves.append(h.digest())
@@ -246,7 +247,7 @@ def _decode(piece: bytes, form: Form, n: int) -> torch.Tensor:
 
 
 def _leaf(*pieces: bytes | memoryview) -> bytes:
-    h = blake3(derive_key_context=_LEAF_CONTEXT)
+    h = _LEAF_HEAD.copy()
     for piece in pieces:
         h.update(piece)
     return h.digest()
